@@ -1,0 +1,180 @@
+"""The one communication layer: every strategy in shardwise talks through a ``Comm``.
+
+A ``Comm`` wraps one process group. Each call either goes to the backend's own collective
+("native", gloo on CPU, nccl on GPU) or to one of our explicit algorithms built on send/recv
+(ring, tree, recursive halving-doubling, naive through a root). The layer counts the bytes each
+rank sends and receives and the time it spends blocked, which is what the metrics and benchmarks
+report. For native calls the bytes are those of the ring algorithm the backends use for large
+messages (an estimate; the explicit algorithms count exactly).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class Done:
+    """A finished piece of work (the call was synchronous)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _Then:
+    """Backend work followed by a local step (averaging) once it completes."""
+
+    def __init__(self, work: dist.Work, after: Callable[[], None]) -> None:
+        self._work, self._after, self._done = work, after, False
+
+    def wait(self) -> bool:
+        if not self._done:
+            self._work.wait()
+            self._after()
+            self._done = True
+        return True
+
+
+@dataclass
+class CommStats:
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    blocked_s: float = 0.0  # time spent inside synchronous calls and waits
+
+    def snapshot(self) -> CommStats:
+        return CommStats(self.calls, self.bytes_sent, self.bytes_received, self.blocked_s)
+
+    def since(self, earlier: CommStats) -> CommStats:
+        return CommStats(
+            self.calls - earlier.calls,
+            self.bytes_sent - earlier.bytes_sent,
+            self.bytes_received - earlier.bytes_received,
+            self.blocked_s - earlier.blocked_s,
+        )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Comm:
+    """Collectives over one process group, with byte and time accounting.
+
+    ``algorithm`` is the default for calls that do not name one: ``native`` or one of the explicit
+    algorithms in :mod:`shardwise.collectives`.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, algorithm: str = "native") -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.algorithm = algorithm
+        self.stats = CommStats()
+
+    # -- accounting -------------------------------------------------------------------------------
+    def _count(self, sent: float, received: float) -> None:
+        self.stats.calls += 1
+        self.stats.bytes_sent += int(sent)
+        self.stats.bytes_received += int(received)
+
+    def _finish(self, work: dist.Work | None, async_op: bool, after: Callable[[], None] | None) -> Work:
+        if work is None:
+            return Done()
+        result: Work = _Then(work, after) if after else work
+        if async_op:
+            return _Timed(result, self.stats)
+        start = time.perf_counter()
+        result.wait()
+        self.stats.blocked_s += time.perf_counter() - start
+        return Done()
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    # -- collectives --------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work:
+        """Reduce ``tensor`` in place over the group."""
+        n, size = self.world_size, _nbytes(tensor)
+        self._count(2 * (n - 1) / n * size, 2 * (n - 1) / n * size)
+        if n == 1:
+            return Done()
+        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
+        after = (lambda: tensor.div_(n)) if op == "avg" else None
+        return self._finish(work, async_op, after)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work:
+        """Send ``tensor`` from group rank ``src`` to every rank."""
+        size = _nbytes(tensor)
+        self._count(size if self.rank == src else 0, 0 if self.rank == src else size)
+        if self.world_size == 1:
+            return Done()
+        work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
+        return self._finish(work, async_op, None)
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Work:
+        """Concatenate every rank's ``shard`` (equal sizes) into ``output`` along dim 0."""
+        n, size = self.world_size, _nbytes(shard)
+        self._count((n - 1) * size, (n - 1) * size)
+        if n == 1:
+            output.copy_(shard.reshape(output.shape))
+            return Done()
+        work = dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True)
+        return self._finish(work, async_op, None)
+
+    def reduce_scatter(
+        self, shard: torch.Tensor, full: torch.Tensor, op: str = "sum", async_op: bool = False
+    ) -> Work:
+        """Reduce ``full`` over the group and leave this rank's equal slice of it in ``shard``."""
+        n, size = self.world_size, _nbytes(shard)
+        self._count((n - 1) * size, (n - 1) * size)
+        if n == 1:
+            shard.copy_(full.reshape(shard.shape))
+            return Done()
+        work = dist.reduce_scatter_tensor(shard, full, op=_OPS[op], group=self.group, async_op=True)
+        after = (lambda: shard.div_(n)) if op == "avg" else None
+        return self._finish(work, async_op, after)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._count(_nbytes(tensor), 0)
+        self._finish(dist.isend(tensor, self.global_rank(dst), group=self.group), False, None)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self._count(0, _nbytes(tensor))
+        self._finish(dist.irecv(tensor, self.global_rank(src), group=self.group), False, None)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            start = time.perf_counter()
+            dist.barrier(group=self.group)
+            self.stats.blocked_s += time.perf_counter() - start
+
+
+class _Timed:
+    """Charge the time spent waiting on asynchronous work to the layer's blocked time."""
+
+    def __init__(self, work: Work, stats: CommStats) -> None:
+        self._work, self._stats = work, stats
+
+    def wait(self) -> object:
+        start = time.perf_counter()
+        try:
+            return self._work.wait()
+        finally:
+            self._stats.blocked_s += time.perf_counter() - start

@@ -1,0 +1,273 @@
+"""Frozen configuration dataclasses, read from TOML and overridden by dotted keys.
+
+A run is described by one ``TrainConfig`` that nests one config per concern. ``load_config`` reads a
+TOML file whose tables mirror the nesting (``[model]``, ``[data]``, ``[ddp]`` ...) and then applies
+overrides such as ``{"data.global_batch": "32"}`` coming from CLI flags. Every check raises
+``ConfigError`` with the arithmetic spelled out, so the CLI can print it as one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+STRATEGIES = ("ddp", "ps", "single_process", "zero1", "zero2", "zero3")
+ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "naive", "auto")
+
+
+class ConfigError(ValueError):
+    """A configuration that does not add up; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "gpt"  # gpt | mlp
+    preset: str = "small"  # see shardwise.models.PRESETS
+    seq_len: int = 64
+    dropout: float = 0.0
+    tie_weights: bool = True
+    freeze: tuple[str, ...] = ()  # parameter-name prefixes that stay frozen
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = -1  # -1: whatever the world leaves after pp and tp
+    pp: int = 1
+    tp: int = 1
+
+    def resolve(self, world_size: int) -> ParallelConfig:
+        """Fill in dp and check that the degrees multiply to the world size."""
+        for name in ("pp", "tp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        dp = self.dp
+        if dp == -1:
+            if world_size % (self.pp * self.tp):
+                raise ConfigError(
+                    f"pp({self.pp}) x tp({self.tp}) = {self.pp * self.tp} does not divide the world "
+                    f"of {world_size} ranks"
+                )
+            dp = world_size // (self.pp * self.tp)
+        total = dp * self.pp * self.tp
+        if total != world_size:
+            raise ConfigError(
+                f"dp({dp}) x pp({self.pp}) x tp({self.tp}) = {total}, but the world has {world_size} ranks"
+            )
+        return replace(self, dp=dp)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    global_batch: int = 16  # sequences per optimizer step, summed over all data-parallel ranks
+    micro_batches: int = 1  # gradient accumulation: each rank's share is split this many ways
+    weights: tuple[float, ...] = ()  # per-rank share of the global batch; empty = equal
+    corpus_bytes: int = 4_000_000
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "adamw"  # adamw | adam | sgd
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    momentum: float = 0.9  # sgd only
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    algorithm: str = "native"  # one of ALGORITHMS
+    profile: str = ""  # path of a calibrated cost-model profile for "auto"
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    offload: str = "none"  # none | cpu | disk
+    offload_dir: str = ""
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    bucket_mb: float = 25.0
+    prefetch: bool = True
+    unit: str = "blocks"  # module holding the stage-3 units: each child is all-gathered as one
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    servers: int = 1
+    mode: str = "sync"  # sync | async
+    max_staleness: int = 4
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # empty: <run_dir>/checkpoints
+    every: int = 0  # steps between checkpoints; 0 = only at the end when dir is set
+    keep: int = 3
+    async_save: bool = False
+    resume: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    strategy: str = "ddp"
+    steps: int = 40
+    seed: int = 0
+    dtype: str = "float32"  # float32 | float64
+    eval_every: int = 10
+    eval_batches: int = 4
+    log_every: int = 1
+    run_dir: str = "runs/latest"
+    timeout_s: float = 300.0
+    max_restarts: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self, world_size: int) -> TrainConfig:
+        """Check the config against a world of ``world_size`` ranks; return it with dp resolved."""
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_choice("comm.algorithm", self.comm.algorithm, ALGORITHMS)
+        _check_choice("dtype", self.dtype, ("float32", "float64"))
+        _check_choice("model.kind", self.model.kind, ("gpt", "mlp"))
+        _check_choice("optim.name", self.optim.name, ("adamw", "adam", "sgd"))
+        _check_choice("zero.offload", self.zero.offload, ("none", "cpu", "disk"))
+        _check_choice("zero.precision", self.zero.precision, ("fp32", "bf16", "fp16"))
+        _check_choice("ps.mode", self.ps.mode, ("sync", "async"))
+        if self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if world_size < 1:
+            raise ConfigError(f"the world needs at least one rank, got {world_size}")
+        parallel = self.parallel.resolve(self.data_parallel_world(world_size))
+        self._check_batch(parallel.dp)
+        return replace(self, parallel=parallel)
+
+    def data_parallel_world(self, world_size: int) -> int:
+        """Ranks that train on data: the parameter server's servers take no batch."""
+        if self.strategy != "ps":
+            return world_size
+        workers = world_size - self.ps.servers
+        if self.ps.servers < 1 or workers < 1:
+            raise ConfigError(
+                f"the parameter server needs at least one server and one worker: {world_size} ranks - "
+                f"{self.ps.servers} servers = {workers} workers"
+            )
+        return workers
+
+    def _check_batch(self, dp: int) -> None:
+        data = self.data
+        if data.weights and len(data.weights) != dp:
+            raise ConfigError(
+                f"data.weights has {len(data.weights)} entries but there are {dp} data-parallel ranks"
+            )
+        if data.weights and (min(data.weights) < 0 or sum(data.weights) <= 0):
+            raise ConfigError(f"data.weights must be >= 0 with a positive sum, got {list(data.weights)}")
+        if data.micro_batches < 1:
+            raise ConfigError(f"data.micro_batches must be >= 1, got {data.micro_batches}")
+        if data.global_batch < dp and not data.weights:
+            raise ConfigError(
+                f"data.global_batch({data.global_batch}) is smaller than the {dp} data-parallel ranks: "
+                f"every rank needs at least one sequence"
+            )
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+    """Read a TOML file (optional) and apply dotted-key overrides on top of the defaults."""
+    config = TrainConfig()
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        config = _merge(config, table, prefix="")
+    for key, value in (overrides or {}).items():
+        config = set_key(config, key, value)
+    return config
+
+
+def set_key(config: Any, dotted: str, value: Any) -> Any:
+    """Return a copy of ``config`` with the field at ``dotted`` (e.g. ``"ddp.bucket_mb"``) replaced."""
+    head, _, rest = dotted.partition(".")
+    names = {f.name: f for f in fields(config)}
+    if head not in names:
+        raise ConfigError(f"unknown config key {dotted!r}; known here: {', '.join(sorted(names))}")
+    current = getattr(config, head)
+    if rest:
+        if not dataclasses.is_dataclass(current):
+            raise ConfigError(f"{head!r} has no sub-keys (got {dotted!r})")
+        return replace(config, **{head: set_key(current, rest, value)})
+    hint = typing.get_type_hints(type(config))[head]
+    return replace(config, **{head: _coerce(dotted, value, hint)})
+
+
+def _merge(config: Any, table: Mapping[str, Any], prefix: str) -> Any:
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            sub = getattr(config, key, None)
+            if not dataclasses.is_dataclass(sub):
+                raise ConfigError(f"unknown config table [{prefix}{key}]")
+            config = replace(config, **{key: _merge(sub, value, prefix=f"{prefix}{key}.")})
+        else:
+            config = set_key(config, key, value)
+    return config
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Turn a TOML value or a CLI string into the field's type, or say why not."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        origin = typing.get_origin(hint)
+    try:
+        if origin is tuple:
+            (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v.strip()]
+            return tuple(_coerce(name, v, item) for v in value)
+        if hint is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("1", "true", "yes")
+            return bool(value)
+        if hint is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return hint(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} expects {getattr(hint, '__name__', hint)}, got {value!r}") from None
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A plain, JSON-ready dict of a config (tuples become lists)."""
+    return dataclasses.asdict(config)
