@@ -63,7 +63,9 @@ def load_corpus(max_bytes: int = 4_000_000) -> Corpus:
         total += len(chunk)
     data = b"".join(chunks)
     if len(data) < MIN_BYTES:
-        raise ConfigError(f"found only {len(data)} bytes of stdlib source under {sysconfig.get_paths()['stdlib']}")
+        raise ConfigError(
+            f"found only {len(data)} bytes of stdlib source under {sysconfig.get_paths()['stdlib']}"
+        )
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     n_val = int(len(data) * VAL_FRACTION)
     return Corpus(

@@ -130,7 +130,7 @@ class DataSampler:
             raise ConfigError(f"micro-batches must be >= 1, got {n}")
         inputs, targets = self.local_batch(step)
         sizes = [s for s in _split_sizes(self.local_count, n) if s > 0]
-        return list(zip(inputs.split(sizes), targets.split(sizes)))
+        return list(zip(inputs.split(sizes), targets.split(sizes), strict=True))
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe position in the stream; the world size and counts may change on resume."""

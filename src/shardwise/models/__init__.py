@@ -47,9 +47,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Modu
     if presets is None:
         raise ConfigError(f"model.kind must be one of {', '.join(PRESETS)}; got {cfg.kind!r}")
     if cfg.preset not in presets:
-        raise ConfigError(
-            f"unknown {cfg.kind} preset {cfg.preset!r}; known presets: {', '.join(presets)}"
-        )
+        raise ConfigError(f"unknown {cfg.kind} preset {cfg.preset!r}; known presets: {', '.join(presets)}")
     sizes = presets[cfg.preset]
     model: nn.Module
     if cfg.kind == "gpt":

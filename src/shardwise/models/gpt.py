@@ -132,9 +132,11 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: (batch, seq) token ids -> logits (batch, seq, vocab)."""
-        batch, seq = idx.shape
+        seq = idx.shape[1]
         if seq > self.config.seq_len:
-            raise ValueError(f"sequence of {seq} tokens is longer than the model's seq_len {self.config.seq_len}")
+            raise ValueError(
+                f"sequence of {seq} tokens is longer than the model's seq_len {self.config.seq_len}"
+            )
         positions = torch.arange(seq, device=idx.device)  # (seq,)
         x = self.drop(self.wte(idx) + self.wpe(positions))  # (batch, seq, d_model)
         for block in self.blocks:
