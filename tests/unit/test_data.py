@@ -36,6 +36,12 @@ def test_corpus_is_deterministic_and_split_90_10() -> None:
     assert bytes(corpus.train[: len(first)].tolist()) == first
 
 
+def test_default_corpus_size() -> None:
+    corpus = load_corpus()
+    assert (len(corpus.train), len(corpus.val)) == (3_600_000, 400_000)
+    assert corpus.n_files > 10 and len(corpus.digest) == 64
+
+
 def test_corpus_rejects_tiny_sizes() -> None:
     with pytest.raises(ConfigError, match=">= 1024"):
         load_corpus(10)

@@ -155,7 +155,7 @@ def test_mlp_batch_norm_has_buffers_others_do_not() -> None:
     assert list(plain.buffers()) == []
     bn = build_model(ModelConfig(kind="mlp", preset="small_bn", seq_len=16), dtype=torch.float64)
     names = {n for n, _ in bn.named_buffers()}
-    assert "layers.0.norm.running_mean" in names
-    before = bn.layers[0].norm.running_mean.clone()
+    assert "blocks.0.norm.running_mean" in names
+    before = bn.blocks[0].norm.running_mean.clone()
     bn(torch.randint(0, 256, (4, 16)))
-    assert not torch.equal(before, bn.layers[0].norm.running_mean)
+    assert not torch.equal(before, bn.blocks[0].norm.running_mean)

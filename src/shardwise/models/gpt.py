@@ -48,20 +48,21 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.head_dim = config.d_model // config.n_head
         self.dropout = config.dropout
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # queries, keys, values in one matmul
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, d_model = x.shape
-        q, k, v = self.qkv(x).split(d_model, dim=2)  # 3 x (batch, seq, d_model)
-        # (batch, seq, d_model) -> (batch, n_head, seq, head_dim)
-        q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # 3 x (batch, seq, d_model)
+        # (batch, seq, d_model) -> (batch, n_head, seq, head_dim). Heads are counted from the width,
+        # so the same code runs when tensor parallelism leaves a rank only some of the heads.
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, seq, d_model)  # heads side by side again
+        y = y.transpose(1, 2).reshape(batch, seq, -1)  # (batch, seq, d_model): heads side by side
         return self.resid_dropout(self.proj(y))
 
 

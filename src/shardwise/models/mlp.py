@@ -62,7 +62,7 @@ class MLP(nn.Module):
         for _ in range(config.n_layer):
             layers.append(HiddenLayer(d_in, config.d_hidden, config))
             d_in = config.d_hidden
-        self.layers = nn.ModuleList(layers)
+        self.blocks = nn.ModuleList(layers)  # named like the GPT's, for ZeRO-3 units
         self.head = nn.Linear(d_in, config.vocab_size)
         self.reset_parameters()
 
@@ -85,6 +85,6 @@ class MLP(nn.Module):
             )
         window = idx[:, seq - self.config.context :]  # (batch, context)
         x = self.embed(window).reshape(batch, -1)  # (batch, context * d_embed)
-        for layer in self.layers:
+        for layer in self.blocks:
             x = layer(x)  # (batch, d_hidden)
         return self.head(x).unsqueeze(1)  # (batch, 1, vocab)
