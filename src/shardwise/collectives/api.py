@@ -135,7 +135,7 @@ class Comm:
         if n == 1:
             output.copy_(shard.reshape(output.shape))
             return Done()
-        work = dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True)
+        work = dist.all_gather_single(output, shard, group=self.group, async_op=True)
         return self._finish(work, async_op, None)
 
     def reduce_scatter(
@@ -147,7 +147,7 @@ class Comm:
         if n == 1:
             shard.copy_(full.reshape(shard.shape))
             return Done()
-        work = dist.reduce_scatter_tensor(shard, full, op=_OPS[op], group=self.group, async_op=True)
+        work = dist.reduce_scatter_single(shard, full, op=_OPS[op], group=self.group, async_op=True)
         after = (lambda: shard.div_(n)) if op == "avg" else None
         return self._finish(work, async_op, after)
 
