@@ -54,7 +54,9 @@ def add_train_flags(parser: argparse.ArgumentParser, defaults: dict[str, str] | 
     for flag, (key, kwargs) in TRAIN_FLAGS.items():
         default = (defaults or {}).get(key)
         extra = f" (default here: {default})" if default is not None else ""
-        parser.add_argument(flag, dest=key, default=None, **{**kwargs, "help": kwargs.get("help", key) + extra})
+        parser.add_argument(
+            flag, dest=key, default=None, **{**kwargs, "help": kwargs.get("help", key) + extra}
+        )
     parser.add_argument(
         "--find-unused-parameters", dest="ddp.find_unused_parameters", action="store_const", const="true"
     )

@@ -22,7 +22,7 @@ TOLERANCE = 1e-10
 VERIFY_DEFAULTS = {
     "dtype": "float64",
     "steps": "5",
-    "model.preset": "tiny",
+    "model.preset": "odd",  # parameter sizes that divide no world size
     "model.freeze": "wpe",  # a frozen parameter must stay equal and untouched
     "data.global_batch": "12",
     "eval_every": "0",
@@ -30,27 +30,39 @@ VERIFY_DEFAULTS = {
 }
 
 
-def verify_worker(config: TrainConfig) -> dict[str, Any] | None:
-    """Train ``config.steps`` steps with the strategy; rank 0 returns losses, grads and parameters."""
+def collect_run(config: TrainConfig) -> dict[str, Any] | None:
+    """On an initialised group: train ``config.steps`` steps; rank 0 returns losses, grads, params.
+
+    The gradients are those of the first step, taken after communication and before the update.
+    """
     import torch.distributed as dist
 
     from shardwise.train.loop import Trainer
 
-    init_distributed(config.timeout_s)
+    trainer = Trainer.build(config)
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep_first(step: int) -> None:
+        if step == 0:
+            grads.update(trainer.engine.full_gradients())
+
     try:
-        trainer = Trainer.build(config)
-        grads: dict[str, torch.Tensor] = {}
-
-        def keep_first(step: int) -> None:
-            if step == 0:
-                grads.update(trainer.engine.full_gradients())
-
         losses = [trainer.step(step, after_backward=keep_first).loss for step in range(config.steps)]
         params = trainer.engine.full_parameters()
+    finally:
         trainer.engine.close()
-        if dist.get_rank() != 0:
-            return None
-        return {"losses": losses, "grads": grads, "params": params}
+    if dist.get_rank() != 0:
+        return None
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def verify_worker(config: TrainConfig) -> dict[str, Any] | None:
+    """What every rank runs under the launcher."""
+    import torch.distributed as dist
+
+    init_distributed(config.timeout_s)
+    try:
+        return collect_run(config)
     finally:
         dist.destroy_process_group()
 
@@ -70,7 +82,12 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
     optimizer = build_optimizer(trainable, config.optim)
     corpus = load_corpus(config.data.corpus_bytes)
     sampler = DataSampler(
-        corpus.train, config.model.seq_len, config.data.global_batch, config.seed, [config.data.global_batch], 0
+        corpus.train,
+        config.model.seq_len,
+        config.data.global_batch,
+        config.seed,
+        [config.data.global_batch],
+        0,
     )
     tokens = predicted_tokens(config.model.kind, config.data.global_batch, config.model.seq_len)
     losses, grads = [], {}
@@ -86,13 +103,13 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
             }
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params}
 
 
 def compare_runs(reference: dict[str, Any], candidate: dict[str, Any], tolerance: float) -> dict[str, Any]:
-    losses = [abs(a - b) for a, b in zip(reference["losses"], candidate["losses"])]
+    losses = [abs(a - b) for a, b in zip(reference["losses"], candidate["losses"], strict=True)]
     grad = compare_tensors(reference["grads"], candidate["grads"])
     param = compare_tensors(reference["params"], candidate["params"])
     max_loss = max(losses)
@@ -114,7 +131,13 @@ def run_verify(config: TrainConfig, nproc: int) -> dict[str, Any]:
     results = launch_local(verify_worker, (config,), nproc)
     candidate = next(r for r in results.values() if r is not None)
     report = compare_runs(reference_run(config), candidate, TOLERANCE)
-    return {"strategy": config.strategy, "nproc": nproc, "steps": config.steps, "dtype": config.dtype, **report}
+    return {
+        "strategy": config.strategy,
+        "nproc": nproc,
+        "steps": config.steps,
+        "dtype": config.dtype,
+        **report,
+    }
 
 
 def verify_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
@@ -132,8 +155,8 @@ def verify_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
 def _render(report: dict[str, Any]) -> None:
     verdict = "OK" if report["ok"] else "FAILED"
     print(
-        f"{verdict}: {report['strategy']} on {report['nproc']} ranks vs one process, {report['steps']} steps in "
-        f"{report['dtype']}\n  max loss diff  {report['max_loss_diff']:.3e}\n"
+        f"{verdict}: {report['strategy']} on {report['nproc']} ranks vs one process, "
+        f"{report['steps']} steps in {report['dtype']}\n  max loss diff  {report['max_loss_diff']:.3e}\n"
         f"  max grad diff  {report['max_grad_diff']:.3e} ({report['worst_grad']})\n"
         f"  max param diff {report['max_param_diff']:.3e} ({report['worst_param']})\n"
         f"  tolerance      {report['tolerance']:.0e}"

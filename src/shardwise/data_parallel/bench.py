@@ -49,7 +49,10 @@ def bench_worker(impl: str, config: TrainConfig) -> dict[str, Any]:
         mine = torch.tensor([statistics.median(times[WARMUP_STEPS:]), peak_rss_mb()], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
-        return {"step_s": max(float(t[0]) for t in everyone), "peak_rss_mb": max(float(t[1]) for t in everyone)}
+        return {
+            "step_s": max(float(t[0]) for t in everyone),
+            "peak_rss_mb": max(float(t[1]) for t in everyone),
+        }
     finally:
         dist.destroy_process_group()
 
@@ -109,7 +112,11 @@ def _torch_ddp(config: TrainConfig) -> Any:
 
 
 def run_ddp_bench(
-    nproc: int = 2, steps: int = 20, rounds: int = 3, preset: str = "small", global_batch: int = 16,
+    nproc: int = 2,
+    steps: int = 20,
+    rounds: int = 3,
+    preset: str = "small",
+    global_batch: int = 16,
     bucket_mb: float = 25.0,
 ) -> dict[str, Any]:
     config = _bench_config(preset, global_batch, bucket_mb, steps)
@@ -120,8 +127,14 @@ def run_ddp_bench(
         for impl in order:
             runs[impl].append(launch_local(bench_worker, (impl, config), nproc)[0])
     tokens = global_batch * config.model.seq_len
-    result: dict[str, Any] = {"nproc": nproc, "preset": preset, "global_batch": global_batch,
-                              "bucket_mb": bucket_mb, "steps": steps, "rounds": rounds}
+    result: dict[str, Any] = {
+        "nproc": nproc,
+        "preset": preset,
+        "global_batch": global_batch,
+        "bucket_mb": bucket_mb,
+        "steps": steps,
+        "rounds": rounds,
+    }
     for impl, rows in runs.items():
         step_s = statistics.median(row["step_s"] for row in rows)
         result[impl] = {
@@ -136,9 +149,13 @@ def run_ddp_bench(
 
 
 def render(result: dict[str, Any]) -> None:
-    print(f"all-reduce DP on {result['nproc']} ranks, preset {result['preset']}, batch {result['global_batch']}")
+    print(
+        f"all-reduce DP on {result['nproc']} ranks, preset {result['preset']}, batch {result['global_batch']}"
+    )
     for impl in ("shardwise", "torch"):
         row = result[impl]
-        print(f"  {impl:9s} {row['tokens_per_s']:>10,.0f} tokens/s  {row['step_s'] * 1e3:8.1f} ms/step  "
-              f"peak RSS {row['peak_rss_mb']:.0f} MB")
+        print(
+            f"  {impl:9s} {row['tokens_per_s']:>10,.0f} tokens/s  {row['step_s'] * 1e3:8.1f} ms/step  "
+            f"peak RSS {row['peak_rss_mb']:.0f} MB"
+        )
     print(f"  speed ratio {result['speed_ratio']:.3f}   memory ratio {result['memory_ratio']:.3f}")

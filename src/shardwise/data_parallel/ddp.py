@@ -89,9 +89,7 @@ class DDPEngine(Engine):
         self.params = [p for _, p in named if p.requires_grad]
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
         broadcast_coalesced(comm, [p.data for _, p in named] + list(model.buffers()))
-        groups = plan_buckets(
-            self.params, int(config.bucket_mb * 2**20), int(config.first_bucket_mb * 2**20)
-        )
+        groups = plan_buckets(self.params, int(config.bucket_mb * 2**20), int(config.first_bucket_mb * 2**20))
         self.buckets = [self._make_bucket(g) for g in groups]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
@@ -112,7 +110,7 @@ class DDPEngine(Engine):
     def _attach_grads(self) -> None:
         """Point every parameter's ``.grad`` at its slot in its bucket (re-done if a user cleared it)."""
         for bucket in self.buckets:
-            for p, offset in zip(bucket.params, bucket.offsets):
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 view = bucket.buffer[offset : offset + p.numel()].view_as(p)
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     if p.grad is not None:
@@ -161,7 +159,7 @@ class DDPEngine(Engine):
             self._next += 1
 
     def finish_grads(self) -> None:
-        unused = [p for b in self.buckets for p in b.params if id(p) not in b.ready]
+        unused = [p for p in self.params if id(p) not in self._bucket_of[id(p)].ready]
         had_backward = len(unused) < len(self.params)
         if unused and had_backward and not self.config.find_unused_parameters:
             names = ", ".join(self._names[id(p)] for p in unused[:4])
@@ -183,7 +181,7 @@ class DDPEngine(Engine):
             [float(id(p) in self._bucket_of[id(p)].ready) for p in self.params], dtype=torch.float32
         )
         self.comm.all_reduce(used, "max")
-        for p, flag in zip(self.params, used.tolist()):
+        for p, flag in zip(self.params, used.tolist(), strict=True):
             if not flag:
                 p.grad = None
 

@@ -23,6 +23,8 @@ __all__ = ["GPT", "MLP", "PRESETS", "GPTConfig", "MLPConfig", "build_model", "co
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "gpt": {
         "tiny": {"n_layer": 2, "n_head": 2, "d_model": 64},
+        # odd sizes everywhere: sharding must pad and slice across parameter boundaries
+        "odd": {"n_layer": 2, "n_head": 3, "d_model": 27, "d_ff": 50},
         "small": {"n_layer": 5, "n_head": 4, "d_model": 128},
         "base": {"n_layer": 6, "n_head": 6, "d_model": 384},
         "medium": {"n_layer": 8, "n_head": 8, "d_model": 512},
@@ -30,6 +32,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "mlp": {
         "tiny": {"context": 8, "d_embed": 16, "d_hidden": 64, "n_layer": 1},
+        "odd": {"context": 8, "d_embed": 7, "d_hidden": 45, "n_layer": 2},
         "small": {"context": 16, "d_embed": 32, "d_hidden": 256, "n_layer": 2},
         "small_bn": {"context": 16, "d_embed": 32, "d_hidden": 256, "n_layer": 2, "batch_norm": True},
         "base": {"context": 32, "d_embed": 64, "d_hidden": 1024, "n_layer": 3},

@@ -87,4 +87,5 @@ class Engine(ABC):
         """Every trainable parameter's global gradient, by name, between ``finish_grads`` and the step."""
 
     def close(self) -> None:
-        """Release hooks, threads and files."""
+        """Release hooks, threads and files (nothing to release by default)."""
+        return None

@@ -113,7 +113,10 @@ class Trainer:
         """Mean held-out loss per token over the fixed evaluation batches (every rank the same)."""
         corpus = load_corpus(self.config.data.corpus_bytes)
         batches = eval_batches(
-            corpus.val, self.config.model.seq_len, max(1, self.config.data.global_batch), self.config.eval_batches
+            corpus.val,
+            self.config.model.seq_len,
+            max(1, self.config.data.global_batch),
+            self.config.eval_batches,
         )
         model = self.engine.model
         was_training = model.training
