@@ -91,14 +91,24 @@ class PieceRecord:
     sha256: tuple[str, ...]  # one digest per chunk_bytes of the piece's bytes
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "key": self.key, "start": self.start, "stop": self.stop,
-                "sha256": list(self.sha256)}  # fmt: skip
+        return {
+            "file": self.file,
+            "key": self.key,
+            "start": self.start,
+            "stop": self.stop,
+            "sha256": list(self.sha256),
+        }
 
     @staticmethod
     def from_json(data: Mapping[str, Any], where: str) -> PieceRecord:
         _require(data, ("file", "key", "start", "stop", "sha256"), where)
-        return PieceRecord(str(data["file"]), str(data["key"]), int(data["start"]), int(data["stop"]),
-                           tuple(str(d) for d in data["sha256"]))  # fmt: skip
+        return PieceRecord(
+            str(data["file"]),
+            str(data["key"]),
+            int(data["start"]),
+            int(data["stop"]),
+            tuple(str(d) for d in data["sha256"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -112,8 +122,11 @@ class TensorRecord:
         return numel_of(self.global_shape)
 
     def to_json(self) -> dict[str, Any]:
-        return {"global_shape": list(self.global_shape), "dtype": self.dtype,
-                "pieces": [p.to_json() for p in self.pieces]}  # fmt: skip
+        return {
+            "global_shape": list(self.global_shape),
+            "dtype": self.dtype,
+            "pieces": [p.to_json() for p in self.pieces],
+        }
 
     @staticmethod
     def from_json(data: Mapping[str, Any], where: str) -> TensorRecord:

@@ -94,8 +94,14 @@ class SaveReport:
         return self.bytes / self.write_s / 1e6 if self.write_s > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "path": self.path, "bytes": self.bytes, "blocked_s": self.blocked_s,
-                "write_s": self.write_s, "throughput_mb_s": self.throughput_mb_s}  # fmt: skip
+        return {
+            "step": self.step,
+            "path": self.path,
+            "bytes": self.bytes,
+            "blocked_s": self.blocked_s,
+            "write_s": self.write_s,
+            "throughput_mb_s": self.throughput_mb_s,
+        }
 
 
 @dataclass
@@ -148,8 +154,14 @@ class CheckpointWriter:
         tmp_dir = os.path.join(self.root, tmp_dir_name(step, self._agree_token()))
         os.makedirs(tmp_dir, exist_ok=True)
         items = _snapshot(pieces, clone=self.async_save)
-        header = {"step": step, "strategy": strategy, "world_size": self.world_size,
-                  "mesh": dict(mesh or {}), "config": dict(config or {}), "meta": dict(meta or {})}  # fmt: skip
+        header = {
+            "step": step,
+            "strategy": strategy,
+            "world_size": self.world_size,
+            "mesh": dict(mesh or {}),
+            "config": dict(config or {}),
+            "meta": dict(meta or {}),
+        }
         report = SaveReport(step=step, path=tmp_dir)
         job = _Job(report, tmp_dir, items, header, dict(rank_meta or {}))
         if self.async_save:
@@ -227,7 +239,7 @@ class CheckpointWriter:
                     "start": p.start,
                     "stop": p.stop,
                     "sha256": list(digests[k]),
-                }  # fmt: skip
+                }
                 for k, p in keyed
             ],
         }
@@ -252,8 +264,16 @@ class CheckpointWriter:
         return publish(self.root, job.tmp_dir, manifest.step, self.keep)
 
 
-def save(root: str, step: int, pieces: Iterable[Piece], comm: Comm | None = None, *, keep: int = 3,
-         chunk_bytes: int = DEFAULT_CHUNK_BYTES, **kwargs: Any) -> SaveReport:  # fmt: skip
+def save(
+    root: str,
+    step: int,
+    pieces: Iterable[Piece],
+    comm: Comm | None = None,
+    *,
+    keep: int = 3,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    **kwargs: Any,
+) -> SaveReport:
     """One synchronous save (every rank calls it); see :meth:`CheckpointWriter.save` for ``kwargs``."""
     return CheckpointWriter(root, comm, keep=keep, chunk_bytes=chunk_bytes).save(step, pieces, **kwargs)
 
@@ -310,5 +330,11 @@ def pieces_from_state(state: Mapping[str, torch.Tensor], prefix: str = "") -> li
     return [Piece.full(prefix + name, t) for name, t in state.items()]
 
 
-__all__: Sequence[str] = ["CheckpointWriter", "Piece", "SaveReport", "pieces_from_state", "save",
-                          "spread_replicated"]  # fmt: skip
+__all__: Sequence[str] = [
+    "CheckpointWriter",
+    "Piece",
+    "SaveReport",
+    "pieces_from_state",
+    "save",
+    "spread_replicated",
+]

@@ -84,8 +84,16 @@ def load(
         with _open(step_dir, file) as f:
             for name, piece, lo, hi in reads:
                 rec = manifest.tensors[name]
-                data = _read_range(f, piece, lo - piece.start, hi - piece.start, rec.dtype,
-                                   manifest.chunk_bytes, verify, _label(step_dir, file))  # fmt: skip
+                data = _read_range(
+                    f,
+                    piece,
+                    lo - piece.start,
+                    hi - piece.start,
+                    rec.dtype,
+                    manifest.chunk_bytes,
+                    verify,
+                    _label(step_dir, file),
+                )
                 parts[name].append((lo, data))
     return {name: _assemble(manifest, name, wanted[name], parts[name], requests) for name in wanted}
 
@@ -161,12 +169,19 @@ def verify_checkpoint(step_dir: str, *, full: bool = False) -> Manifest:
     manifest = read_manifest(step_dir)
     check_files(step_dir, manifest)
     if full:
-        for name, rec in manifest.tensors.items():
+        for rec in manifest.tensors.values():
             for piece in rec.pieces:
                 with _open(step_dir, piece.file) as f:
-                    _read_range(f, piece, 0, piece.stop - piece.start, rec.dtype, manifest.chunk_bytes,
-                                True, _label(step_dir, piece.file))  # fmt: skip
-        del name
+                    _read_range(
+                        f,
+                        piece,
+                        0,
+                        piece.stop - piece.start,
+                        rec.dtype,
+                        manifest.chunk_bytes,
+                        True,
+                        _label(step_dir, piece.file),
+                    )
     return manifest
 
 

@@ -33,7 +33,7 @@ def capture_rng(rank: int) -> tuple[dict[str, Any], list[Piece]]:
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
-        },  # fmt: skip
+        },
     }
     pieces = [Piece.full(torch_rng_name(rank), torch.get_rng_state())]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -46,8 +46,15 @@ def restore_rng(state: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], r
     py = state["python"]
     random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
     npy = state["numpy"]
-    np.random.set_state((npy["kind"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached_gaussian"]))  # fmt: skip
+    np.random.set_state(
+        (
+            npy["kind"],
+            np.asarray(npy["keys"], dtype=np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(tensors[torch_rng_name(rank)].to(torch.uint8))
     cuda_name = torch_rng_name(rank, "cuda")
     if cuda_name in tensors and torch.cuda.is_available():
