@@ -1,4 +1,4 @@
-"""The checkpoint manifest: what a checkpoint folder holds, as plain JSON (no pickle anywhere).
+"""The checkpoint manifest: what a checkpoint folder holds, as plain JSON (never unpickled).
 
 A checkpoint is one folder ``step-<k>`` holding ``manifest.json`` and one safetensors file per writing
 rank. Every tensor is described by its global shape and dtype and by the pieces that hold it: a piece

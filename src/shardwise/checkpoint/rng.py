@@ -1,4 +1,4 @@
-"""Per-rank random number generator states, saved without pickle and restored exactly.
+"""Per-rank random number generator states, saved as JSON and tensors and restored exactly.
 
 Python's and NumPy's Mersenne Twister states go into the manifest as JSON (``rank_meta["rng"]``); the
 torch CPU generator state (a uint8 tensor) is a checkpoint tensor named ``rng/torch/rank<r>`` (and
