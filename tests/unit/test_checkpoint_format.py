@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -48,7 +49,9 @@ def _split_pieces(state: dict[str, torch.Tensor], cuts: int) -> list[Piece]:
         n = t.numel()
         bounds = sorted({0, n, *(n * k // cuts + (k % 2) for k in range(1, cuts))} & set(range(n + 1)))
         flat = t.reshape(-1)
-        pieces += [Piece(name, tuple(t.shape), a, b, flat[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+        pieces += [
+            Piece(name, tuple(t.shape), a, b, flat[a:b]) for a, b in itertools.pairwise(bounds) if b > a
+        ]
     return pieces
 
 

@@ -58,7 +58,5 @@ def assert_parity(
         worst = max(range(len(diffs)), key=diffs.__getitem__) if diffs else 0
         report = ParityReport(max(diffs, default=0.0), f"step {worst}")
     if not report.max_diff <= atol:
-        raise AssertionError(
-            f"{what} differ by {report.max_diff:.3e} at {report.where} (tolerance {atol:.1e})"
-        )
+        raise AssertionError(f"{what} differ by {report.max_diff:.3e} at {report.where} (tolerance {atol:.1e})")
     return report
