@@ -18,7 +18,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -328,13 +328,3 @@ def _final_path(root: str, step: int) -> str:
 def pieces_from_state(state: Mapping[str, torch.Tensor], prefix: str = "") -> list[Piece]:
     """Whole tensors as pieces (a replicated state, or one process)."""
     return [Piece.full(prefix + name, t) for name, t in state.items()]
-
-
-__all__: Sequence[str] = [
-    "CheckpointWriter",
-    "Piece",
-    "SaveReport",
-    "pieces_from_state",
-    "save",
-    "spread_replicated",
-]

@@ -4,7 +4,8 @@ The bytes are the standard safetensors layout (8-byte little-endian header lengt
 to 8 bytes, then the tensors back to back), so ``safetensors.safe_open`` and any other reader can open
 the file. We write it ourselves rather than through ``save_file`` to avoid building the whole file in
 memory: each tensor's bytes go from its storage to the file through a memoryview, and the sha256 of
-every ``chunk_bytes`` chunk is taken from the same view. Purely local; no communication.
+every ``chunk_bytes`` chunk is taken from the same view on a helper thread, overlapping the write.
+Purely local; no communication.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import struct
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -60,16 +62,17 @@ def write_shard_file(path: str, items: Sequence[tuple[str, torch.Tensor]], chunk
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    digests: dict[str, tuple[str, ...]] = {}
-    with open(path, "wb") as f:
+    views = [(key, _as_bytes(tensor)) for key, tensor in ordered]
+    # Hashing and writing both release the GIL: hash on a helper thread while this one writes.
+    with ThreadPoolExecutor(max_workers=1) as pool, open(path, "wb") as f:
+        pending = {key: pool.submit(chunk_digests, data, chunk_bytes) for key, data in views}
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
-        for key, tensor in ordered:
-            data = _as_bytes(tensor)
-            digests[key] = chunk_digests(data, chunk_bytes)
+        for _, data in views:
             f.write(data)
         f.flush()
         os.fsync(f.fileno())
+        digests = {key: job.result() for key, job in pending.items()}
     return WrittenFile(path, 8 + len(head) + offset, digests)
 
 
