@@ -224,13 +224,14 @@ def _require(data: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None
         raise ManifestError(f"{where}: missing {', '.join(missing)}")
 
 
-def write_json_atomic(path: str, data: Any) -> None:
-    """Write JSON to ``path`` through a temporary name, fsynced, then renamed over it."""
+def write_json_atomic(path: str, data: Any, *, fsync: bool = True) -> None:
+    """Write JSON to ``path`` through a temporary name (fsynced unless told not to), then rename it."""
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1, sort_keys=False)
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -3,7 +3,8 @@
 ``<root>/.tmp-step-<k>-<token>/`` while being written (ignored by every reader), renamed to
 ``<root>/step-<k>/`` once its manifest is fsynced; ``<root>/latest`` (a one-line text file naming the
 folder) is replaced after the rename, and only then are checkpoints beyond the newest ``keep`` removed.
-Only rank 0 calls :func:`publish`; no communication here.
+A dangling or stale pointer is harmless: readers pick the newest complete folder. Only rank 0 calls
+:func:`publish` and :func:`prune`; no communication here.
 """
 
 from __future__ import annotations
@@ -66,16 +67,17 @@ def write_latest(root: str, step_dir: str) -> None:
     fsync_dir(root)
 
 
-def publish(root: str, tmp_dir: str, step: int, keep: int) -> str:
-    """Rename a finished temporary folder to its step name, point ``latest`` at it, prune old ones."""
+def publish(root: str, tmp_dir: str, step: int) -> str:
+    """Rename a finished temporary folder to its step name and point ``latest`` at it.
+
+    The caller prunes afterwards (:func:`prune`), off the path other ranks wait on.
+    """
     final = os.path.join(root, step_dir_name(step))
     if os.path.exists(final):  # a re-save of the same step replaces the old one
         shutil.rmtree(final)
     fsync_dir(tmp_dir)
     os.replace(tmp_dir, final)
-    fsync_dir(root)
-    write_latest(root, final)
-    prune(root, keep)
+    write_latest(root, final)  # fsyncs root, making the rename durable too
     return final
 
 

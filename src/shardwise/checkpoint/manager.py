@@ -5,10 +5,10 @@ replicated tensors go to one owner each, see :func:`spread_replicated`). Communi
 broadcast from rank 0 (a token naming the temporary folder, so a stale half-written folder can never be
 mistaken for this save), then each rank writes ``rank<r>.safetensors`` and ``rank<r>.json`` with no
 communication at all. Synchronous mode: a barrier, rank 0 merges the indexes into ``manifest.json`` and
-publishes (rename, ``latest``, prune), a second barrier. Asynchronous mode: tensors are snapshotted
-(cloned) on the caller's thread, a background thread writes them, and rank 0's thread waits for every
-rank's index file to appear in the folder before publishing, so the background never issues a
-collective that could interleave with training's.
+publishes (rename, then ``latest``), a second barrier, then rank 0 prunes to the last ``keep``. Async mode:
+tensors are snapshotted (cloned) on the caller's thread, a background thread writes them, and rank
+0's thread waits for every rank's index file to appear in the folder before publishing, so the
+background never issues a collective that could interleave with training's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from shardwise.checkpoint.format import (
     write_json_atomic,
     write_manifest,
 )
-from shardwise.checkpoint.layout import publish, step_dir_name, tmp_dir_name
+from shardwise.checkpoint.layout import prune, publish, step_dir_name, tmp_dir_name
 from shardwise.checkpoint.shardfile import write_shard_file
 from shardwise.collectives.api import Comm
 
@@ -176,7 +176,9 @@ class CheckpointWriter:
                 report.path = self._publish(job)
             if self.comm:
                 self.comm.barrier()
-            report.path = _final_path(self.root, step) if self.rank else report.path
+            if self.rank == 0:
+                prune(self.root, self.keep)  # nobody waits on this
+            report.path = _final_path(self.root, step)
             report.done = True
         report.blocked_s = time.perf_counter() - start
         return report
@@ -209,6 +211,7 @@ class CheckpointWriter:
             if self.rank == 0:
                 self._wait_for_indexes(job)
                 job.report.path = self._publish(job)
+                prune(self.root, self.keep)
             else:
                 job.report.path = _final_path(self.root, job.report.step)
             job.report.done = True
@@ -243,7 +246,9 @@ class CheckpointWriter:
                 for k, p in keyed
             ],
         }
-        write_json_atomic(os.path.join(job.tmp_dir, f"rank{self.rank}.json"), index)
+        # Not fsynced: only the manifest (built from it) must survive a crash; the rename still makes the
+        # index appear whole, which is what rank 0's asynchronous publisher waits for.
+        write_json_atomic(os.path.join(job.tmp_dir, f"rank{self.rank}.json"), index, fsync=False)
         job.report.bytes = size
         job.report.write_s = time.perf_counter() - start
 
@@ -261,7 +266,7 @@ class CheckpointWriter:
     def _publish(self, job: _Job) -> str:
         manifest = merge_indexes(job.tmp_dir, self.world_size, job.header, self.chunk_bytes)
         write_manifest(job.tmp_dir, manifest)
-        return publish(self.root, job.tmp_dir, manifest.step, self.keep)
+        return publish(self.root, job.tmp_dir, manifest.step)
 
 
 def save(
