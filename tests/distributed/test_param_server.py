@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import multiprocessing as mp
 import os
 import queue
@@ -205,7 +204,7 @@ def _run_allowing_death(fn: Any, world_size: int, timeout_s: float) -> dict[int,
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
         try:
-            while time.monotonic() < deadline and any(p.is_alive() for p in procs) or not results.empty():
+            while (time.monotonic() < deadline and any(p.is_alive() for p in procs)) or not results.empty():
                 try:
                     rank, value = results.get(timeout=0.2)
                     out[rank] = value
