@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from shardwise.collectives.api import Comm
+from shardwise.collectives.api import Comm, CommStats
 from shardwise.config import ConfigError, PSConfig
 from shardwise.train.engine import Batch, Engine, loss_sum
 from shardwise.train.optim import OptimizerFactory
@@ -118,6 +118,8 @@ class ParamServerEngine(Engine):
         self.dead_workers: list[int] = []
         self.loss_history: list[float] = []  # server 0 in sync: the global mean loss per step
         self.last_global_loss = float("nan")
+        self.step_comm: list[CommStats] = []  # communication of each step (not the start / end transfers)
+        self._step_start = comm.stats.snapshot()
         self._steps_done, self._finished = 0, False
         self._micro: Sequence[Batch] = ()
         self._global_tokens, self._local_tokens, self._loss_share = 1, 0, 0.0
@@ -132,6 +134,7 @@ class ParamServerEngine(Engine):
     # -- worker side --------------------------------------------------------------------------------
     def forward_backward(self, micro_batches: Sequence[Batch], global_tokens: int) -> float:
         self._require_worker()
+        self._step_start = self.comm.stats.snapshot()
         self._micro, self._global_tokens = micro_batches, global_tokens
         self._loss_share = self._backward_all()
         self.finish_grads()
@@ -175,6 +178,7 @@ class ParamServerEngine(Engine):
             self.load_reply(s, reply)
         self.last_global_loss = float(self._replies[0][-1]) if self._replies else float("nan")
         self.model.zero_grad(set_to_none=True)
+        self.step_comm.append(self.comm.stats.since(self._step_start))
         self._steps_done += 1
         if self._steps_done >= self.steps:
             self.finish()
@@ -247,6 +251,7 @@ class ParamServerEngine(Engine):
         self._distribute_final(dead)
 
     def _serve_sync_step(self) -> None:
+        start = self.comm.stats.snapshot()
         n_own = sum(p.numel() for p in self.own)
         total: torch.Tensor | None = None
         for w in self.workers:
@@ -265,6 +270,7 @@ class ParamServerEngine(Engine):
         reply = self.reply_message(staleness=0, accepted=True, loss_total=loss_total)
         for w in self.workers:
             self.comm.send(reply, w)
+        self.step_comm.append(self.comm.stats.since(start))
 
     def apply_gradient(self, flat: torch.Tensor) -> None:
         """Set the served parameters' gradients from ``flat`` and step the optimizer."""
