@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from shardwise.data_parallel.compare import run_dp_compare
 from shardwise.data_parallel.param_server import PUSH_EXTRA, REPLY_EXTRA
 
 
+@pytest.mark.slow  # two spawns of three ranks
 def test_measured_bytes_match_theory() -> None:
     report = run_dp_compare(3, steps=2, global_batch=6, seq_len=4, vocab=16, dim=8, timeout_s=60)
     rows = {r["strategy"]: r for r in report["rows"]}

@@ -161,12 +161,14 @@ def _async_rank_whole(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 def test_async_two_servers_staleness_bounded_and_final_weights_shared() -> None:
     out = run_on_ranks(_async_rank, 4, 2, 1, 1, timeout_s=60)
     servers, workers = out[:2], out[2:]
+    dropped = sum(w["dropped"] for w in workers)
     for s in servers:
         assert all(0 <= x <= 1 for x in s["staleness"]), s["staleness"]
-        # every worker batch ends up applied once, or refused MAX_ATTEMPTS times and dropped
-        dropped = sum(w["dropped"] for w in workers)
-        assert len(s["staleness"]) + dropped >= 2 * STEPS - dropped
-    assert any(s["max_seen"] == 1 for s in servers), "the slow worker never pushed a stale gradient"
+        # each worker batch is applied once per server, unless refused MAX_ATTEMPTS times and dropped
+        assert 2 * STEPS - dropped <= len(s["staleness"]) <= 2 * STEPS
+    assert sum(s["rejected"] for s in servers) == sum(w["rejected"] for w in workers)
+    # the bound was exercised: a stale gradient was applied or refused
+    assert max(s["max_seen"] for s in servers) >= 1 or sum(s["rejected"] for s in servers) > 0
     for r in out[1:]:
         assert_parity(_tensors(out[0]["params"]), _tensors(r["params"]), 0.0)
 
@@ -230,7 +232,7 @@ def _dying_main(fn: Any, rank: int, world_size: int, store_path: str, results: A
         results.put((rank, f"failed: {exc}"))
 
 
-def test_async_server_survives_a_dead_worker(caplog: Any) -> None:
+def test_async_server_survives_a_dead_worker() -> None:
     out = _run_allowing_death(_dying_rank, 3, timeout_s=60)
     assert 2 not in out, "the dying worker was expected to vanish"
     assert isinstance(out.get(0), dict), out.get(0)

@@ -106,7 +106,8 @@ class ParamServerEngine(Engine):
         sizes = {n: p.numel() * p.element_size() for n, p in named.items()}
         self.assignment = assign_to_servers(sizes, config.servers)
         self.shards: list[list[nn.Parameter]] = [[named[n] for n in names] for names in self.assignment]
-        self.optimizer = optimizer_factory(self.own) if self.is_server else None
+        # a server left without parameters (more servers than tensors) only counts versions
+        self.optimizer = optimizer_factory(self.own) if self.own else None
         # metrics
         self.version = 0  # server: updates applied; worker: the newest version pulled from any server
         self.server_versions = [0] * config.servers  # worker: the version of each server's weights it holds
@@ -274,12 +275,12 @@ class ParamServerEngine(Engine):
 
     def apply_gradient(self, flat: torch.Tensor) -> None:
         """Set the served parameters' gradients from ``flat`` and step the optimizer."""
-        assert self.optimizer is not None
         for p in self.own:
             p.grad = torch.empty_like(p)
         unflatten_into(flat, [p.grad for p in self.own])
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
     def reply_message(self, staleness: int, accepted: bool, loss_total: float = 0.0) -> torch.Tensor:
