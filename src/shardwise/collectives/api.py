@@ -159,6 +159,16 @@ class Comm:
         self._count(0, _nbytes(tensor))
         self._finish(dist.irecv(tensor, self.global_rank(src), group=self.group), False, None)
 
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Non-blocking send; bytes are counted when posted. ``wait()`` raises if the peer is gone."""
+        self._count(_nbytes(tensor), 0)
+        return _Timed(dist.isend(tensor, self.global_rank(dst), group=self.group), self.stats)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        """Non-blocking receive from group rank ``src``; bytes are counted when posted."""
+        self._count(0, _nbytes(tensor))
+        return _Timed(dist.irecv(tensor, self.global_rank(src), group=self.group), self.stats)
+
     def barrier(self) -> None:
         if self.world_size > 1:
             start = time.perf_counter()
