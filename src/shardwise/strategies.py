@@ -10,7 +10,9 @@ from shardwise.train.engine import Engine
 from shardwise.train.optim import optimizer_factory
 
 
-def build_engine(config: TrainConfig, model: nn.Module, dp_comm: Comm, world_comm: Comm) -> Engine:
+def build_engine(
+    config: TrainConfig, model: nn.Module, dp_comm: Comm, world_comm: Comm, share_gradients: bool = False
+) -> Engine:
     """Apply ``config.strategy`` to ``model`` in place and return the engine that trains it."""
     factory = optimizer_factory(config.optim)
     if config.strategy == "ddp":
@@ -24,5 +26,5 @@ def build_engine(config: TrainConfig, model: nn.Module, dp_comm: Comm, world_com
     if config.strategy == "ps":
         from shardwise.data_parallel.param_server import ParamServerEngine
 
-        return ParamServerEngine(model, world_comm, factory, config.ps, config.steps)
+        return ParamServerEngine(model, world_comm, factory, config.ps, config.steps, share_gradients)
     raise ValueError(f"strategy {config.strategy!r} cannot run under the distributed train loop")

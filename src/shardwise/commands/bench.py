@@ -20,6 +20,13 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     ddp.add_argument("--json", action="store_true")
     ddp.add_argument("--out", help="also write the JSON result to this file")
     ddp.set_defaults(run=run)
+    compare = kinds.add_parser("dp-compare", help="single-process DP, parameter server, all-reduce DP")
+    compare.add_argument("--nproc", type=int, default=3)
+    compare.add_argument("--steps", type=int, default=5)
+    compare.add_argument("--global-batch", type=int, default=16)
+    compare.add_argument("--json", action="store_true")
+    compare.add_argument("--out", help="also write the JSON result to this file")
+    compare.set_defaults(run=run)
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -39,6 +46,11 @@ def bench_command(args: argparse.Namespace) -> int:
             global_batch=args.global_batch,
             bucket_mb=args.bucket_mb,
         )
+    elif args.kind == "dp-compare":
+        from shardwise.data_parallel.compare import render_compare, run_dp_compare
+
+        result = run_dp_compare(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch)
+        render = render_compare
     else:  # pragma: no cover - argparse restricts the choices
         raise ValueError(args.kind)
     if args.out:

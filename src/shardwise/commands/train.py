@@ -39,7 +39,7 @@ def train_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
     except LaunchError as exc:
         print(f"shardwise train: {exc}", file=sys.stderr)
         return 1
-    emit(results[0], as_json, render_summary)
+    emit(next(r for r in results.values() if r is not None), as_json, render_summary)
     return 0
 
 
@@ -52,9 +52,10 @@ def render_summary(summary: dict[str, Any]) -> None:
         + f", {summary['tokens_per_s']:,.0f} tokens/s"
     )
     table = Table("rank", "samples/step", "step s (median)", "sent MB/step", "peak RSS MB")
+    first = summary["world_size"] - summary["training_ranks"]  # parameter servers come first
     for rank, peak in enumerate(summary["peak_rss_mb_by_rank"]):
         table.add_row(
-            str(rank),
+            str(first + rank),
             str(summary["samples_per_step_by_rank"][rank]),
             f"{summary['step_s_median_by_rank'][rank]:.4f}",
             f"{summary['bytes_sent_per_step_by_rank'][rank] / 2**20:.2f}",

@@ -31,15 +31,20 @@ VERIFY_DEFAULTS = {
 
 
 def collect_run(config: TrainConfig) -> dict[str, Any] | None:
-    """On an initialised group: train ``config.steps`` steps; rank 0 returns losses, grads, params.
+    """On an initialised group: train ``config.steps`` steps; the reporting rank returns the results.
 
     The gradients are those of the first step, taken after communication and before the update.
     """
-    import torch.distributed as dist
 
     from shardwise.train.loop import Trainer
 
-    trainer = Trainer.build(config)
+    trainer = Trainer.build(config, share_gradients=True)
+    if trainer.serves:
+        try:
+            trainer.engine.serve()  # type: ignore[attr-defined]
+        finally:
+            trainer.engine.close()
+        return None
     grads: dict[str, torch.Tensor] = {}
 
     def keep_first(step: int) -> None:
@@ -51,7 +56,7 @@ def collect_run(config: TrainConfig) -> dict[str, Any] | None:
         params = trainer.engine.full_parameters()
     finally:
         trainer.engine.close()
-    if dist.get_rank() != 0:
+    if not trainer.reports:
         return None
     return {"losses": losses, "grads": grads, "params": params}
 

@@ -189,3 +189,17 @@ def run_dp_compare(
             _row("allreduce", ring, [2 * (n - 1) / n * m] * n, "ring all-reduce: 2(n-1)/n * M per rank"),
         ],
     }
+
+
+def render_compare(result: dict[str, Any]) -> None:
+    """One line per strategy and rank: bytes sent per step beside theory, exchanges, step time."""
+    print(f"data-parallel designs on {result['nproc']} processes, model {result['model_bytes']:,} bytes")
+    for row in result["rows"]:
+        print(f"  {row['strategy']:16s} step {row['step_time_s'] * 1e3:8.2f} ms   ({row['theory']})")
+        for i, (sent, theory) in enumerate(
+            zip(row["bytes_sent_per_step"], row["theory_bytes_sent_per_step"], strict=True)
+        ):
+            print(
+                f"    {row['roles'][i]:8s} sent {sent:>12,.0f} B/step   theory {theory:>12,.0f}   "
+                f"exchanges {row['exchanges_per_step'][i]}"
+            )

@@ -321,6 +321,15 @@ class ParamServerEngine(Engine):
                     unflatten_into(flat, self.shards[s])
 
     # -- inspection ---------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        return {
+            "version": self.version,
+            "staleness": self.last_staleness,
+            "max_staleness_seen": self.max_staleness_seen,
+            "rejected_pushes": self.rejected,
+            "dropped_batches": self.dropped_batches,
+        }
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 

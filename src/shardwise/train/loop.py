@@ -58,54 +58,75 @@ class Trainer:
     config: TrainConfig
     engine: Engine
     sampler: DataSampler
-    world_comm: Comm
-    dp_comm: Comm
+    engine_comm: Comm  # what the strategy communicates over: its bytes and waits are the step's
+    metrics_comm: Comm | None  # the ranks that train (None on a parameter server)
     global_tokens: int
     history: list[StepRecord] = field(default_factory=list)
 
+    @property
+    def serves(self) -> bool:
+        """A parameter-server rank: it runs ``engine.serve()`` instead of steps."""
+        return self.metrics_comm is None
+
+    @property
+    def reports(self) -> bool:
+        """The rank that writes metrics and returns the summary: the first rank that trains."""
+        first = self.config.ps.servers if self.config.strategy == "ps" else 0
+        return dist.get_rank() == first
+
     @classmethod
-    def build(cls, config: TrainConfig) -> Trainer:
-        """Validate against the live world, build the model under the seed and apply the strategy."""
+    def build(cls, config: TrainConfig, share_gradients: bool = False) -> Trainer:
+        """Validate against the live world, build the model under the seed and apply the strategy.
+
+        ``share_gradients``: make global gradients visible where a strategy keeps them elsewhere
+        (the parameter server's workers), for ``verify``.
+        """
         config = config.validate(dist.get_world_size())
         seed_everything(config.seed)
         model = build_model(config.model, torch_dtype(config.dtype))
         world_comm = Comm(None, config.comm.algorithm)
+        metrics_comm: Comm | None = world_comm
         if config.strategy == "ps":
-            dp_comm, dp_rank = world_comm, dist.get_rank() - config.ps.servers
+            servers = config.ps.servers
+            workers = dist.new_group(list(range(servers, dist.get_world_size())))  # every rank joins
+            dp_comm, dp_rank = world_comm, dist.get_rank() - servers
+            metrics_comm = Comm(workers) if dp_rank >= 0 else None
         else:
             mesh = build_mesh(config.parallel, algorithm=config.comm.algorithm)
             dp_comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
-        engine = build_engine(config, model, dp_comm, world_comm)
+        engine = build_engine(config, model, dp_comm, world_comm, share_gradients)
         corpus = load_corpus(config.data.corpus_bytes)
         counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)
         sampler = DataSampler(
             corpus.train, config.model.seq_len, config.data.global_batch, config.seed, counts, max(dp_rank, 0)
         )
         tokens = predicted_tokens(config.model.kind, config.data.global_batch, config.model.seq_len)
-        return cls(config, engine, sampler, world_comm, dp_comm, tokens)
+        return cls(config, engine, sampler, dp_comm, metrics_comm, tokens)
 
     def step(self, step: int, after_backward: Callable[[int], None] | None = None) -> StepRecord:
         """One optimizer step; ``after_backward(step)`` sees the global gradients before the update."""
         micro = self.sampler.local_micro_batches(step, self.config.data.micro_batches)
-        before = self.world_comm.stats.snapshot(), self.dp_comm.stats.snapshot()
+        assert self.metrics_comm is not None, "a parameter-server rank serves; it does not step"
+        before = self.engine_comm.stats.snapshot()
         start = time.perf_counter()
         share = self.engine.forward_backward(micro, self.global_tokens)
         if after_backward is not None:
             after_backward(step)
         self.engine.optimizer_step()
         elapsed = time.perf_counter() - start
-        world, dp = self.world_comm.stats.since(before[0]), self.dp_comm.stats.since(before[1])
+        comm = self.engine_comm.stats.since(before)
         samples = sum(x.size(0) for x, _ in micro)
         values = {
             "loss_share": share,
             "step_s": elapsed,
-            "comm_s": world.blocked_s + (dp.blocked_s if self.dp_comm is not self.world_comm else 0.0),
-            "bytes_sent": world.bytes_sent + (dp.bytes_sent if self.dp_comm is not self.world_comm else 0),
+            "comm_s": comm.blocked_s,
+            "bytes_sent": comm.bytes_sent,
             "rss_mb": rss_mb(),
             "peak_rss_mb": peak_rss_mb(),
             "samples": samples,
         }
-        record = gather_step(self.world_comm, step, values, self.global_tokens)
+        record = gather_step(self.metrics_comm, step, values, self.global_tokens)
+        record.extra = self.engine.metrics() or None
         self.history.append(record)
         return record
 
@@ -134,12 +155,13 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
     """Train on the already-initialised process group; rank 0 returns the summary, others None."""
     trainer = Trainer.build(config)
     config = trainer.config
-    rank = dist.get_rank()
+    if trainer.serves:
+        return _serve(trainer)
     run_dir = Path(config.run_dir)
-    writer = MetricsWriter(run_dir, enabled=rank == 0)
-    if rank == 0:
+    writer = MetricsWriter(run_dir, enabled=trainer.reports)
+    if trainer.reports:
         (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
-    progress = Progress(config.steps, enabled=rank == 0 and show_progress)
+    progress = Progress(config.steps, enabled=trainer.reports and show_progress)
     eval_losses: list[tuple[int, float]] = []
     try:
         for step in range(config.steps):
@@ -155,12 +177,21 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
         progress.close()
         writer.close()
         trainer.engine.close()
-    if rank != 0:
+    if not trainer.reports:
         return None
     summary = summarize(trainer, eval_losses, param_digest(params))
     writer.enabled = False
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _serve(trainer: Trainer) -> None:
+    """A parameter-server rank: serve the workers until they are done."""
+    try:
+        trainer.engine.serve()  # type: ignore[attr-defined]
+        trainer.engine.full_parameters()
+    finally:
+        trainer.engine.close()
 
 
 def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: str) -> dict[str, Any]:
@@ -171,7 +202,8 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
     ranks = len(history[-1].peak_rss_mb_by_rank)
     return {
         "strategy": config.strategy,
-        "world_size": ranks,
+        "world_size": dist.get_world_size(),
+        "training_ranks": ranks,
         "steps": len(history),
         "initial_loss": history[0].loss,
         "final_loss": history[-1].loss,
@@ -187,6 +219,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
             float(np.median([r.step_s_by_rank[i] for r in timed])) for i in range(ranks)
         ],
         "bytes_sent_per_step_by_rank": history[-1].bytes_sent,
+        **trainer.engine.metrics(),
         "restarts": 0,
         "final_param_digest": digest,
         "run_dir": str(Path(config.run_dir).resolve()),

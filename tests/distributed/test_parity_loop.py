@@ -130,3 +130,12 @@ def _views_worker(rank: int, world_size: int) -> bool:
 
 def test_gradients_live_in_the_buckets_and_buffers_start_from_rank_0() -> None:
     assert all(run_on_ranks(_views_worker, 2, timeout_s=60))
+
+
+def test_parameter_server_through_the_train_loop_matches_one_process() -> None:
+    """Two servers, two workers with uneven shares: the same path as ``shardwise verify --strategy ps``."""
+    config = _config(strategy="ps", **{"ps.servers": "2", "data.weights": "0.25,0.75"})
+    results = run_on_ranks(_worker, 4, config, timeout_s=120)
+    candidate = next(r for r in results if r is not None)
+    report = compare_runs(reference_run(config.validate(4)), candidate, TOL)
+    assert report["ok"], report
