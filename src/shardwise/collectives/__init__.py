@@ -4,4 +4,14 @@ from shardwise.collectives.api import ALGORITHM_FOR, EXPLICIT, Comm, CommStats, 
 from shardwise.collectives.cost import CostProfile, choose, predict
 from shardwise.collectives.p2p import P2P
 
-__all__ = ["ALGORITHM_FOR", "EXPLICIT", "P2P", "Comm", "CommStats", "CostProfile", "Work", "choose", "predict"]
+__all__ = [
+    "ALGORITHM_FOR",
+    "EXPLICIT",
+    "P2P",
+    "Comm",
+    "CommStats",
+    "CostProfile",
+    "Work",
+    "choose",
+    "predict",
+]

@@ -37,7 +37,9 @@ class CostProfile:
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
         data = json.loads(Path(path).read_text())
-        known = {k: data[k] for k in ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte", "source") if k in data}
+        known = {
+            k: data[k] for k in ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte", "source") if k in data
+        }
         return cls(**known)
 
 
@@ -150,7 +152,9 @@ def predict(algorithm: str, op: str, nbytes: int, world_size: int, profile: Cost
         raise ValueError(f"no cost formula for algorithm {algorithm!r} and op {op!r}") from None
     if world_size == 1:
         return 0.0
-    return formula(float(nbytes), world_size, profile.alpha_s, profile.beta_s_per_byte, profile.gamma_s_per_byte)
+    return formula(
+        float(nbytes), world_size, profile.alpha_s, profile.beta_s_per_byte, profile.gamma_s_per_byte
+    )
 
 
 def choose(

@@ -74,7 +74,9 @@ class _RingRun:
         forward = step + 1 < len(self.steps)
         if reduce:
             wait_all(self.in_flight.pop(block, []))
-        for j, ((lo, hi), request) in enumerate(zip(_segments(data.numel(), self.segment_elems), requests)):
+        for j, ((lo, hi), request) in enumerate(
+            zip(_segments(data.numel(), self.segment_elems), requests, strict=True)
+        ):
             request.wait()
             if reduce and hi > lo:
                 combine(self.op, data[lo:hi], self.scratch[step % 2][lo:hi])

@@ -105,9 +105,7 @@ def broadcast_scatter_allgather(flat: torch.Tensor, p2p: P2P, root: int = 0) -> 
     ring.all_gather_blocks(blocks, p2p)
 
 
-def broadcast(
-    flat: torch.Tensor, p2p: P2P, root: int = 0, large_bytes: int = LARGE_BROADCAST_BYTES
-) -> None:
+def broadcast(flat: torch.Tensor, p2p: P2P, root: int = 0, large_bytes: int = LARGE_BROADCAST_BYTES) -> None:
     """Binomial broadcast for small messages, scatter + all-gather above ``large_bytes`` (p > 2)."""
     if p2p.world_size > 2 and flat.numel() * flat.element_size() > large_bytes:
         broadcast_scatter_allgather(flat, p2p, root)
