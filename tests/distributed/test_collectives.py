@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.collectives import Comm, P2P, ring
+from shardwise.collectives import P2P, Comm, ring
 from shardwise.testing import run_on_ranks
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64)
@@ -58,7 +58,7 @@ def _cases(world_size: int) -> list[tuple[str, str, torch.dtype, str, int]]:
 
 
 def _wanted(algorithm: str, op: str, numel: int) -> bool:
-    """"auto" only adds its choice (tested under its own name) with sum; tiny tensors have one segment."""
+    """ "auto" only adds its choice (tested under its own name) with sum; tiny tensors have one segment."""
     if algorithm == "auto":
         return op == "sum"
     return not (algorithm == "ring_seg" and numel < 10)
