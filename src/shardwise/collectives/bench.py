@@ -8,9 +8,10 @@ time, busbw = algbw x (2(p-1)/p for all-reduce, (p-1)/p for all-gather and reduc
 broadcast and reduce), where bytes is the whole tensor (all-gather: the gathered output).
 
 Calibration (``calibrate=True``) measures the three constants of the cost model on the same machine:
-alpha from a one-element ping-pong, beta from two ranks exchanging 16 MB at once (the shape of every
-algorithm step), gamma from a local in-place float32 add; all ranks run in pairs at the same time, so
-the figures include the contention of the real collectives.
+alpha from a one-element ping-pong (median), beta from two ranks exchanging 16 MB at once (the shape of
+ring and halving-doubling steps), the one-way beta from 16 MB sent one way (tree and naive steps),
+gamma from a local in-place float32 add; all ranks run in pairs at the same time, so the figures include
+the contention of the real collectives.
 """
 
 from __future__ import annotations
@@ -99,30 +100,47 @@ def _bench_worker(
     return rows
 
 
+def _ping_pong(rank: int, partner: int, trips: int = 50) -> float:
+    """Median one-way latency of a one-element message (half a round trip)."""
+    tiny, trips_s = torch.zeros(1), []
+    for _ in range(trips):
+        start = time.perf_counter()
+        if rank % 2 == 0:
+            dist.send(tiny, partner)
+            dist.recv(tiny, partner)
+        else:
+            dist.recv(tiny, partner)
+            dist.send(tiny, partner)
+        trips_s.append(time.perf_counter() - start)
+    return sorted(trips_s)[len(trips_s) // 2] / 2
+
+
+def _transfer(rank: int, partner: int, both_ways: bool, data: torch.Tensor, into: torch.Tensor) -> float:
+    """Seconds to move ``data`` to the partner (and back into ``into`` at the same time if both_ways)."""
+    start = time.perf_counter()
+    requests = []
+    if both_ways or rank % 2 == 1:
+        requests.append(dist.irecv(into, partner))
+    if both_ways or rank % 2 == 0:
+        requests.append(dist.isend(data, partner))
+    for request in requests:
+        request.wait()
+    return time.perf_counter() - start
+
+
 def _calibrate_worker(rank: int, world_size: int) -> dict[str, float]:
-    """Measure alpha, beta, gamma; every rank with a partner (rank xor 1) runs at the same time."""
+    """Measure alpha, betas and gamma; every rank with a partner (rank xor 1) runs at the same time."""
     partner = rank ^ 1
-    paired = partner < world_size
-    alpha = beta = float("inf")
-    if paired:
-        tiny = torch.zeros(1)
-        for _ in range(ROUNDS):
-            start = time.perf_counter()
-            for _ in range(100):
-                if rank % 2 == 0:
-                    dist.send(tiny, partner)
-                    dist.recv(tiny, partner)
-                else:
-                    dist.recv(tiny, partner)
-                    dist.send(tiny, partner)
-            alpha = min(alpha, (time.perf_counter() - start) / 200)
-        out, into = torch.ones(CALIBRATION_BYTES // 4), torch.empty(CALIBRATION_BYTES // 4)
-        for _ in range(ROUNDS):
-            start = time.perf_counter()
-            requests = [dist.irecv(into, partner), dist.isend(out, partner)]
-            for request in requests:
-                request.wait()
-            beta = min(beta, (time.perf_counter() - start - alpha) / CALIBRATION_BYTES)
+    figures = {"alpha_s": float("inf"), "beta_s_per_byte": float("inf")}
+    figures["beta_one_way_s_per_byte"] = float("inf")
+    if partner < world_size:
+        figures["alpha_s"] = min(_ping_pong(rank, partner) for _ in range(ROUNDS))
+        # buffers touched before timing: first-touch page faults are not the link's cost
+        data, into = torch.ones(CALIBRATION_BYTES // 4), torch.zeros(CALIBRATION_BYTES // 4)
+        _transfer(rank, partner, True, data, into)
+        for key, both_ways in (("beta_s_per_byte", True), ("beta_one_way_s_per_byte", False)):
+            seconds = min(_transfer(rank, partner, both_ways, data, into) for _ in range(ROUNDS))
+            figures[key] = max(seconds - figures["alpha_s"], 0.0) / CALIBRATION_BYTES
     a, b = torch.ones(CALIBRATION_BYTES // 4), torch.ones(CALIBRATION_BYTES // 4)
     dist.barrier()
     gamma = float("inf")
@@ -130,7 +148,8 @@ def _calibrate_worker(rank: int, world_size: int) -> dict[str, float]:
         start = time.perf_counter()
         a.add_(b)
         gamma = min(gamma, (time.perf_counter() - start) / CALIBRATION_BYTES)
-    return {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": gamma}
+    figures["gamma_s_per_byte"] = gamma
+    return figures
 
 
 def calibrate(nproc: int = 2, timeout_s: float = 300.0) -> cost.CostProfile:
@@ -144,6 +163,7 @@ def calibrate(nproc: int = 2, timeout_s: float = 300.0) -> cost.CostProfile:
         beta_s_per_byte=max(f["beta_s_per_byte"] for f in paired),
         gamma_s_per_byte=max(f["gamma_s_per_byte"] for f in figures),
         source=f"calibrated on {nproc} local gloo ranks at {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        beta_one_way_s_per_byte=max(f["beta_one_way_s_per_byte"] for f in paired),
     )
 
 
@@ -214,6 +234,7 @@ def run_comm_bench(
             "alpha_s": profile.alpha_s,
             "beta_s_per_byte": profile.beta_s_per_byte,
             "gamma_s_per_byte": profile.gamma_s_per_byte,
+            "beta_one_way_s_per_byte": profile.one_way_beta,
             "source": profile.source,
         },
         "timing": f"best of {ROUNDS} rounds of back-to-back calls, slowest rank; float32 tensors",
