@@ -8,7 +8,9 @@ time, busbw = algbw x (2(p-1)/p for all-reduce, (p-1)/p for all-gather and reduc
 broadcast and reduce), where bytes is the whole tensor (all-gather: the gathered output).
 
 Calibration (``calibrate=True``) measures the three constants of the cost model on the same machine:
-alpha from a one-element ping-pong (median), beta from two ranks exchanging 16 MB at once (the shape of
+alpha from back-to-back one-element exchanges (a ping-pong's half round trip is several times larger on
+a loaded machine, where each blocking receive waits for the scheduler; collectives keep messages in
+flight and see the smaller figure), beta from two ranks exchanging 16 MB at once (the shape of
 ring and halving-doubling steps), the one-way beta from 16 MB sent one way (tree and naive steps),
 gamma from a local in-place float32 add; all ranks run in pairs at the same time, so the figures include
 the contention of the real collectives.
@@ -100,19 +102,15 @@ def _bench_worker(
     return rows
 
 
-def _ping_pong(rank: int, partner: int, trips: int = 50) -> float:
-    """Median one-way latency of a one-element message (half a round trip)."""
-    tiny, trips_s = torch.zeros(1), []
-    for _ in range(trips):
-        start = time.perf_counter()
-        if rank % 2 == 0:
-            dist.send(tiny, partner)
-            dist.recv(tiny, partner)
-        else:
-            dist.recv(tiny, partner)
-            dist.send(tiny, partner)
-        trips_s.append(time.perf_counter() - start)
-    return sorted(trips_s)[len(trips_s) // 2] / 2
+def _latency(rank: int, partner: int, steps: int = 50) -> float:
+    """Seconds per step of back-to-back one-element exchanges: the latency a collective's steps see."""
+    out, into = torch.zeros(1), torch.zeros(1)
+    start = time.perf_counter()
+    for _ in range(steps):
+        requests = [dist.irecv(into, partner), dist.isend(out, partner)]
+        for request in requests:
+            request.wait()
+    return (time.perf_counter() - start) / steps
 
 
 def _transfer(rank: int, partner: int, both_ways: bool, data: torch.Tensor, into: torch.Tensor) -> float:
@@ -134,7 +132,7 @@ def _calibrate_worker(rank: int, world_size: int) -> dict[str, float]:
     figures = {"alpha_s": float("inf"), "beta_s_per_byte": float("inf")}
     figures["beta_one_way_s_per_byte"] = float("inf")
     if partner < world_size:
-        figures["alpha_s"] = min(_ping_pong(rank, partner) for _ in range(ROUNDS))
+        figures["alpha_s"] = min(_latency(rank, partner) for _ in range(ROUNDS))
         # buffers touched before timing: first-touch page faults are not the link's cost
         data, into = torch.ones(CALIBRATION_BYTES // 4), torch.zeros(CALIBRATION_BYTES // 4)
         _transfer(rank, partner, True, data, into)
@@ -152,7 +150,7 @@ def _calibrate_worker(rank: int, world_size: int) -> dict[str, float]:
     return figures
 
 
-def calibrate(nproc: int = 2, timeout_s: float = 300.0) -> cost.CostProfile:
+def calibrate_profile(nproc: int = 2, timeout_s: float = 300.0) -> cost.CostProfile:
     """Measure the cost-model constants on ``nproc`` local ranks (the worst paired rank's figures)."""
     if nproc < 2:
         raise ValueError(f"calibration needs at least 2 ranks, got {nproc}")
@@ -205,20 +203,20 @@ def _summaries(rows: list[dict]) -> dict[str, object]:
 def run_comm_bench(
     nproc: int = 2,
     sizes: list[int] | None = None,
-    calibrate_first: bool = False,
+    calibrate: bool = False,
     profile_path: str | None = None,
     ops: list[str] | None = None,
     timeout_s: float = 1200.0,
 ) -> dict[str, object]:
     """Benchmark every algorithm of ``ops`` over ``sizes`` on ``nproc`` ranks; JSON-ready result.
 
-    ``calibrate_first`` measures a profile first (and saves it to ``profile_path`` when given);
+    ``calibrate`` measures a profile first (and saves it to ``profile_path`` when given);
     otherwise the profile is read from ``profile_path`` if it exists, else the built-in default.
     """
     sizes = sizes or DEFAULT_SIZES
     ops = ops or list(ALGORITHMS)
-    if calibrate_first:
-        profile = calibrate(nproc)
+    if calibrate:
+        profile = calibrate_profile(nproc)
         if profile_path:
             profile.save(profile_path)
     elif profile_path and Path(profile_path).exists():
