@@ -37,7 +37,7 @@ ALGORITHMS = {
     "all_gather": ("native", "ring", "naive"),
     "reduce_scatter": ("native", "ring", "naive"),
 }
-ROUNDS = 3
+ROUNDS = 5
 CALIBRATION_BYTES = 16 << 20
 
 
@@ -50,7 +50,7 @@ def bus_factor(op: str, p: int) -> float:
 
 
 def _iterations(nbytes: int) -> int:
-    return max(2, min(20, (32 << 20) // max(nbytes, 1)))
+    return max(3, min(20, (32 << 20) // max(nbytes, 1)))
 
 
 def _call(comm: Comm, op: str, algorithm: str, nbytes: int) -> Callable[[], object]:

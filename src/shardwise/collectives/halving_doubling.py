@@ -26,7 +26,7 @@ def _fold_in(flat: torch.Tensor, p2p: P2P, op: str, rem: int) -> int:
     if r % 2 == 0:
         p2p.send(flat, r + 1)
         return -1
-    incoming = p2p.workspace(2, flat.numel(), flat.dtype)
+    incoming = p2p.workspace(2, flat.numel(), flat)
     p2p.recv(incoming, r - 1)
     combine(op, flat, incoming)
     return r // 2
@@ -64,7 +64,7 @@ def _halve(
     midpoint; the lower rank keeps the lower half.
     """
     lo, hi = 0, flat.numel()
-    incoming = p2p.workspace(2, flat.numel(), flat.dtype)
+    incoming = p2p.workspace(2, flat.numel(), flat)
     exchanges = []
     distance = pof2 // 2
     while distance:

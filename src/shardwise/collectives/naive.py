@@ -17,7 +17,7 @@ def reduce(flat: torch.Tensor, p2p: P2P, op: str = "sum", root: int = 0) -> None
     if p2p.rank != root:
         p2p.send(flat, root)
         return
-    incoming = p2p.workspace(2, flat.numel(), flat.dtype)
+    incoming = p2p.workspace(2, flat.numel(), flat)
     for src in range(p2p.world_size):
         if src != root:
             p2p.recv(incoming, src)
@@ -51,7 +51,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, p2p: P2P) -> None:
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, p2p: P2P, op: str = "sum") -> None:
     """Reduce a copy of ``full`` on rank 0, which then sends block q to rank q."""
-    work = p2p.workspace(3, full.numel(), full.dtype)
+    work = p2p.workspace(3, full.numel(), full)
     work.copy_(full)
     reduce(work, p2p, op, root=0)
     if p2p.rank == 0:

@@ -37,19 +37,20 @@ class P2P:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.stats = stats  # anything with bytes_sent / bytes_received attributes (a CommStats)
-        self._workspace: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._workspace: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
-    def workspace(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def workspace(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A scratch buffer of ``numel`` elements, kept between calls.
 
         Receiving into freshly allocated memory pays the kernel's page faults and zeroing on every
         call (several ms for tens of MB), so the algorithms receive into these instead. The buffer
-        only grows; it holds at most the largest request per (slot, dtype).
+        only grows; it holds at most the largest request per (slot, dtype, device) of ``like``.
         """
-        buffer = self._workspace.get((slot, dtype))
+        key = (slot, like.dtype, like.device)
+        buffer = self._workspace.get(key)
         if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype)
-            self._workspace[(slot, dtype)] = buffer
+            buffer = like.new_empty(numel)
+            self._workspace[key] = buffer
         return buffer[:numel]
 
     def _global(self, group_rank: int) -> int:

@@ -43,8 +43,7 @@ class _RingRun:
         self.segment_elems = max(1, segment_bytes // blocks[0].element_size())
         self.tags_per_step = max(1, -(-largest // self.segment_elems))
         needs_scratch = any(reduce for _, reduce in steps)
-        dtype = blocks[0].dtype
-        self.scratch = [p2p.workspace(slot, largest if needs_scratch else 0, dtype) for slot in (0, 1)]
+        self.scratch = [p2p.workspace(slot, largest if needs_scratch else 0, blocks[0]) for slot in (0, 1)]
         self.in_flight: dict[int, list[Request]] = defaultdict(list)  # block -> sends not yet complete
 
     def _tag(self, step: int, segment: int) -> int:
@@ -128,7 +127,7 @@ def reduce_scatter(
     ``full`` is not modified: the reduction runs in a copy of it.
     """
     p, r = p2p.world_size, p2p.rank
-    work = p2p.workspace(3, full.numel(), full.dtype)
+    work = p2p.workspace(3, full.numel(), full)
     work.copy_(full)
     if p > 1:
         steps = _reduce_scatter_steps(r, p)

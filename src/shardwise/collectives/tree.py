@@ -50,7 +50,7 @@ def reduce_binomial(flat: torch.Tensor, p2p: P2P, op: str = "sum", root: int = 0
     """Binomial-tree reduce into ``flat`` on ``root``; other ranks' ``flat`` is used as scratch."""
     p = p2p.world_size
     v = (p2p.rank - root) % p
-    incoming = p2p.workspace(2, flat.numel(), flat.dtype)
+    incoming = p2p.workspace(2, flat.numel(), flat)
     mask = 1
     while mask < p:
         if v & mask:
