@@ -157,6 +157,13 @@ class TrainConfig:
         _check_choice("zero.offload", self.zero.offload, ("none", "cpu", "disk"))
         _check_choice("zero.precision", self.zero.precision, ("fp32", "bf16", "fp16"))
         _check_choice("ps.mode", self.ps.mode, ("sync", "async"))
+        from shardwise.models import PRESETS
+
+        if self.model.preset not in PRESETS[self.model.kind]:
+            known = ", ".join(PRESETS[self.model.kind])
+            raise ConfigError(
+                f"unknown {self.model.kind} preset {self.model.preset!r}; known presets: {known}"
+            )
         if self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if world_size < 1:

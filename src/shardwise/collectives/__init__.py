@@ -1,7 +1,8 @@
 """Collectives: the backend's own, and explicit algorithms on send/recv, behind one ``Comm`` layer."""
 
-from shardwise.collectives.api import ALGORITHM_FOR, EXPLICIT, Comm, CommStats, Work
+from shardwise.collectives.api import Comm, CommStats, Work
 from shardwise.collectives.cost import CostProfile, choose, predict
+from shardwise.collectives.explicit import ALGORITHM_FOR, EXPLICIT
 from shardwise.collectives.p2p import P2P
 
 __all__ = [

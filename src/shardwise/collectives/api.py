@@ -10,7 +10,7 @@ messages (an estimate; the explicit algorithms count exactly: every message they
 Explicit algorithms (``algorithm=`` per call, else ``Comm.algorithm``; "auto" asks the cost model):
 they always run synchronously, also with ``async_op=True``, which then returns finished work. That
 keeps the order of collectives identical on every rank without a communication thread, at the price of
-no overlap. An algorithm without a variant of its own for an op runs the one in ``ALGORITHM_FOR``.
+no overlap. An algorithm without a variant of its own for an op runs the one in ``explicit.ALGORITHM_FOR``.
 ``avg`` is a sum followed by a division (floor division for integer tensors). bf16 and fp16 are reduced
 in their own dtype, so their sums may differ from the backend's by rounding.
 """
@@ -25,7 +25,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shardwise.collectives import cost, halving_doubling, naive, ring, tree
+from shardwise.collectives import cost, explicit
+from shardwise.collectives.explicit import EXPLICIT, divide
 from shardwise.collectives.p2p import P2P
 
 _OPS = {
@@ -33,23 +34,6 @@ _OPS = {
     "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
-}
-
-
-EXPLICIT = ("ring", "tree", "halving_doubling", "naive")
-
-# op -> algorithm -> the variant that runs (see the module docstring of each algorithm)
-ALGORITHM_FOR: dict[str, dict[str, str]] = {
-    "all_reduce": {a: a for a in EXPLICIT},
-    "broadcast": {
-        "ring": "scatter_allgather",
-        "tree": "tree",
-        "halving_doubling": "tree",
-        "naive": "naive",
-    },
-    "reduce": {"ring": "tree", "tree": "tree", "halving_doubling": "tree", "naive": "naive"},
-    "all_gather": {"ring": "ring", "tree": "ring", "halving_doubling": "ring", "naive": "naive"},
-    "reduce_scatter": {"ring": "ring", "tree": "ring", "halving_doubling": "ring", "naive": "naive"},
 }
 
 
@@ -99,25 +83,6 @@ class CommStats:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _divide(tensor: torch.Tensor, n: int) -> None:
-    """The "avg" step: true division for floating tensors, floor division for integer ones."""
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.div_(n)
-    else:
-        tensor.div_(n, rounding_mode="floor")
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D contiguous view of ``tensor``, or a 1-D copy when it is not contiguous."""
-    return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-
-
-def _back(flat: torch.Tensor, tensor: torch.Tensor) -> None:
-    """Write a result computed in ``_flat(tensor)`` back, when that was a copy."""
-    if not tensor.is_contiguous():
-        tensor.copy_(flat.view(tensor.shape))
 
 
 class Comm:
@@ -201,19 +166,11 @@ class Comm:
             self.stats.calls += 1
             return Done()
         if name != "native":
-            return self._explicit(lambda: self._all_reduce(tensor, op, name))
+            return self._explicit(lambda: explicit.all_reduce(tensor, self._p2p, op, name))
         self._count(2 * (n - 1) / n * size, 2 * (n - 1) / n * size)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
-        after = (lambda: _divide(tensor, n)) if op == "avg" else None
+        after = (lambda: divide(tensor, n)) if op == "avg" else None
         return self._finish(work, async_op, after)
-
-    def _all_reduce(self, tensor: torch.Tensor, op: str, name: str) -> None:
-        flat, reduce_op = _flat(tensor), "sum" if op == "avg" else op
-        module = {"ring": ring, "tree": tree, "halving_doubling": halving_doubling, "naive": naive}[name]
-        module.all_reduce(flat, self._p2p, reduce_op)
-        if op == "avg":
-            _divide(flat, self.world_size)
-        _back(flat, tensor)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, algorithm: str | None = None
@@ -225,18 +182,10 @@ class Comm:
             self.stats.calls += 1
             return Done()
         if name != "native":
-            return self._explicit(lambda: self._broadcast(tensor, src, ALGORITHM_FOR["broadcast"][name]))
+            return self._explicit(lambda: explicit.broadcast(tensor, self._p2p, src, name))
         self._count(size if self.rank == src else 0, 0 if self.rank == src else size)
         work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
         return self._finish(work, async_op, None)
-
-    def _broadcast(self, tensor: torch.Tensor, src: int, variant: str) -> None:
-        flat = _flat(tensor)
-        if variant == "scatter_allgather":
-            tree.broadcast_scatter_allgather(flat, self._p2p, src)
-        else:
-            (tree if variant == "tree" else naive).broadcast(flat, self._p2p, src)
-        _back(flat, tensor)
 
     def reduce(
         self,
@@ -253,24 +202,12 @@ class Comm:
             self.stats.calls += 1
             return Done()
         if name != "native":
-            return self._explicit(lambda: self._reduce(tensor, dst, op, ALGORITHM_FOR["reduce"][name]))
+            return self._explicit(lambda: explicit.reduce(tensor, self._p2p, dst, op, name))
         self._count(0 if self.rank == dst else size, (n - 1) * size if self.rank == dst else 0)
         target = tensor if self.rank == dst else tensor.clone()
         work = dist.reduce(target, dst=self.global_rank(dst), op=_OPS[op], group=self.group, async_op=True)
-        after = (lambda: _divide(tensor, n)) if op == "avg" and self.rank == dst else None
+        after = (lambda: divide(tensor, n)) if op == "avg" and self.rank == dst else None
         return self._finish(work, async_op, after)
-
-    def _reduce(self, tensor: torch.Tensor, dst: int, op: str, variant: str) -> None:
-        flat = _flat(tensor) if self.rank == dst else tensor.reshape(-1).clone()
-        reduce_op = "sum" if op == "avg" else op
-        if variant == "tree":
-            tree.reduce_binomial(flat, self._p2p, reduce_op, dst)
-        else:
-            naive.reduce(flat, self._p2p, reduce_op, dst)
-        if self.rank == dst:
-            if op == "avg":
-                _divide(flat, self.world_size)
-            _back(flat, tensor)
 
     def all_gather(
         self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, algorithm: str | None = None
@@ -283,16 +220,10 @@ class Comm:
             output.copy_(shard.reshape(output.shape))
             return Done()
         if name != "native":
-            variant = ALGORITHM_FOR["all_gather"][name]
-            return self._explicit(lambda: self._all_gather(output, shard, variant))
+            return self._explicit(lambda: explicit.all_gather(output, shard, self._p2p, name))
         self._count((n - 1) * size, (n - 1) * size)
-        work = dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True)
+        work = dist.all_gather_single(output, shard, group=self.group, async_op=True)
         return self._finish(work, async_op, None)
-
-    def _all_gather(self, output: torch.Tensor, shard: torch.Tensor, variant: str) -> None:
-        flat = _flat(output)
-        (ring if variant == "ring" else naive).all_gather(flat, shard.reshape(-1), self._p2p)
-        _back(flat, output)
 
     def reduce_scatter(
         self,
@@ -310,19 +241,11 @@ class Comm:
             shard.copy_(full.reshape(shard.shape))
             return Done()
         if name != "native":
-            variant = ALGORITHM_FOR["reduce_scatter"][name]
-            return self._explicit(lambda: self._reduce_scatter(shard, full, op, variant))
+            return self._explicit(lambda: explicit.reduce_scatter(shard, full, self._p2p, op, name))
         self._count((n - 1) * size, (n - 1) * size)
-        work = dist.reduce_scatter_tensor(shard, full, op=_OPS[op], group=self.group, async_op=True)
-        after = (lambda: _divide(shard, n)) if op == "avg" else None
+        work = dist.reduce_scatter_single(shard, full, op=_OPS[op], group=self.group, async_op=True)
+        after = (lambda: divide(shard, n)) if op == "avg" else None
         return self._finish(work, async_op, after)
-
-    def _reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, op: str, variant: str) -> None:
-        flat, reduce_op = _flat(shard), "sum" if op == "avg" else op
-        (ring if variant == "ring" else naive).reduce_scatter(flat, full.reshape(-1), self._p2p, reduce_op)
-        if op == "avg":
-            _divide(flat, self.world_size)
-        _back(flat, shard)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self._count(_nbytes(tensor), 0)
@@ -331,6 +254,16 @@ class Comm:
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         self._count(0, _nbytes(tensor))
         self._finish(dist.irecv(tensor, self.global_rank(src), group=self.group), False, None)
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Non-blocking send; bytes are counted when posted. ``wait()`` raises if the peer is gone."""
+        self._count(_nbytes(tensor), 0)
+        return _Timed(dist.isend(tensor, self.global_rank(dst), group=self.group), self.stats)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        """Non-blocking receive from group rank ``src``; bytes are counted when posted."""
+        self._count(0, _nbytes(tensor))
+        return _Timed(dist.irecv(tensor, self.global_rank(src), group=self.group), self.stats)
 
     def barrier(self) -> None:
         if self.world_size > 1:

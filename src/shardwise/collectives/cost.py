@@ -122,7 +122,7 @@ def _naive_reduce_scatter(n: float, p: int, c: CostProfile) -> float:
 
 
 # (algorithm, op) -> formula. An algorithm with no variant of its own for an op runs the one named in
-# ``api.ALGORITHM_FOR`` (e.g. all-gather under "tree" is the ring); the table mirrors that.
+# ``explicit.ALGORITHM_FOR`` (e.g. all-gather under "tree" is the ring); the table mirrors that.
 FORMULAS: dict[tuple[str, str], Formula] = {
     ("ring", "all_reduce"): _ring_all_reduce,
     ("ring", "reduce_scatter"): _ring_reduce_scatter,

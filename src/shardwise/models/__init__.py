@@ -1,0 +1,98 @@
+"""The built-in models, their size presets, and ``build_model(ModelConfig)``.
+
+No communication: the model is built identically on every rank (same seed, same values) and the
+strategies distribute it afterwards. Parameter counts at vocab 256, seq_len 64 (ties counted once):
+
+    gpt   tiny 0.12M   small 1.03M   base 10.8M   medium 25.4M   large 99.5M
+    mlp   tiny 0.03M   small 0.27M   base 4.5M    small_bn: small with BatchNorm (has buffers)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.config import ConfigError, ModelConfig
+from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.mlp import MLP, MLPConfig
+
+__all__ = ["GPT", "MLP", "PRESETS", "GPTConfig", "MLPConfig", "build_model", "count_parameters"]
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "gpt": {
+        "tiny": {"n_layer": 2, "n_head": 2, "d_model": 64},
+        # odd sizes everywhere: sharding must pad and slice across parameter boundaries
+        "odd": {"n_layer": 2, "n_head": 3, "d_model": 27, "d_ff": 50},
+        "small": {"n_layer": 5, "n_head": 4, "d_model": 128},
+        "base": {"n_layer": 6, "n_head": 6, "d_model": 384},
+        "medium": {"n_layer": 8, "n_head": 8, "d_model": 512},
+        "large": {"n_layer": 14, "n_head": 12, "d_model": 768},
+    },
+    "mlp": {
+        "tiny": {"context": 8, "d_embed": 16, "d_hidden": 64, "n_layer": 1},
+        "odd": {"context": 8, "d_embed": 7, "d_hidden": 45, "n_layer": 2},
+        "small": {"context": 16, "d_embed": 32, "d_hidden": 256, "n_layer": 2},
+        "small_bn": {"context": 16, "d_embed": 32, "d_hidden": 256, "n_layer": 2, "batch_norm": True},
+        "base": {"context": 32, "d_embed": 64, "d_hidden": 1024, "n_layer": 3},
+    },
+}
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Build the model ``cfg`` describes, under the caller's torch seed, then apply ``cfg.freeze``.
+
+    Parameters are drawn in float32 and then cast, so a float64 model holds exactly the float32
+    model's initial values.
+    """
+    presets = PRESETS.get(cfg.kind)
+    if presets is None:
+        raise ConfigError(f"model.kind must be one of {', '.join(PRESETS)}; got {cfg.kind!r}")
+    if cfg.preset not in presets:
+        raise ConfigError(f"unknown {cfg.kind} preset {cfg.preset!r}; known presets: {', '.join(presets)}")
+    sizes = presets[cfg.preset]
+    model: nn.Module
+    if cfg.kind == "gpt":
+        model = GPT(GPTConfig(**sizes, seq_len=cfg.seq_len, dropout=cfg.dropout, tie_weights=cfg.tie_weights))
+    else:
+        mlp_config = MLPConfig(**sizes, dropout=cfg.dropout)
+        if mlp_config.context > cfg.seq_len:
+            raise ConfigError(
+                f"mlp preset {cfg.preset!r} reads {mlp_config.context} tokens, more than "
+                f"model.seq_len({cfg.seq_len}); raise seq_len or pick a smaller preset"
+            )
+        model = MLP(mlp_config)
+    model.to(dtype)
+    apply_freeze(model, cfg.freeze)
+    return model
+
+
+def apply_freeze(model: nn.Module, prefixes: tuple[str, ...]) -> nn.Module:
+    """Set ``requires_grad=False`` on parameters whose dotted name starts with one of ``prefixes``.
+
+    A prefix matches whole name components: ``"blocks.1"`` freezes ``blocks.1.*`` but not
+    ``blocks.10.*``. A tied matrix answers to both of its names (``wte`` and ``head`` in the GPT).
+    """
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    for prefix in prefixes:
+        matched = [name for name in names if _matches(name, prefix)]
+        if not matched:
+            tops = sorted({name.split(".")[0] for name in names})
+            raise ConfigError(
+                f"model.freeze prefix {prefix!r} matches no parameter; names start with {', '.join(tops)}"
+            )
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if any(_matches(name, prefix) for prefix in prefixes):
+            param.requires_grad_(False)
+    return model
+
+
+def _matches(name: str, prefix: str) -> bool:
+    prefix = prefix.rstrip(".")
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameter values; a tied matrix counts once."""
+    return sum(p.numel() for p in model.parameters())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -82,7 +83,7 @@ def _collect(procs: list[Any], results: mp.Queue, world_size: int, timeout_s: fl
             continue
         if not ok:
             raise RankFailure(rank, f"rank {rank} failed:\n{value}")
-        out[rank] = value
+        out[rank] = pickle.loads(value)
     return [out[r] for r in range(world_size)]
 
 
@@ -117,8 +118,11 @@ def _rank_main(
         try:
             value = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
-        results.put((rank, True, value))
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        # Plain pickle bytes: torch's queue reduction would pass tensors as shared-memory handles that
+        # die with this process. These bytes only ever travel between our own processes.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         raise SystemExit(1) from None

@@ -54,9 +54,11 @@ def assert_parity(
         ref, got = list(reference), list(candidate)  # type: ignore[arg-type]
         if len(ref) != len(got):
             raise AssertionError(f"{what}: {len(got)} values against {len(ref)} in the reference")
-        diffs = [abs(float(a) - float(b)) for a, b in zip(ref, got)]
+        diffs = [abs(float(a) - float(b)) for a, b in zip(ref, got, strict=True)]
         worst = max(range(len(diffs)), key=diffs.__getitem__) if diffs else 0
         report = ParityReport(max(diffs, default=0.0), f"step {worst}")
     if not report.max_diff <= atol:
-        raise AssertionError(f"{what} differ by {report.max_diff:.3e} at {report.where} (tolerance {atol:.1e})")
+        raise AssertionError(
+            f"{what} differ by {report.max_diff:.3e} at {report.where} (tolerance {atol:.1e})"
+        )
     return report

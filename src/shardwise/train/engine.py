@@ -86,5 +86,10 @@ class Engine(ABC):
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter's global gradient, by name, between ``finish_grads`` and the step."""
 
+    def metrics(self) -> dict[str, float]:
+        """Strategy-specific figures for this rank's metrics (staleness, versions, ...)."""
+        return {}
+
     def close(self) -> None:
-        """Release hooks, threads and files."""
+        """Release hooks, threads and files (nothing to release by default)."""
+        return None

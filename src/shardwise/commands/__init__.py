@@ -1,0 +1,1 @@
+"""One module per CLI command: argument handling and output; the work lives in the library."""

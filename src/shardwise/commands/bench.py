@@ -1,0 +1,60 @@
+"""``shardwise bench KIND``: ours against PyTorch's built-in, interleaved runs, medians, JSON out."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None:
+    bench = sub.add_parser("bench", help="benchmarks against PyTorch's built-ins")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+    ddp = kinds.add_parser("ddp", help="our all-reduce DP against torch DistributedDataParallel")
+    ddp.add_argument("--nproc", type=int, default=2)
+    ddp.add_argument("--steps", type=int, default=20)
+    ddp.add_argument("--rounds", type=int, default=3, help="interleaved runs of each implementation")
+    ddp.add_argument("--preset", default="small")
+    ddp.add_argument("--global-batch", type=int, default=16)
+    ddp.add_argument("--bucket-mb", type=float, default=25.0)
+    ddp.add_argument("--json", action="store_true")
+    ddp.add_argument("--out", help="also write the JSON result to this file")
+    ddp.set_defaults(run=run)
+    compare = kinds.add_parser("dp-compare", help="single-process DP, parameter server, all-reduce DP")
+    compare.add_argument("--nproc", type=int, default=3)
+    compare.add_argument("--steps", type=int, default=5)
+    compare.add_argument("--global-batch", type=int, default=16)
+    compare.add_argument("--json", action="store_true")
+    compare.add_argument("--out", help="also write the JSON result to this file")
+    compare.set_defaults(run=run)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from shardwise.cli import emit
+
+    if args.kind == "ddp":
+        from shardwise.data_parallel.bench import render, run_ddp_bench
+
+        result = run_ddp_bench(
+            nproc=args.nproc,
+            steps=args.steps,
+            rounds=args.rounds,
+            preset=args.preset,
+            global_batch=args.global_batch,
+            bucket_mb=args.bucket_mb,
+        )
+    elif args.kind == "dp-compare":
+        from shardwise.data_parallel.compare import render_compare, run_dp_compare
+
+        result = run_dp_compare(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch)
+        render = render_compare
+    else:  # pragma: no cover - argparse restricts the choices
+        raise ValueError(args.kind)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    emit(result, args.json, render)
+    return 0

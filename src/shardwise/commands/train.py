@@ -1,0 +1,65 @@
+"""``shardwise train``: N local ranks through the elastic agent, or one rank of a torchrun job."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from shardwise.config import TrainConfig
+from shardwise.launch import LaunchError, init_distributed, launch_local, running_under_torchrun
+
+
+def train_worker(config: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
+    """What every rank runs (top-level so the agent can start it in a fresh process)."""
+    import torch.distributed as dist
+
+    from shardwise.train.loop import run_training
+
+    init_distributed(config.timeout_s)
+    try:
+        return run_training(config, show_progress=show_progress)
+    finally:
+        dist.destroy_process_group()
+
+
+def train_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
+    from shardwise.cli import emit
+
+    if running_under_torchrun():
+        summary = train_worker(config, show_progress=True)
+        if summary is not None:
+            emit(summary, as_json, render_summary)
+        return 0
+    config.validate(nproc)  # a bad config fails here in one line, before any process starts
+    try:
+        results = launch_local(train_worker, (config, True), nproc, config.max_restarts)
+    except LaunchError as exc:
+        print(f"shardwise train: {exc}", file=sys.stderr)
+        return 1
+    emit(next(r for r in results.values() if r is not None), as_json, render_summary)
+    return 0
+
+
+def render_summary(summary: dict[str, Any]) -> None:
+    console = Console()
+    console.print(
+        f"[bold]{summary['strategy']}[/] on {summary['world_size']} ranks, {summary['steps']} steps: "
+        f"loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
+        + (f", held-out {summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else "")
+        + f", {summary['tokens_per_s']:,.0f} tokens/s"
+    )
+    table = Table("rank", "samples/step", "step s (median)", "sent MB/step", "peak RSS MB")
+    first = summary["world_size"] - summary["training_ranks"]  # parameter servers come first
+    for rank, peak in enumerate(summary["peak_rss_mb_by_rank"]):
+        table.add_row(
+            str(first + rank),
+            str(summary["samples_per_step_by_rank"][rank]),
+            f"{summary['step_s_median_by_rank'][rank]:.4f}",
+            f"{summary['bytes_sent_per_step_by_rank'][rank] / 2**20:.2f}",
+            f"{peak:.0f}",
+        )
+    console.print(table)
+    console.print(f"metrics: {summary['run_dir']}/metrics.jsonl")

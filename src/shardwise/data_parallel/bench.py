@@ -1,0 +1,161 @@
+"""Benchmark: our all-reduce DP against torch's DistributedDataParallel on the same job.
+
+Each measurement is a fresh launch of N ranks running one implementation, so each process's peak RSS
+belongs to one implementation alone. Launches alternate (ours, torch, torch, ours, ...) to spread the
+machine's drift over both; per launch we take the median step time after warm-up (the slowest rank's),
+and across launches the median. Same model, data, optimizer, bucket size and global batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from shardwise.config import TrainConfig, load_config
+from shardwise.launch import init_distributed, launch_local
+
+WARMUP_STEPS = 3
+
+
+def _bench_config(preset: str, global_batch: int, bucket_mb: float, steps: int) -> TrainConfig:
+    return load_config(
+        None,
+        {
+            "model.preset": preset,
+            "data.global_batch": global_batch,
+            "ddp.bucket_mb": bucket_mb,
+            "steps": steps,
+        },
+    )
+
+
+def bench_worker(impl: str, config: TrainConfig) -> dict[str, Any]:
+    """Run ``config.steps`` steps of one implementation; return median step time and peak RSS."""
+    import torch.distributed as dist
+
+    from shardwise.train.metrics import peak_rss_mb
+
+    init_distributed(config.timeout_s)
+    try:
+        step_fn = _ours(config) if impl == "shardwise" else _torch_ddp(config)
+        times = []
+        for step in range(config.steps):
+            start = time.perf_counter()
+            step_fn(step)
+            times.append(time.perf_counter() - start)
+        mine = torch.tensor([statistics.median(times[WARMUP_STEPS:]), peak_rss_mb()], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        return {
+            "step_s": max(float(t[0]) for t in everyone),
+            "peak_rss_mb": max(float(t[1]) for t in everyone),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def _setup(config: TrainConfig) -> tuple[torch.nn.Module, Any, int]:
+    import torch.distributed as dist
+
+    from shardwise.data.corpus import load_corpus
+    from shardwise.data.sampler import DataSampler, split_counts
+    from shardwise.models import build_model
+    from shardwise.train.loop import seed_everything
+
+    config = config.validate(dist.get_world_size())
+    seed_everything(config.seed)
+    model = build_model(config.model)
+    counts = split_counts(config.data.global_batch, [1.0] * dist.get_world_size())
+    corpus = load_corpus(config.data.corpus_bytes)
+    sampler = DataSampler(
+        corpus.train, config.model.seq_len, config.data.global_batch, config.seed, counts, dist.get_rank()
+    )
+    return model, sampler, config.data.global_batch * config.model.seq_len
+
+
+def _ours(config: TrainConfig) -> Any:
+    from shardwise.collectives.api import Comm
+    from shardwise.data_parallel.ddp import DDPEngine
+    from shardwise.train.optim import optimizer_factory
+
+    model, sampler, tokens = _setup(config)
+    engine = DDPEngine(model, Comm(), optimizer_factory(config.optim), config.ddp)
+
+    def step(i: int) -> None:
+        engine.forward_backward([sampler.local_batch(i)], tokens)
+        engine.optimizer_step()
+
+    return step
+
+
+def _torch_ddp(config: TrainConfig) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shardwise.train.engine import loss_sum
+    from shardwise.train.optim import build_optimizer
+
+    model, sampler, _ = _setup(config)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=config.ddp.bucket_mb)
+    optimizer = build_optimizer(ddp.parameters(), config.optim)
+
+    def step(i: int) -> None:
+        inputs, targets = sampler.local_batch(i)
+        loss = loss_sum(ddp(inputs), targets) / targets.numel()  # local mean; DDP averages over ranks
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def run_ddp_bench(
+    nproc: int = 2,
+    steps: int = 20,
+    rounds: int = 3,
+    preset: str = "small",
+    global_batch: int = 16,
+    bucket_mb: float = 25.0,
+) -> dict[str, Any]:
+    config = _bench_config(preset, global_batch, bucket_mb, steps)
+    config.validate(nproc)
+    runs: dict[str, list[dict[str, Any]]] = {"shardwise": [], "torch": []}
+    for r in range(rounds):
+        order = ("shardwise", "torch") if r % 2 == 0 else ("torch", "shardwise")
+        for impl in order:
+            runs[impl].append(launch_local(bench_worker, (impl, config), nproc)[0])
+    tokens = global_batch * config.model.seq_len
+    result: dict[str, Any] = {
+        "nproc": nproc,
+        "preset": preset,
+        "global_batch": global_batch,
+        "bucket_mb": bucket_mb,
+        "steps": steps,
+        "rounds": rounds,
+    }
+    for impl, rows in runs.items():
+        step_s = statistics.median(row["step_s"] for row in rows)
+        result[impl] = {
+            "tokens_per_s": tokens / step_s,
+            "step_s": step_s,
+            "peak_rss_mb": statistics.median(row["peak_rss_mb"] for row in rows),
+            "runs": rows,
+        }
+    result["speed_ratio"] = result["shardwise"]["tokens_per_s"] / result["torch"]["tokens_per_s"]
+    result["memory_ratio"] = result["shardwise"]["peak_rss_mb"] / result["torch"]["peak_rss_mb"]
+    return result
+
+
+def render(result: dict[str, Any]) -> None:
+    print(
+        f"all-reduce DP on {result['nproc']} ranks, preset {result['preset']}, batch {result['global_batch']}"
+    )
+    for impl in ("shardwise", "torch"):
+        row = result[impl]
+        print(
+            f"  {impl:9s} {row['tokens_per_s']:>10,.0f} tokens/s  {row['step_s'] * 1e3:8.1f} ms/step  "
+            f"peak RSS {row['peak_rss_mb']:.0f} MB"
+        )
+    print(f"  speed ratio {result['speed_ratio']:.3f}   memory ratio {result['memory_ratio']:.3f}")

@@ -1,0 +1,346 @@
+"""Parameter server: server ranks hold the parameters and the optimizer, workers compute gradients.
+
+Rank layout: the first K global ranks are servers, the rest workers. Trainable parameters are split over
+the servers, balanced by bytes (:func:`assign_to_servers`). Workers never talk to each other; every
+exchange is point-to-point through ``Comm`` send/recv (Li et al., "Scaling Distributed Machine Learning
+with the Parameter Server", OSDI 2014):
+
+    worker w --push(grad shard s, loss, version)--> server s      one message per server per step
+    worker w <--pull(weights of s, version, ...)--- server s      one message per server per step
+
+Synchronous mode: server s receives every worker's shard, sums them in worker order (each worker's loss
+is already divided by the GLOBAL token count, so the sum is exactly the gradient of one process on the
+global batch), steps its optimizer and sends the new weights back. Asynchronous mode: see
+:mod:`shardwise.data_parallel.ps_async`. At the end every server sends its shard to every live rank, so
+``full_parameters()`` gives the same, final weights on every rank.
+
+Message layout (flat tensors in the parameters' dtype): a push is ``[grad shard..., loss, version, kind]``
+(kind 0 = gradient, 1 = done); a reply is ``[weights..., version, staleness, accepted, loss_total]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from shardwise.collectives.api import Comm, CommStats
+from shardwise.config import ConfigError, PSConfig
+from shardwise.train.engine import Batch, Engine, loss_sum
+from shardwise.train.optim import OptimizerFactory
+
+PUSH_EXTRA = 3  # loss, version, kind
+REPLY_EXTRA = 4  # version, staleness, accepted, loss_total
+KIND_GRAD, KIND_DONE = 0.0, 1.0
+MAX_ATTEMPTS = 3  # async: pushes of one batch before a worker gives it up (see ps_async)
+
+
+def assign_to_servers(sizes: Mapping[str, int], servers: int) -> list[list[str]]:
+    """Split parameters over ``servers``, balanced by bytes: largest first, into the lightest server.
+
+    Ties (equal sizes, equal loads) go by the mapping's order and the lowest server index, so every rank
+    computes the same assignment. Within a server, names keep the mapping's order.
+    """
+    if servers < 1:
+        raise ConfigError(f"the parameter server needs at least one server, got {servers}")
+    order = {name: i for i, name in enumerate(sizes)}
+    loads = [0] * servers
+    chosen: list[list[str]] = [[] for _ in range(servers)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], order[n])):
+        lightest = min(range(servers), key=lambda s: (loads[s], s))
+        loads[lightest] += sizes[name]
+        chosen[lightest].append(name)
+    return [sorted(names, key=order.__getitem__) for names in chosen]
+
+
+def flatten(tensors: Sequence[torch.Tensor], extra: int) -> torch.Tensor:
+    """One flat buffer holding ``tensors`` followed by ``extra`` header slots (left zero)."""
+    parts = [t.detach().reshape(-1) for t in tensors]
+    dtype = tensors[0].dtype if tensors else torch.float64
+    return torch.cat([*parts, torch.zeros(extra, dtype=dtype)])
+
+
+def unflatten_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+    """Copy the leading part of ``flat`` into ``targets`` in order."""
+    offset = 0
+    for t in targets:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+class ParamServerEngine(Engine):
+    """Parameter-server training; ``is_server`` ranks call :meth:`serve`, workers step as usual.
+
+    ``steps`` is the number of optimizer steps every worker runs; after its last step a worker takes part
+    in the final weight distribution by itself (or call :meth:`finish` to stop early). ``share_gradients``
+    (sync only, for verification) makes the servers send the summed gradient back so that
+    ``full_gradients()`` works on workers; it costs one more message per server per step.
+    """
+
+    name = "ps"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        optimizer_factory: OptimizerFactory,
+        config: PSConfig,
+        steps: int,
+        share_gradients: bool = False,
+    ) -> None:
+        super().__init__(model)
+        if config.mode not in ("sync", "async"):
+            raise ConfigError(f"ps.mode must be sync or async, got {config.mode!r}")
+        if comm.world_size - config.servers < 1 or config.servers < 1:
+            raise ConfigError(
+                f"the parameter server needs at least one server and one worker: {comm.world_size} ranks - "
+                f"{config.servers} servers = {comm.world_size - config.servers} workers"
+            )
+        self.comm, self.config, self.steps = comm, config, steps
+        self.share_gradients = share_gradients and config.mode == "sync"
+        self.servers = list(range(config.servers))
+        self.workers = list(range(config.servers, comm.world_size))
+        self.is_server = comm.rank < config.servers
+        named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        sizes = {n: p.numel() * p.element_size() for n, p in named.items()}
+        self.assignment = assign_to_servers(sizes, config.servers)
+        self.shards: list[list[nn.Parameter]] = [[named[n] for n in names] for names in self.assignment]
+        # a server left without parameters (more servers than tensors) only counts versions
+        self.optimizer = optimizer_factory(self.own) if self.own else None
+        # metrics
+        self.version = 0  # server: updates applied; worker: the newest version pulled from any server
+        self.server_versions = [0] * config.servers  # worker: the version of each server's weights it holds
+        self.last_staleness = 0
+        self.max_staleness_seen = 0
+        self.staleness: list[int] = []
+        self.rejected = 0  # async: pushes refused for staleness (server) / refusals received (worker)
+        self.dropped_batches = 0  # async, worker: batches given up after MAX_ATTEMPTS refusals
+        self.dead_workers: list[int] = []
+        self.loss_history: list[float] = []  # server 0 in sync: the global mean loss per step
+        self.last_global_loss = float("nan")
+        self.step_comm: list[CommStats] = []  # communication of each step (not the start / end transfers)
+        self._step_start = comm.stats.snapshot()
+        self._steps_done, self._finished = 0, False
+        self._micro: Sequence[Batch] = ()
+        self._global_tokens, self._local_tokens, self._loss_share = 1, 0, 0.0
+        self._replies: list[torch.Tensor] = []
+        self._distribute_initial()
+
+    @property
+    def own(self) -> list[nn.Parameter]:
+        """The parameters this rank serves (empty on workers)."""
+        return self.shards[self.comm.rank] if self.is_server else []
+
+    # -- worker side --------------------------------------------------------------------------------
+    def forward_backward(self, micro_batches: Sequence[Batch], global_tokens: int) -> float:
+        self._require_worker()
+        self._step_start = self.comm.stats.snapshot()
+        self._micro, self._global_tokens = micro_batches, global_tokens
+        self._loss_share = self._backward_all()
+        self.finish_grads()
+        return self._loss_share
+
+    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs)
+        self._local_tokens += targets[:, -logits.size(1) :].numel()
+        return loss_sum(logits, targets)
+
+    def _backward_all(self) -> float:
+        self._local_tokens, share = 0, 0.0
+        for inputs, targets in self._micro:
+            loss = self.compute_loss(inputs, targets) / self._global_tokens
+            loss.backward()
+            share += float(loss.detach())
+        return share
+
+    def finish_grads(self) -> None:
+        self._require_worker()
+        if self.config.mode == "sync":
+            for s in self.servers:
+                self.comm.send(self._push_message(s, scale=1.0), s)
+            if self.share_gradients:
+                for s in self.servers:
+                    self._recv_gradients(s)
+        else:
+            from shardwise.data_parallel.ps_async import push_until_accepted
+
+            push_until_accepted(self)
+
+    def optimizer_step(self) -> None:
+        self._require_worker()
+        if self.config.mode == "sync":
+            self._replies = []
+            for s in self.servers:
+                reply = self._reply_buffer(s)
+                self.comm.recv(reply, s)
+                self._replies.append(reply)
+        for s, reply in zip(self.servers, self._replies, strict=True):
+            self.load_reply(s, reply)
+        self.last_global_loss = float(self._replies[0][-1]) if self._replies else float("nan")
+        self.model.zero_grad(set_to_none=True)
+        self.step_comm.append(self.comm.stats.since(self._step_start))
+        self._steps_done += 1
+        if self._steps_done >= self.steps:
+            self.finish()
+
+    def _push_message(self, s: int, scale: float) -> torch.Tensor:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.shards[s]]
+        message = flatten(grads, PUSH_EXTRA)
+        if scale != 1.0:
+            message.mul_(scale)
+        message[-3:] = torch.tensor(
+            [self._loss_share * scale, self.server_versions[s], KIND_GRAD], dtype=message.dtype
+        )
+        return message
+
+    def _reply_buffer(self, s: int) -> torch.Tensor:
+        numel = sum(p.numel() for p in self.shards[s])
+        return torch.zeros(numel + REPLY_EXTRA, dtype=self._dtype())
+
+    def load_reply(self, s: int, reply: torch.Tensor) -> None:
+        """Take server ``s``'s weights and header into this worker's model."""
+        with torch.no_grad():
+            unflatten_into(reply, self.shards[s])
+        staleness = int(reply[-3])
+        self.server_versions[s] = int(reply[-4])
+        self.version = max(self.server_versions)
+        self.last_staleness = staleness if s == 0 else max(self.last_staleness, staleness)
+        self.max_staleness_seen = max(self.max_staleness_seen, staleness)
+
+    def _recv_gradients(self, s: int) -> None:
+        buf = torch.zeros(sum(p.numel() for p in self.shards[s]), dtype=self._dtype())
+        self.comm.recv(buf, s)
+        for p in self.shards[s]:
+            p.grad = torch.empty_like(p)
+        unflatten_into(buf, [p.grad for p in self.shards[s]])
+
+    def finish(self) -> None:
+        """Tell the servers this worker is done (async) and receive the final weights. Idempotent."""
+        if self._finished or self.is_server:
+            return
+        self._finished = True
+        if self.config.mode == "async":
+            for s in self.servers:
+                done = torch.zeros(sum(p.numel() for p in self.shards[s]) + PUSH_EXTRA, dtype=self._dtype())
+                done[-1] = KIND_DONE
+                self.comm.send(done, s)
+        self._distribute_final(dead=())
+
+    def _require_worker(self) -> None:
+        if self.is_server:
+            raise RuntimeError(f"rank {self.comm.rank} is a parameter server: call serve(), not the step")
+
+    def _dtype(self) -> torch.dtype:
+        return next(iter(self.model.parameters())).dtype
+
+    # -- server side --------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Run this server until the workers are done, then share the final weights with every rank."""
+        if not self.is_server:
+            raise RuntimeError(f"rank {self.comm.rank} is a worker: it steps, it does not serve")
+        if self.config.mode == "sync":
+            for _ in range(self.steps):
+                self._serve_sync_step()
+            dead: Sequence[int] = ()
+        else:
+            from shardwise.data_parallel.ps_async import serve_async
+
+            dead = serve_async(self)
+        self.dead_workers = sorted(dead)
+        self._finished = True
+        self._distribute_final(dead)
+
+    def _serve_sync_step(self) -> None:
+        start = self.comm.stats.snapshot()
+        n_own = sum(p.numel() for p in self.own)
+        total: torch.Tensor | None = None
+        for w in self.workers:
+            buf = torch.zeros(n_own + PUSH_EXTRA, dtype=self._dtype())
+            self.comm.recv(buf, w)
+            if buf[-1] != KIND_GRAD:
+                raise RuntimeError(f"worker {w} stopped before step {self.version + 1} in synchronous mode")
+            total = buf if total is None else total.add_(buf)
+        assert total is not None
+        if self.share_gradients:
+            for w in self.workers:
+                self.comm.send(total[:n_own].clone(), w)
+        loss_total = float(total[-3])
+        self.loss_history.append(loss_total)
+        self.apply_gradient(total)
+        reply = self.reply_message(staleness=0, accepted=True, loss_total=loss_total)
+        for w in self.workers:
+            self.comm.send(reply, w)
+        self.step_comm.append(self.comm.stats.since(start))
+
+    def apply_gradient(self, flat: torch.Tensor) -> None:
+        """Set the served parameters' gradients from ``flat`` and step the optimizer."""
+        for p in self.own:
+            p.grad = torch.empty_like(p)
+        unflatten_into(flat, [p.grad for p in self.own])
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+    def reply_message(self, staleness: int, accepted: bool, loss_total: float = 0.0) -> torch.Tensor:
+        message = flatten(list(self.own), REPLY_EXTRA)
+        message[-4:] = torch.tensor(
+            [self.version, staleness, float(accepted), loss_total], dtype=message.dtype
+        )
+        return message
+
+    # -- weights at the start and at the end ------------------------------------------------------------
+    def _distribute_initial(self) -> None:
+        """Servers send their shard to every worker, so all start from the servers' weights."""
+        for s in self.servers:
+            flat = flatten(list(self.shards[s]), 0) if self.shards[s] else None
+            if flat is None:
+                continue
+            if self.comm.rank == s:
+                for w in self.workers:
+                    self.comm.send(flat, w)
+            elif not self.is_server:
+                self.comm.recv(flat, s)
+                with torch.no_grad():
+                    unflatten_into(flat, self.shards[s])
+
+    def _distribute_final(self, dead: Sequence[int]) -> None:
+        """Every server sends its shard to every other live rank, one server after the other."""
+        for s in self.servers:
+            if not self.shards[s]:
+                continue
+            flat = flatten(list(self.shards[s]), 0)
+            if self.comm.rank == s:
+                for r in range(self.comm.world_size):
+                    if r != s and r not in dead:
+                        self.comm.send(flat, r)
+            else:
+                self.comm.recv(flat, s)
+                with torch.no_grad():
+                    unflatten_into(flat, self.shards[s])
+
+    # -- inspection ---------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        return {
+            "version": self.version,
+            "staleness": self.last_staleness,
+            "max_staleness_seen": self.max_staleness_seen,
+            "rejected_pushes": self.rejected,
+            "dropped_batches": self.dropped_batches,
+        }
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        if self.is_server or not self.share_gradients:
+            raise RuntimeError(
+                "the global gradient lives on the servers: build the engine with share_gradients=True "
+                "(sync mode) and ask a worker"
+            )
+        return {
+            n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for n, p in self.model.named_parameters()
+            if p.requires_grad
+        }

@@ -1,0 +1,105 @@
+"""Start ranks: N local processes through torch's elastic agent, or join a job torchrun started.
+
+``launch_local`` runs ``fn(*args)`` on N local workers with the elastic agent (the engine behind
+torchrun): a c10d rendezvous on loopback, restarts up to ``max_restarts`` times when a worker dies,
+and the whole job stopped within seconds when one rank fails, with that rank's traceback.
+
+``init_distributed`` is what every worker calls first. It builds the process group on the agent's
+store under a per-attempt prefix, so ranks restarted after a crash never read the keys an earlier
+attempt left behind (torch's default reuses them and the restarted job fails).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class LaunchError(RuntimeError):
+    """A rank failed; the message holds its rank and traceback."""
+
+
+def running_under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def threads_per_rank(nproc: int) -> int:
+    """Cores divided among local ranks, so N ranks never oversubscribe the machine."""
+    return max(1, (os.cpu_count() or 1) // max(1, nproc))
+
+
+def launch_local(
+    fn: Callable[..., Any], args: tuple[Any, ...], nproc: int, max_restarts: int = 0
+) -> dict[int, Any]:
+    """Run ``fn(*args)`` on ``nproc`` local ranks; return each rank's return value by rank."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent logs every failure at length; LaunchError carries the one that matters.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.CRITICAL)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback only
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        rdzv_configs={"timeout": 60},
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr="127.0.0.1",
+        shutdown_timeout=3,
+    )
+    try:
+        return elastic_launch(config, fn)(*args)
+    except ChildFailedError as exc:
+        raise LaunchError(_describe_failure(exc)) from None
+
+
+def _describe_failure(exc: Any) -> str:
+    rank, failure = exc.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "") + "\n" + message.get("extraInfo", {}).get("py_callstack", "")
+    if failure.exitcode < 0 and not str(message).strip():
+        message = f"killed by signal {-failure.exitcode}"
+    return f"rank {rank} failed (exit code {failure.exitcode}):\n{str(message).strip()}"
+
+
+def init_distributed(timeout_s: float = 300.0, backend: str = "gloo") -> None:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_*)."""
+    if dist.is_initialized():
+        return
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", threads_per_rank(1))))
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    timeout = timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" not in os.environ:  # a plain single process
+        store: dist.Store = dist.HashStore()
+    else:
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=rank == 0 and not agent_hosts,
+            timeout=timeout,
+        )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"shardwise/attempt-{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -1,0 +1,226 @@
+"""The training loop every strategy shares: build, step, evaluate, report.
+
+One step: draw this rank's share of the global batch, ``engine.forward_backward`` (forward, backward,
+gradient communication), ``engine.optimizer_step``, then one tiny all-gather of per-rank figures
+(see ``metrics``). Rank 0 shows a progress bar, writes ``metrics.jsonl`` and returns the summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardwise.collectives.api import Comm
+from shardwise.config import TrainConfig, to_dict
+from shardwise.data.corpus import load_corpus
+from shardwise.data.sampler import DataSampler, eval_batches, split_counts
+from shardwise.mesh import build_mesh
+from shardwise.models import build_model
+from shardwise.strategies import build_engine
+from shardwise.train.engine import Engine, loss_sum, predicted_tokens
+from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step, peak_rss_mb, rss_mb
+from shardwise.train.progress import Progress
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return torch.float64 if name == "float64" else torch.float32
+
+
+def param_digest(params: dict[str, torch.Tensor]) -> str:
+    """sha256 over every parameter's name and bytes, in name order: equal digests, equal models."""
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        digest.update(name.encode())
+        digest.update(params[name].detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class Trainer:
+    """Everything one rank needs to train: the engine, its data share and its communicators."""
+
+    config: TrainConfig
+    engine: Engine
+    sampler: DataSampler
+    engine_comm: Comm  # what the strategy communicates over: its bytes and waits are the step's
+    metrics_comm: Comm | None  # the ranks that train (None on a parameter server)
+    global_tokens: int
+    history: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def serves(self) -> bool:
+        """A parameter-server rank: it runs ``engine.serve()`` instead of steps."""
+        return self.metrics_comm is None
+
+    @property
+    def reports(self) -> bool:
+        """The rank that writes metrics and returns the summary: the first rank that trains."""
+        first = self.config.ps.servers if self.config.strategy == "ps" else 0
+        return dist.get_rank() == first
+
+    @classmethod
+    def build(cls, config: TrainConfig, share_gradients: bool = False) -> Trainer:
+        """Validate against the live world, build the model under the seed and apply the strategy.
+
+        ``share_gradients``: make global gradients visible where a strategy keeps them elsewhere
+        (the parameter server's workers), for ``verify``.
+        """
+        config = config.validate(dist.get_world_size())
+        seed_everything(config.seed)
+        model = build_model(config.model, torch_dtype(config.dtype))
+        world_comm = Comm(None, config.comm.algorithm)
+        metrics_comm: Comm | None = world_comm
+        if config.strategy == "ps":
+            servers = config.ps.servers
+            workers = dist.new_group(list(range(servers, dist.get_world_size())))  # every rank joins
+            dp_comm, dp_rank = world_comm, dist.get_rank() - servers
+            metrics_comm = Comm(workers) if dp_rank >= 0 else None
+        else:
+            mesh = build_mesh(config.parallel, algorithm=config.comm.algorithm)
+            dp_comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
+        engine = build_engine(config, model, dp_comm, world_comm, share_gradients)
+        corpus = load_corpus(config.data.corpus_bytes)
+        counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)
+        sampler = DataSampler(
+            corpus.train, config.model.seq_len, config.data.global_batch, config.seed, counts, max(dp_rank, 0)
+        )
+        tokens = predicted_tokens(config.model.kind, config.data.global_batch, config.model.seq_len)
+        return cls(config, engine, sampler, dp_comm, metrics_comm, tokens)
+
+    def step(self, step: int, after_backward: Callable[[int], None] | None = None) -> StepRecord:
+        """One optimizer step; ``after_backward(step)`` sees the global gradients before the update."""
+        micro = self.sampler.local_micro_batches(step, self.config.data.micro_batches)
+        assert self.metrics_comm is not None, "a parameter-server rank serves; it does not step"
+        before = self.engine_comm.stats.snapshot()
+        start = time.perf_counter()
+        share = self.engine.forward_backward(micro, self.global_tokens)
+        if after_backward is not None:
+            after_backward(step)
+        self.engine.optimizer_step()
+        elapsed = time.perf_counter() - start
+        comm = self.engine_comm.stats.since(before)
+        samples = sum(x.size(0) for x, _ in micro)
+        values = {
+            "loss_share": share,
+            "step_s": elapsed,
+            "comm_s": comm.blocked_s,
+            "bytes_sent": comm.bytes_sent,
+            "rss_mb": rss_mb(),
+            "peak_rss_mb": peak_rss_mb(),
+            "samples": samples,
+        }
+        record = gather_step(self.metrics_comm, step, values, self.global_tokens)
+        record.extra = self.engine.metrics() or None
+        self.history.append(record)
+        return record
+
+    def evaluate(self) -> float:
+        """Mean held-out loss per token over the fixed evaluation batches (every rank the same)."""
+        corpus = load_corpus(self.config.data.corpus_bytes)
+        batches = eval_batches(
+            corpus.val,
+            self.config.model.seq_len,
+            max(1, self.config.data.global_batch),
+            self.config.eval_batches,
+        )
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        total, tokens = 0.0, 0
+        with torch.no_grad():
+            for inputs, targets in batches:
+                total += float(loss_sum(model(inputs), targets))
+                tokens += predicted_tokens(self.config.model.kind, inputs.size(0), inputs.size(1))
+        model.train(was_training)
+        return total / max(1, tokens)
+
+
+def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, Any] | None:
+    """Train on the already-initialised process group; rank 0 returns the summary, others None."""
+    trainer = Trainer.build(config)
+    config = trainer.config
+    if trainer.serves:
+        return _serve(trainer)
+    run_dir = Path(config.run_dir)
+    writer = MetricsWriter(run_dir, enabled=trainer.reports)
+    if trainer.reports:
+        (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+    progress = Progress(config.steps, enabled=trainer.reports and show_progress)
+    eval_losses: list[tuple[int, float]] = []
+    try:
+        for step in range(config.steps):
+            record = trainer.step(step)
+            last = step == config.steps - 1
+            if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+                record.eval_loss = trainer.evaluate()
+                eval_losses.append((step, record.eval_loss))
+            writer.write(record)
+            progress.update(record)
+        params = trainer.engine.full_parameters()
+    finally:
+        progress.close()
+        writer.close()
+        trainer.engine.close()
+    if not trainer.reports:
+        return None
+    summary = summarize(trainer, eval_losses, param_digest(params))
+    writer.enabled = False
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _serve(trainer: Trainer) -> None:
+    """A parameter-server rank: serve the workers until they are done."""
+    try:
+        trainer.engine.serve()  # type: ignore[attr-defined]
+        trainer.engine.full_parameters()
+    finally:
+        trainer.engine.close()
+
+
+def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: str) -> dict[str, Any]:
+    """The run's figures; tokens/s leaves out the first step (warm-up)."""
+    history, config = trainer.history, trainer.config
+    timed = history[1:] or history
+    total_s = sum(r.step_s for r in timed)
+    ranks = len(history[-1].peak_rss_mb_by_rank)
+    return {
+        "strategy": config.strategy,
+        "world_size": dist.get_world_size(),
+        "training_ranks": ranks,
+        "steps": len(history),
+        "initial_loss": history[0].loss,
+        "final_loss": history[-1].loss,
+        "eval_loss": eval_losses[-1][1] if eval_losses else None,
+        "eval_losses": eval_losses,
+        "tokens_per_s": trainer.global_tokens * len(timed) / total_s if total_s else 0.0,
+        "step_s_median": float(np.median([r.step_s for r in timed])),
+        "comm_s_median": float(np.median([r.comm_s for r in timed])),
+        "peak_rss_mb": max(history[-1].peak_rss_mb_by_rank),
+        "peak_rss_mb_by_rank": history[-1].peak_rss_mb_by_rank,
+        "samples_per_step_by_rank": history[-1].samples_by_rank,
+        "step_s_median_by_rank": [
+            float(np.median([r.step_s_by_rank[i] for r in timed])) for i in range(ranks)
+        ],
+        "bytes_sent_per_step_by_rank": history[-1].bytes_sent,
+        **trainer.engine.metrics(),
+        "restarts": 0,
+        "final_param_digest": digest,
+        "run_dir": str(Path(config.run_dir).resolve()),
+    }
