@@ -5,7 +5,14 @@ A ``Comm`` wraps one process group. Each call either goes to the backend's own c
 (ring, tree, recursive halving-doubling, naive through a root). The layer counts the bytes each
 rank sends and receives and the time it spends blocked, which is what the metrics and benchmarks
 report. For native calls the bytes are those of the ring algorithm the backends use for large
-messages (an estimate; the explicit algorithms count exactly).
+messages (an estimate; the explicit algorithms count exactly: every message they really send).
+
+Explicit algorithms (``algorithm=`` per call, else ``Comm.algorithm``; "auto" asks the cost model):
+they always run synchronously, also with ``async_op=True``, which then returns finished work. That
+keeps the order of collectives identical on every rank without a communication thread, at the price of
+no overlap. An algorithm without a variant of its own for an op runs the one in ``explicit.ALGORITHM_FOR``.
+``avg`` is a sum followed by a division (floor division for integer tensors). bf16 and fp16 are reduced
+in their own dtype, so their sums may differ from the backend's by rounding.
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from shardwise.collectives import cost, explicit
+from shardwise.collectives.explicit import EXPLICIT, divide
+from shardwise.collectives.p2p import P2P
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -77,16 +88,44 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class Comm:
     """Collectives over one process group, with byte and time accounting.
 
-    ``algorithm`` is the default for calls that do not name one: ``native`` or one of the explicit
-    algorithms in :mod:`shardwise.collectives`.
+    ``algorithm`` is the default for calls that do not name one: ``native``, one of the explicit
+    algorithms (``ring``, ``tree``, ``halving_doubling``, ``naive``) or ``auto`` (the one the cost
+    model, with ``profile``, predicts fastest for the size and world size).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, algorithm: str = "native") -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        algorithm: str = "native",
+        profile: cost.CostProfile | None = None,
+    ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.algorithm = algorithm
+        self.algorithm = self._check(algorithm)
+        self.profile = profile or cost.CostProfile()
         self.stats = CommStats()
+        self._p2p = P2P(group, self.stats)
+
+    @classmethod
+    def from_config(cls, group: dist.ProcessGroup | None, config: object) -> Comm:
+        """A ``Comm`` from a ``CommConfig`` (algorithm, and the profile file for "auto" if any)."""
+        path = getattr(config, "profile", "")
+        profile = cost.CostProfile.load(path) if path else None
+        return cls(group, getattr(config, "algorithm", "native"), profile)
+
+    @staticmethod
+    def _check(algorithm: str) -> str:
+        if algorithm not in ("native", "auto", *EXPLICIT):
+            raise ValueError(f"unknown algorithm {algorithm!r}; expected native, auto, {', '.join(EXPLICIT)}")
+        return algorithm
+
+    def resolve(self, op: str, nbytes: int, algorithm: str | None = None) -> str:
+        """The algorithm a call of ``op`` on ``nbytes`` runs: "native" or an explicit one."""
+        name = self._check(algorithm or self.algorithm)
+        if name == "auto":
+            return cost.choose(op, nbytes, self.world_size, self.profile)
+        return name
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, sent: float, received: float) -> None:
@@ -105,50 +144,107 @@ class Comm:
         self.stats.blocked_s += time.perf_counter() - start
         return Done()
 
+    def _explicit(self, run: Callable[[], None]) -> Work:
+        """Run an explicit algorithm to completion; its P2P has counted the bytes."""
+        self.stats.calls += 1
+        start = time.perf_counter()
+        run()
+        self.stats.blocked_s += time.perf_counter() - start
+        return Done()
+
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     # -- collectives --------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, algorithm: str | None = None
+    ) -> Work:
         """Reduce ``tensor`` in place over the group."""
         n, size = self.world_size, _nbytes(tensor)
-        self._count(2 * (n - 1) / n * size, 2 * (n - 1) / n * size)
+        name = self.resolve("all_reduce", size, algorithm)
         if n == 1:
+            self.stats.calls += 1
             return Done()
+        if name != "native":
+            return self._explicit(lambda: explicit.all_reduce(tensor, self._p2p, op, name))
+        self._count(2 * (n - 1) / n * size, 2 * (n - 1) / n * size)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
-        after = (lambda: tensor.div_(n)) if op == "avg" else None
+        after = (lambda: divide(tensor, n)) if op == "avg" else None
         return self._finish(work, async_op, after)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, algorithm: str | None = None
+    ) -> Work:
         """Send ``tensor`` from group rank ``src`` to every rank."""
         size = _nbytes(tensor)
-        self._count(size if self.rank == src else 0, 0 if self.rank == src else size)
+        name = self.resolve("broadcast", size, algorithm)
         if self.world_size == 1:
+            self.stats.calls += 1
             return Done()
+        if name != "native":
+            return self._explicit(lambda: explicit.broadcast(tensor, self._p2p, src, name))
+        self._count(size if self.rank == src else 0, 0 if self.rank == src else size)
         work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
         return self._finish(work, async_op, None)
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Work:
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        dst: int = 0,
+        op: str = "sum",
+        async_op: bool = False,
+        algorithm: str | None = None,
+    ) -> Work:
+        """Reduce ``tensor`` onto group rank ``dst``; every other rank's ``tensor`` is left unchanged."""
+        n, size = self.world_size, _nbytes(tensor)
+        name = self.resolve("reduce", size, algorithm)
+        if n == 1:
+            self.stats.calls += 1
+            return Done()
+        if name != "native":
+            return self._explicit(lambda: explicit.reduce(tensor, self._p2p, dst, op, name))
+        self._count(0 if self.rank == dst else size, (n - 1) * size if self.rank == dst else 0)
+        target = tensor if self.rank == dst else tensor.clone()
+        work = dist.reduce(target, dst=self.global_rank(dst), op=_OPS[op], group=self.group, async_op=True)
+        after = (lambda: divide(tensor, n)) if op == "avg" and self.rank == dst else None
+        return self._finish(work, async_op, after)
+
+    def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, algorithm: str | None = None
+    ) -> Work:
         """Concatenate every rank's ``shard`` (equal sizes) into ``output`` along dim 0."""
         n, size = self.world_size, _nbytes(shard)
-        self._count((n - 1) * size, (n - 1) * size)
+        name = self.resolve("all_gather", _nbytes(output), algorithm)
         if n == 1:
+            self.stats.calls += 1
             output.copy_(shard.reshape(output.shape))
             return Done()
+        if name != "native":
+            return self._explicit(lambda: explicit.all_gather(output, shard, self._p2p, name))
+        self._count((n - 1) * size, (n - 1) * size)
         work = dist.all_gather_single(output, shard, group=self.group, async_op=True)
         return self._finish(work, async_op, None)
 
     def reduce_scatter(
-        self, shard: torch.Tensor, full: torch.Tensor, op: str = "sum", async_op: bool = False
+        self,
+        shard: torch.Tensor,
+        full: torch.Tensor,
+        op: str = "sum",
+        async_op: bool = False,
+        algorithm: str | None = None,
     ) -> Work:
         """Reduce ``full`` over the group and leave this rank's equal slice of it in ``shard``."""
         n, size = self.world_size, _nbytes(shard)
-        self._count((n - 1) * size, (n - 1) * size)
+        name = self.resolve("reduce_scatter", _nbytes(full), algorithm)
         if n == 1:
+            self.stats.calls += 1
             shard.copy_(full.reshape(shard.shape))
             return Done()
+        if name != "native":
+            return self._explicit(lambda: explicit.reduce_scatter(shard, full, self._p2p, op, name))
+        self._count((n - 1) * size, (n - 1) * size)
         work = dist.reduce_scatter_single(shard, full, op=_OPS[op], group=self.group, async_op=True)
-        after = (lambda: shard.div_(n)) if op == "avg" else None
+        after = (lambda: divide(shard, n)) if op == "avg" else None
         return self._finish(work, async_op, after)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:

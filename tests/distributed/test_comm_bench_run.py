@@ -1,0 +1,27 @@
+"""``run_comm_bench`` end to end on two ranks, small sizes only (the full sweep is the CLI's job)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardwise.collectives.bench import ALGORITHMS, format_table, run_comm_bench
+from shardwise.collectives.cost import CostProfile
+
+
+@pytest.mark.slow
+def test_bench_calibrates_saves_a_profile_and_reports_every_algorithm(tmp_path: Path) -> None:
+    profile_path = tmp_path / "profile.json"
+    sizes = [4096, 1 << 20]
+    result = run_comm_bench(2, sizes, calibrate=True, profile_path=str(profile_path), ops=["all_reduce"])
+    profile = CostProfile.load(profile_path)
+    assert profile.alpha_s > 0 and profile.beta_s_per_byte > 0 and profile.gamma_s_per_byte > 0
+    assert result["profile"]["alpha_s"] == profile.alpha_s
+    rows = result["rows"]
+    expected = {(a, n) for a in ALGORITHMS["all_reduce"] for n in sizes}
+    assert {(r["algorithm"], r["bytes"]) for r in rows} == expected
+    assert all(r["time_us"] > 0 and r["predicted_us"] > 0 for r in rows)
+    assert result["ring_vs_native_busbw_16mb_plus"] is None  # nothing measured at 16 MB
+    assert result["model_error_1mb_plus"] is not None
+    assert "halving_doubling" in format_table(result)
