@@ -131,7 +131,7 @@ def test_freeze_matches_whole_components_and_errors() -> None:
 
 
 def test_unknown_preset_lists_known_ones() -> None:
-    with pytest.raises(ConfigError, match="tiny, small, base"):
+    with pytest.raises(ConfigError, match="known presets: tiny, odd, small, base"):
         build_model(ModelConfig(kind="gpt", preset="huge"))
     with pytest.raises(ConfigError, match="mlp preset 'base' reads 32 tokens"):
         build_model(ModelConfig(kind="mlp", preset="base", seq_len=16))

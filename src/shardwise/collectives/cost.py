@@ -42,6 +42,7 @@ class CostProfile:
         return self.beta_one_way_s_per_byte or self.beta_s_per_byte
 
     def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod

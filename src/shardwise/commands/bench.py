@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+DEFAULT_PROFILE = str(Path.home() / ".cache" / "shardwise" / "comm-profile.json")
 
 
 def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None:
@@ -20,6 +23,15 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     ddp.add_argument("--json", action="store_true")
     ddp.add_argument("--out", help="also write the JSON result to this file")
     ddp.set_defaults(run=run)
+    comm = kinds.add_parser("comm", help="collectives: native and each algorithm, nccl-tests style")
+    comm.add_argument("--nproc", type=int, default=2)
+    comm.add_argument("--calibrate", action="store_true", help="measure latency/bandwidth, save a profile")
+    comm.add_argument("--profile", default=DEFAULT_PROFILE, help="cost-model profile to save or read")
+    comm.add_argument("--ops", help="comma-separated: all_reduce,broadcast,reduce,all_gather,reduce_scatter")
+    comm.add_argument("--max-mb", type=float, default=256.0, help="largest message (default 256 MB)")
+    comm.add_argument("--json", action="store_true")
+    comm.add_argument("--out", help="also write the JSON result to this file")
+    comm.set_defaults(run=run)
     compare = kinds.add_parser("dp-compare", help="single-process DP, parameter server, all-reduce DP")
     compare.add_argument("--nproc", type=int, default=3)
     compare.add_argument("--steps", type=int, default=5)
@@ -46,6 +58,13 @@ def bench_command(args: argparse.Namespace) -> int:
             global_batch=args.global_batch,
             bucket_mb=args.bucket_mb,
         )
+    elif args.kind == "comm":
+        from shardwise.collectives.bench import format_table, run_comm_bench
+
+        sizes = [4096 * 4**i for i in range(12) if 4096 * 4**i <= args.max_mb * 2**20]
+        ops = args.ops.split(",") if args.ops else None
+        result = run_comm_bench(args.nproc, sizes, args.calibrate, args.profile, ops)
+        render = lambda r: print(format_table(r))  # noqa: E731
     elif args.kind == "dp-compare":
         from shardwise.data_parallel.compare import render_compare, run_dp_compare
 
