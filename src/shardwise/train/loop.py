@@ -24,9 +24,11 @@ from shardwise.collectives.api import Comm
 from shardwise.config import TrainConfig, to_dict
 from shardwise.data.corpus import load_corpus
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
+from shardwise.launch import restart_count
 from shardwise.mesh import build_mesh
 from shardwise.models import build_model
 from shardwise.strategies import build_engine
+from shardwise.train.checkpointing import TrainCheckpoints, truncate_metrics, write_pid_file
 from shardwise.train.engine import Engine, loss_sum, predicted_tokens
 from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step, peak_rss_mb, rss_mb
 from shardwise.train.progress import Progress
@@ -131,18 +133,29 @@ class Trainer:
 
 
 def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, Any] | None:
-    """Train on the already-initialised process group; rank 0 returns the summary, others None."""
+    """Train on the already-initialised process group; rank 0 returns the summary, others None.
+
+    With checkpointing on (``checkpoint.dir`` or ``checkpoint.every``), the run first resumes from the
+    newest usable checkpoint, if any (see ``train.checkpointing``).
+    """
     trainer = Trainer.build(config)
     config = trainer.config
     rank = dist.get_rank()
     run_dir = Path(config.run_dir)
-    writer = MetricsWriter(run_dir, enabled=rank == 0)
+    write_pid_file(config.run_dir, rank)
+    ckpt = TrainCheckpoints.create(trainer, rank, dist.get_world_size())
+    resumed = ckpt.resume() if ckpt else None
+    start = resumed.next_step if resumed else 0
     if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resumed:
+            truncate_metrics(run_dir / "metrics.jsonl", start)
         (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+    writer = MetricsWriter(run_dir, enabled=rank == 0)
     progress = Progress(config.steps, enabled=rank == 0 and show_progress)
-    eval_losses: list[tuple[int, float]] = []
+    eval_losses: list[tuple[int, float]] = list(resumed.eval_losses) if resumed else []
     try:
-        for step in range(config.steps):
+        for step in range(start, config.steps):
             record = trainer.step(step)
             last = step == config.steps - 1
             if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
@@ -150,6 +163,10 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
                 eval_losses.append((step, record.eval_loss))
             writer.write(record)
             progress.update(record)
+            if ckpt:
+                ckpt.after_step(record, eval_losses)
+        if ckpt:
+            ckpt.close()
         params = trainer.engine.full_parameters()
     finally:
         progress.close()
@@ -157,7 +174,12 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
         trainer.engine.close()
     if rank != 0:
         return None
+    if not trainer.history and resumed and resumed.last_record:  # resumed after the last step
+        trainer.history.append(resumed.last_record)
     summary = summarize(trainer, eval_losses, param_digest(params))
+    if ckpt:
+        summary["initial_loss"] = ckpt.initial_loss
+        summary["checkpoint"] = ckpt.summary()
     writer.enabled = False
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -172,7 +194,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
     return {
         "strategy": config.strategy,
         "world_size": ranks,
-        "steps": len(history),
+        "steps": history[-1].step + 1,
         "initial_loss": history[0].loss,
         "final_loss": history[-1].loss,
         "eval_loss": eval_losses[-1][1] if eval_losses else None,
@@ -187,7 +209,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
             float(np.median([r.step_s_by_rank[i] for r in timed])) for i in range(ranks)
         ],
         "bytes_sent_per_step_by_rank": history[-1].bytes_sent,
-        "restarts": 0,
+        "restarts": restart_count(),
         "final_param_digest": digest,
         "run_dir": str(Path(config.run_dir).resolve()),
     }
