@@ -1,0 +1,87 @@
+"""Failover: rank 1 killed with SIGKILL mid-training; the elastic agent restarts the ranks, they resume
+from the last complete checkpoint, and the final parameters equal those of an uninterrupted run.
+
+The kill comes from outside, as an operator's would: the test reads rank 1's pid from
+``<run_dir>/pids/rank1.0`` once ``metrics.jsonl`` shows training past the first checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+ARGS = ["train", "--nproc", "2", "--steps", "60", "--preset", "tiny", "--checkpoint-every", "5",
+        "--max-restarts", "2", "--eval-every", "20", "--set", "model.dropout=0.1", "--json"]  # fmt: skip
+
+
+def _start(run_dir: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardwise", *ARGS, "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _summary(proc: subprocess.Popen[str], timeout_s: float = 240) -> tuple[dict[str, Any], str]:
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, err[-3000:]
+    lines = [x for x in out.splitlines() if x.strip()]
+    return json.loads(lines[-1]), err
+
+
+def _last_step(metrics: Path) -> int:
+    try:
+        rows = metrics.read_text().splitlines()
+    except FileNotFoundError:
+        return -1
+    return json.loads(rows[-1])["step"] if rows else -1
+
+
+def _wait_for(predicate: Any, proc: subprocess.Popen[str], timeout_s: float, what: str) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"gave up waiting for {what}; stderr:\n{proc.communicate()[1][-3000:]}")
+        time.sleep(0.01)
+    return time.monotonic()
+
+
+@pytest.mark.slow
+def test_kill_9_of_rank_1_resumes_by_itself_and_matches_uninterrupted(tmp_path) -> None:
+    killed_dir = tmp_path / "killed"
+    proc = _start(killed_dir)
+    try:
+        _wait_for(lambda: _last_step(killed_dir / "metrics.jsonl") >= 12, proc, 180, "step 12")
+        pid = int((killed_dir / "pids" / "rank1.0").read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        restarted = _wait_for(lambda: (killed_dir / "pids" / "rank1.1").exists(), proc, 120, "a restart")
+        killed, _ = _summary(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    print(f"failover: new rank 1 started {restarted - killed_at:.2f} s after the kill (noisy machine)")
+    assert killed["restarts"] >= 1
+    assert killed["checkpoint"]["resumed_at_step"] is not None and killed["checkpoint"]["resumed_at_step"] >= 10
+    rows = [json.loads(x)["step"] for x in (killed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(60))
+
+    reference, _ = _summary(_start(tmp_path / "whole"))
+    assert reference["restarts"] == 0
+    assert killed["final_param_digest"] == reference["final_param_digest"]
+    assert killed["eval_losses"] == reference["eval_losses"]
+    assert killed["initial_loss"] == reference["initial_loss"]
