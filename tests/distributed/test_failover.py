@@ -76,7 +76,7 @@ def test_kill_9_of_rank_1_resumes_by_itself_and_matches_uninterrupted(tmp_path) 
             proc.communicate()
     print(f"failover: new rank 1 started {restarted - killed_at:.2f} s after the kill (noisy machine)")
     assert killed["restarts"] >= 1
-    assert killed["checkpoint"]["resumed_at_step"] is not None and killed["checkpoint"]["resumed_at_step"] >= 10
+    assert (killed["checkpoint"]["resumed_at_step"] or 0) >= 10
     rows = [json.loads(x)["step"] for x in (killed_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows == list(range(60))
 
