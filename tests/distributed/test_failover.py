@@ -2,7 +2,9 @@
 from the last complete checkpoint, and the final parameters equal those of an uninterrupted run.
 
 The kill comes from outside, as an operator's would: the test reads rank 1's pid from
-``<run_dir>/pids/rank1.0`` once ``metrics.jsonl`` shows training past the first checkpoint.
+``<run_dir>/pids/rank1.0`` once ``metrics.jsonl`` shows training past the first checkpoint. Both
+launchers: ``shardwise train --nproc 2`` (our elastic agent) and plain ``torchrun``, whose restarted
+ranks would otherwise read the keys of the attempt before (shardwise prefixes each attempt's store).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,14 +22,27 @@ from typing import Any
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-ARGS = ["train", "--nproc", "2", "--steps", "60", "--preset", "tiny", "--checkpoint-every", "5",
+ARGS = ["train", "--steps", "60", "--preset", "tiny", "--checkpoint-every", "5",
         "--max-restarts", "2", "--eval-every", "20", "--set", "model.dropout=0.1", "--json"]  # fmt: skip
 
 
-def _start(run_dir: Path) -> subprocess.Popen[str]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(run_dir: Path, launcher: str = "shardwise") -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "shardwise", *ARGS, "--nproc", "2", "--run-dir", str(run_dir)]
+    if launcher == "torchrun":
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "--max-restarts", "2", "--rdzv-backend", "c10d", "--monitor-interval", "0.1",
+                    "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--local-addr", "127.0.0.1"]  # fmt: skip
+        command = [*torchrun, "-m", "shardwise", *ARGS, "--run-dir", str(run_dir)]
+        env["GLOO_SOCKET_IFNAME"] = "lo"
     return subprocess.Popen(
-        [sys.executable, "-m", "shardwise", *ARGS, "--run-dir", str(run_dir)],
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -59,10 +75,18 @@ def _wait_for(predicate: Any, proc: subprocess.Popen[str], timeout_s: float, wha
     return time.monotonic()
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, Any]:
+    summary, _ = _summary(_start(tmp_path_factory.mktemp("whole")))
+    assert summary["restarts"] == 0
+    return summary
+
+
 @pytest.mark.slow
-def test_kill_9_of_rank_1_resumes_by_itself_and_matches_uninterrupted(tmp_path) -> None:
+@pytest.mark.parametrize("launcher", ["shardwise", "torchrun"])
+def test_kill_9_of_rank_1_resumes_by_itself_and_matches_uninterrupted(tmp_path, reference, launcher) -> None:
     killed_dir = tmp_path / "killed"
-    proc = _start(killed_dir)
+    proc = _start(killed_dir, launcher)
     try:
         _wait_for(lambda: _last_step(killed_dir / "metrics.jsonl") >= 12, proc, 180, "step 12")
         pid = int((killed_dir / "pids" / "rank1.0").read_text())
@@ -74,14 +98,13 @@ def test_kill_9_of_rank_1_resumes_by_itself_and_matches_uninterrupted(tmp_path) 
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    print(f"failover: new rank 1 started {restarted - killed_at:.2f} s after the kill (noisy machine)")
+    seconds = restarted - killed_at
+    print(f"failover ({launcher}): new rank 1 running {seconds:.2f} s after the kill (noisy machine)")
     assert killed["restarts"] >= 1
     assert (killed["checkpoint"]["resumed_at_step"] or 0) >= 10
     rows = [json.loads(x)["step"] for x in (killed_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows == list(range(60))
 
-    reference, _ = _summary(_start(tmp_path / "whole"))
-    assert reference["restarts"] == 0
     assert killed["final_param_digest"] == reference["final_param_digest"]
     assert killed["eval_losses"] == reference["eval_losses"]
     assert killed["initial_loss"] == reference["initial_loss"]
