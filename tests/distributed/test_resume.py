@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,12 +57,17 @@ def _flip_middle_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _resume_cases(rank: int, world_size: int, root: str, dtype: str) -> dict:
+def _resume_cases(rank: int, world_size: int, root: str, dtype: str, async_save: str) -> dict:
     """Rank 0 damages files between runs; every rank trains (they wait for each other in collectives)."""
     import torch.distributed as dist
 
     base = Path(root) / dtype
     out: dict = {}
+
+    def _run(config: TrainConfig) -> dict | None:
+        ckpt = replace(config.checkpoint, async_save=async_save == "true")
+        return run_training(replace(config, checkpoint=ckpt), show_progress=False)
+
     full = _run(_config(base / "full", dtype))
     if rank == 0:
         out["full"] = full
@@ -93,12 +99,13 @@ def _resume_cases(rank: int, world_size: int, root: str, dtype: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_resume_is_exact_and_damaged_checkpoints_fall_back(tmp_path, capfd, dtype: str) -> None:
-    results = run_on_ranks(_resume_cases, 2, str(tmp_path), dtype, timeout_s=240)[0]
+@pytest.mark.parametrize(("dtype", "async_save"), [("float64", "false"), ("float32", "true")])
+def test_resume_is_exact_and_damaged_checkpoints_fall_back(tmp_path, capfd, dtype: str, async_save) -> None:
+    results = run_on_ranks(_resume_cases, 2, str(tmp_path), dtype, async_save, timeout_s=240)[0]
     full = results["full"]
     assert full["checkpoint"]["resumed_from"] is None and full["checkpoint"]["saves"] == 3  # 3, 6, 8
     assert full["steps"] == STEPS and full["restarts"] == 0
+    assert full["checkpoint"]["async"] == (async_save == "true")
 
     cut = results["cut"]
     assert cut["checkpoint"]["resumed_at_step"] == 3
