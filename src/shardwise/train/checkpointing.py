@@ -30,6 +30,7 @@ from shardwise.checkpoint.format import Manifest
 from shardwise.checkpoint.layout import clean_tmp, list_steps, step_dir_name
 from shardwise.checkpoint.reader import verify_checkpoint
 from shardwise.checkpoint.rng import torch_rng_name
+from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, TrainConfig, to_dict
 from shardwise.launch import restart_count
 from shardwise.train.engine import Span
@@ -54,6 +55,13 @@ def write_pid_file(run_dir: str, rank: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{os.getpid()}\n")
     return path
+
+
+def agreed_restart_count(comm: Comm) -> int:
+    """The most restarts any rank's agent has made (a replaced host's agent counts from 0 again)."""
+    count = torch.tensor([restart_count()], dtype=torch.int64)
+    comm.all_reduce(count, "max")
+    return int(count.item())
 
 
 def truncate_metrics(path: Path, next_step: int) -> None:

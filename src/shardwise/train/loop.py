@@ -28,7 +28,12 @@ from shardwise.launch import restart_count
 from shardwise.mesh import build_mesh
 from shardwise.models import build_model
 from shardwise.strategies import build_engine
-from shardwise.train.checkpointing import TrainCheckpoints, truncate_metrics, write_pid_file
+from shardwise.train.checkpointing import (
+    TrainCheckpoints,
+    agreed_restart_count,
+    truncate_metrics,
+    write_pid_file,
+)
 from shardwise.train.engine import Engine, loss_sum, predicted_tokens
 from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step, peak_rss_mb, rss_mb
 from shardwise.train.progress import Progress
@@ -143,6 +148,7 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
     rank = dist.get_rank()
     run_dir = Path(config.run_dir)
     write_pid_file(config.run_dir, rank)
+    restarts = agreed_restart_count(trainer.world_comm)
     ckpt = TrainCheckpoints.create(trainer, rank, dist.get_world_size())
     resumed = ckpt.resume() if ckpt else None
     start = resumed.next_step if resumed else 0
@@ -177,6 +183,7 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
     if not trainer.history and resumed and resumed.last_record:  # resumed after the last step
         trainer.history.append(resumed.last_record)
     summary = summarize(trainer, eval_losses, param_digest(params))
+    summary["restarts"] = restarts
     if ckpt:
         summary["initial_loss"] = ckpt.initial_loss
         summary["checkpoint"] = ckpt.summary()
