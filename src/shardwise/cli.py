@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shardwise.commands.bench import add_bench_parser
 
     add_bench_parser(sub, _cmd_bench)
+    from shardwise.commands.ckpt import add_ckpt_parser
+
+    add_ckpt_parser(sub)
     return parser
 
 

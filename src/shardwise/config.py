@@ -168,6 +168,11 @@ class TrainConfig:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if world_size < 1:
             raise ConfigError(f"the world needs at least one rank, got {world_size}")
+        if self.strategy == "ps" and (self.checkpoint.dir or self.checkpoint.every):
+            raise ConfigError(
+                "checkpoints are not implemented for the parameter server yet; "
+                "drop checkpoint.dir/checkpoint.every or train with ddp or zero1/2/3"
+            )
         parallel = self.parallel.resolve(self.data_parallel_world(world_size))
         self._check_batch(parallel.dp)
         return replace(self, parallel=parallel)

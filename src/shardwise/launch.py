@@ -6,13 +6,16 @@ and the whole job stopped within seconds when one rank fails, with that rank's t
 
 ``init_distributed`` is what every worker calls first. It builds the process group on the agent's
 store under a per-attempt prefix, so ranks restarted after a crash never read the keys an earlier
-attempt left behind (torch's default reuses them and the restarted job fails).
+attempt left behind (torch's default reuses them and the restarted job fails). Under
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (what multi-node jobs should use: a replaced host's agent
+starts counting attempts from 0 again), rank 0 hosts a fresh store each attempt and no prefix is used.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -96,9 +99,25 @@ def init_distributed(timeout_s: float = 300.0, backend: str = "gloo") -> None:
             is_master=rank == 0 and not agent_hosts,
             timeout=timeout,
         )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"shardwise/attempt-{attempt}", store)
+        if agent_hosts:
+            # The agent's store outlives attempts: prefix each one. Restart counts agree across nodes
+            # only while no agent is replaced, hence the advice for multi-node jobs.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"shardwise/attempt-{attempt}", store)
+            _warn_shared_store_multinode(rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _warn_shared_store_multinode(rank: int) -> None:
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if rank == 0 and nodes > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        print(
+            "shardwise: a multi-node job with restarts: start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a replaced host's ranks cannot rejoin "
+            "(see docs/multi-node.md)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def restart_count() -> int:

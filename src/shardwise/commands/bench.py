@@ -39,6 +39,14 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     compare.add_argument("--json", action="store_true")
     compare.add_argument("--out", help="also write the JSON result to this file")
     compare.set_defaults(run=run)
+    ckpt = kinds.add_parser("ckpt", help="checkpoint save/load MB/s against torch.distributed.checkpoint")
+    ckpt.add_argument("--nproc", type=int, default=2)
+    ckpt.add_argument("--size-mb", type=float, default=64.0, help="total state, split over the ranks")
+    ckpt.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians reported")
+    ckpt.add_argument("--dir", help="where to write (default: a temporary folder)")
+    ckpt.add_argument("--json", action="store_true")
+    ckpt.add_argument("--out", help="also write the JSON result to this file")
+    ckpt.set_defaults(run=run)
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -70,6 +78,11 @@ def bench_command(args: argparse.Namespace) -> int:
 
         result = run_dp_compare(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch)
         render = render_compare
+    elif args.kind == "ckpt":
+        from shardwise.checkpoint.bench import run_ckpt_bench
+
+        result = run_ckpt_bench(nproc=args.nproc, size_mb=args.size_mb, repeats=args.repeats, dir=args.dir)
+        render = render_ckpt
     else:  # pragma: no cover - argparse restricts the choices
         raise ValueError(args.kind)
     if args.out:
@@ -77,3 +90,14 @@ def bench_command(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(result, indent=2))
     emit(result, args.json, render)
     return 0
+
+
+def render_ckpt(result: dict[str, Any]) -> None:
+    save, load, raw = result["save_mb_s"], result["load_mb_s"], result["raw_write_mb_s"]
+    print(
+        f"checkpoint, {result['nproc']} ranks, {result['bytes'] / 1e6:.1f} MB, "
+        f"median of {result['repeats']}: "
+        f"save {save['shardwise']:.0f} MB/s (DCP {save['dcp']:.0f}, raw disk {raw:.0f}), "
+        f"load {load['shardwise']:.0f} MB/s (DCP {load['dcp']:.0f}); ours/DCP save speed "
+        f"{result['speed_ratio']:.2f}x"
+    )

@@ -62,4 +62,13 @@ def render_summary(summary: dict[str, Any]) -> None:
             f"{peak:.0f}",
         )
     console.print(table)
+    ckpt = summary.get("checkpoint")
+    if ckpt:
+        step = ckpt["resumed_at_step"]
+        resumed = f", resumed at step {step}" if step is not None else ""
+        mode = "async" if ckpt["async"] else "sync"
+        console.print(
+            f"checkpoints: {ckpt['saves']} saved ({mode}, blocked {ckpt['blocked_s_total']:.2f} s in all) "
+            f"in {ckpt['dir']}{resumed}; restarts {summary['restarts']}"
+        )
     console.print(f"metrics: {summary['run_dir']}/metrics.jsonl")

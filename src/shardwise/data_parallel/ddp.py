@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm, Work
 from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.config import DDPConfig
-from shardwise.train.engine import Batch, Engine
+from shardwise.train.engine import Batch, Engine, StateReader
+from shardwise.train.full_state import full_state_tensors, load_full_state, replicated_pieces
 from shardwise.train.optim import OptimizerFactory
 
 
@@ -200,6 +202,13 @@ class DDPEngine(Engine):
             self._names[id(p)]: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
             for p in self.params
         }
+
+    # -- checkpoints (every rank holds everything; ranks split the writing by bytes) ------------------
+    def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
+        return replicated_pieces(full_state_tensors(self.model, self.optimizer), rank, world_size)
+
+    def load_state(self, read: StateReader) -> None:
+        load_full_state(self.model, self.optimizer, read)
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -24,9 +24,16 @@ from shardwise.collectives.api import Comm
 from shardwise.config import TrainConfig, to_dict
 from shardwise.data.corpus import load_corpus
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
+from shardwise.launch import restart_count
 from shardwise.mesh import build_mesh
 from shardwise.models import build_model
 from shardwise.strategies import build_engine
+from shardwise.train.checkpointing import (
+    TrainCheckpoints,
+    agreed_restart_count,
+    truncate_metrics,
+    write_pid_file,
+)
 from shardwise.train.engine import Engine, loss_sum, predicted_tokens
 from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step, peak_rss_mb, rss_mb
 from shardwise.train.progress import Progress
@@ -58,6 +65,7 @@ class Trainer:
     config: TrainConfig
     engine: Engine
     sampler: DataSampler
+    world_comm: Comm  # every rank: checkpoints and agreement on restarts
     engine_comm: Comm  # what the strategy communicates over: its bytes and waits are the step's
     metrics_comm: Comm | None  # the ranks that train (None on a parameter server)
     global_tokens: int
@@ -101,7 +109,7 @@ class Trainer:
             corpus.train, config.model.seq_len, config.data.global_batch, config.seed, counts, max(dp_rank, 0)
         )
         tokens = predicted_tokens(config.model.kind, config.data.global_batch, config.model.seq_len)
-        return cls(config, engine, sampler, dp_comm, metrics_comm, tokens)
+        return cls(config, engine, sampler, world_comm, dp_comm, metrics_comm, tokens)
 
     def step(self, step: int, after_backward: Callable[[int], None] | None = None) -> StepRecord:
         """One optimizer step; ``after_backward(step)`` sees the global gradients before the update."""
@@ -152,19 +160,32 @@ class Trainer:
 
 
 def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, Any] | None:
-    """Train on the already-initialised process group; rank 0 returns the summary, others None."""
+    """Train on the already-initialised process group; rank 0 returns the summary, others None.
+
+    With checkpointing on (``checkpoint.dir`` or ``checkpoint.every``), the run first resumes from the
+    newest usable checkpoint, if any (see ``train.checkpointing``).
+    """
     trainer = Trainer.build(config)
     config = trainer.config
     if trainer.serves:
         return _serve(trainer)
     run_dir = Path(config.run_dir)
-    writer = MetricsWriter(run_dir, enabled=trainer.reports)
+    rank = dist.get_rank()
+    write_pid_file(config.run_dir, rank)
+    restarts = agreed_restart_count(trainer.world_comm)
+    ckpt = TrainCheckpoints.create(trainer, rank, dist.get_world_size())
+    resumed = ckpt.resume() if ckpt else None
+    start = resumed.next_step if resumed else 0
     if trainer.reports:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resumed:
+            truncate_metrics(run_dir / "metrics.jsonl", start)
         (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+    writer = MetricsWriter(run_dir, enabled=trainer.reports)
     progress = Progress(config.steps, enabled=trainer.reports and show_progress)
-    eval_losses: list[tuple[int, float]] = []
+    eval_losses: list[tuple[int, float]] = list(resumed.eval_losses) if resumed else []
     try:
-        for step in range(config.steps):
+        for step in range(start, config.steps):
             record = trainer.step(step)
             last = step == config.steps - 1
             if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
@@ -172,6 +193,10 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
                 eval_losses.append((step, record.eval_loss))
             writer.write(record)
             progress.update(record)
+            if ckpt:
+                ckpt.after_step(record, eval_losses)
+        if ckpt:
+            ckpt.close()
         params = trainer.engine.full_parameters()
     finally:
         progress.close()
@@ -179,7 +204,13 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
         trainer.engine.close()
     if not trainer.reports:
         return None
+    if not trainer.history and resumed and resumed.last_record:  # resumed after the last step
+        trainer.history.append(resumed.last_record)
     summary = summarize(trainer, eval_losses, param_digest(params))
+    summary["restarts"] = restarts
+    if ckpt:
+        summary["initial_loss"] = ckpt.initial_loss
+        summary["checkpoint"] = ckpt.summary()
     writer.enabled = False
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -204,7 +235,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
         "strategy": config.strategy,
         "world_size": dist.get_world_size(),
         "training_ranks": ranks,
-        "steps": len(history),
+        "steps": history[-1].step + 1,
         "initial_loss": history[0].loss,
         "final_loss": history[-1].loss,
         "eval_loss": eval_losses[-1][1] if eval_losses else None,
@@ -220,7 +251,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
         ],
         "bytes_sent_per_step_by_rank": history[-1].bytes_sent,
         **trainer.engine.metrics(),
-        "restarts": 0,
+        "restarts": restart_count(),
         "final_param_digest": digest,
         "run_dir": str(Path(config.run_dir).resolve()),
     }

@@ -1,0 +1,169 @@
+"""Resume is exact: interrupted at step k and resumed == uninterrupted, bit for bit, dropout included.
+
+Each worker trains several runs in one 2-rank spawn (each spawn costs seconds): an uninterrupted run
+saving every 3 steps, then "interrupted" runs made by deleting the newest checkpoints (what a crash
+leaves behind) or damaging them (one flipped byte, a truncated shard) before training again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.checkpoint.layout import list_steps
+from shardwise.config import TrainConfig, load_config
+from shardwise.testing import run_on_ranks
+from shardwise.train.loop import run_training
+
+STEPS = 8
+
+
+def _config(run_dir: Path, dtype: str, **extra: str) -> TrainConfig:
+    return load_config(
+        None,
+        {
+            "dtype": dtype,
+            "steps": str(STEPS),
+            "model.preset": "odd",
+            "model.dropout": "0.2",
+            "data.global_batch": "6",
+            "data.corpus_bytes": "200000",
+            "eval_every": "4",
+            "checkpoint.every": "3",
+            "run_dir": str(run_dir),
+            **extra,
+        },
+    )
+
+
+def _run(config: TrainConfig) -> dict | None:
+    return run_training(config, show_progress=False)
+
+
+def _rank0_shard(step_dir: str) -> Path:
+    return Path(step_dir) / "rank0.safetensors"
+
+
+def _flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    middle = 8 + header + (len(data) - 8 - header) // 2
+    data[middle] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _resume_cases(rank: int, world_size: int, root: str, dtype: str, async_save: str) -> dict:
+    """Rank 0 damages files between runs; every rank trains (they wait for each other in collectives)."""
+    import torch.distributed as dist
+
+    base = Path(root) / dtype
+    out: dict = {}
+
+    def _run(config: TrainConfig) -> dict | None:
+        ckpt = replace(config.checkpoint, async_save=async_save == "true")
+        return run_training(replace(config, checkpoint=ckpt), show_progress=False)
+
+    full = _run(_config(base / "full", dtype))
+    if rank == 0:
+        out["full"] = full
+        shutil.copytree(base / "full" / "checkpoints", base / "cut" / "checkpoints")
+        shutil.copy(base / "full" / "metrics.jsonl", base / "cut" / "metrics.jsonl")
+        steps = list_steps(str(base / "cut" / "checkpoints"))
+        shutil.rmtree(steps[-1][1])  # keep step 3 and 6: a crash after step 7 loses step 8
+        shutil.rmtree(steps[-2][1])  # and step 6: resume from step 3
+    dist.barrier()
+    cut = _run(_config(base / "cut", dtype))
+    if rank == 0:
+        out["cut"] = cut
+        out["cut_metrics_steps"] = [
+            json.loads(x)["step"] for x in (base / "cut" / "metrics.jsonl").read_text().splitlines()
+        ]
+        newest = list_steps(str(base / "full" / "checkpoints"))[-1][1]
+        _flip_middle_byte(_rank0_shard(newest))
+    dist.barrier()
+    out_flip = _run(_config(base / "full", dtype))
+    if rank == 0:
+        out["flip"] = out_flip
+        newest = list_steps(str(base / "full" / "checkpoints"))[-1][1]  # step 8 again, rewritten
+        shard = Path(newest) / "rank1.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-100])
+    dist.barrier()
+    out_trunc = _run(_config(base / "full", dtype))
+    if rank == 0:
+        out["trunc"] = out_trunc
+    return out
+
+
+@pytest.mark.parametrize(("dtype", "async_save"), [("float64", "false"), ("float32", "true")])
+def test_resume_is_exact_and_damaged_checkpoints_fall_back(tmp_path, capfd, dtype: str, async_save) -> None:
+    results = run_on_ranks(_resume_cases, 2, str(tmp_path), dtype, async_save, timeout_s=240)[0]
+    full = results["full"]
+    assert full["checkpoint"]["resumed_from"] is None and full["checkpoint"]["saves"] == 3  # 3, 6, 8
+    assert full["steps"] == STEPS and full["restarts"] == 0
+    assert full["checkpoint"]["async"] == (async_save == "true")
+
+    cut = results["cut"]
+    assert cut["checkpoint"]["resumed_at_step"] == 3
+    assert cut["final_param_digest"] == full["final_param_digest"]
+    for key in ("initial_loss", "final_loss", "eval_loss", "eval_losses", "steps"):
+        assert cut[key] == full[key], key
+    assert results["cut_metrics_steps"] == list(range(STEPS))  # rows after step 3 replaced, not repeated
+
+    for case in ("flip", "trunc"):
+        got = results[case]
+        assert got["checkpoint"]["resumed_at_step"] == 6, case  # fell back from step 8 to step 6
+        assert got["final_param_digest"] == full["final_param_digest"], case
+        assert got["eval_losses"] == full["eval_losses"], case
+
+    lines = [x for x in capfd.readouterr().err.splitlines() if "is damaged" in x]
+    assert len(lines) == 2, lines  # one line per damaged checkpoint, from one rank
+    assert "step-00000008/rank0.safetensors: sha256 mismatch" in lines[0]
+    assert "step-00000008/rank1.safetensors" in lines[1] and "truncated" in lines[1]
+
+
+def test_resume_with_a_different_model_is_refused(tmp_path) -> None:
+    from shardwise.config import ConfigError
+    from shardwise.testing import RankFailure
+
+    run_on_ranks(_run_once, 1, _config(tmp_path, "float64", steps="2"), timeout_s=120)
+    with pytest.raises(RankFailure, match="comes from another run"):
+        run_on_ranks(_run_once, 1, _config(tmp_path, "float64", steps="3", seed="7"), timeout_s=120)
+    assert ConfigError  # the worker raises ConfigError; RankFailure carries its message
+
+
+def _run_once(rank: int, world_size: int, config: TrainConfig) -> dict | None:
+    return _run(config)
+
+
+def test_full_state_names_and_shapes_follow_the_engine_contract() -> None:
+    """Names: model/<param>, optim/<key>/<param> at the parameter's shape, optim/step/<param> scalar."""
+    run_on_ranks(_check_names, 2, timeout_s=120)
+
+
+def _check_names(rank: int, world_size: int) -> None:
+    from shardwise.train.loop import Trainer
+
+    config = _config(Path("/nonexistent"), "float64", steps="1").validate(world_size)
+    trainer = Trainer.build(config)
+    trainer.step(0)
+    pieces = trainer.engine.state_pieces(rank, world_size)
+    everyone: list = [None] * world_size
+    import torch.distributed as dist
+
+    dist.all_gather_object(everyone, [(p.name, p.global_shape) for p in pieces])
+    names = dict(x for mine in everyone for x in mine)
+    assert sum(len(m) for m in everyone) == len(names), "a tensor is written by two ranks"
+    assert all(len(m) > 0 for m in everyone), "one rank writes everything"
+    params = dict(trainer.engine.model.named_parameters())
+    for name, p in params.items():
+        assert names[f"model/{name}"] == tuple(p.shape)
+        if p.requires_grad:
+            assert names[f"optim/exp_avg/{name}"] == tuple(p.shape)
+            assert names[f"optim/step/{name}"] == ()
+    assert torch.is_tensor(pieces[0].tensor)
+    trainer.engine.close()
