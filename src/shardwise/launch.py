@@ -13,9 +13,11 @@ starts counting attempts from 0 again), rank 0 hosts a fresh store each attempt 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -65,19 +67,61 @@ def launch_local(
         shutdown_timeout=3,
     )
     try:
-        return elastic_launch(config, fn)(*args)
+        return elastic_launch(config, _RankMain(fn))(*args)
     except ChildFailedError as exc:
         raise LaunchError(_describe_failure(exc)) from None
 
 
-def _describe_failure(exc: Any) -> str:
-    rank, failure = exc.get_first_failure()
+# What a rank says when it only lost a peer: a consequence of another rank's failure, not a cause.
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "Broken pipe",
+)
+
+
+class _RankMain:
+    """Runs a rank's function; a rank that failed only because it lost a peer leaves last.
+
+    The agent reports the first rank it sees exit. Without this pause, a rank blocked in a
+    collective when its peer raised can exit first, and its "connection closed" would hide the
+    traceback that matters.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)  # the agent names the entry point by __name__
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.fn(*args)
+        except Exception as exc:
+            if any(p in str(exc) for p in _PEER_LOST):
+                time.sleep(PEER_LOST_GRACE_S)
+            raise
+
+
+PEER_LOST_GRACE_S = 2.0
+
+
+def _failure_text(failure: Any) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "") + "\n" + message.get("extraInfo", {}).get("py_callstack", "")
     if failure.exitcode < 0 and not str(message).strip():
         message = f"killed by signal {-failure.exitcode}"
-    return f"rank {rank} failed (exit code {failure.exitcode}):\n{str(message).strip()}"
+    return str(message).strip()
+
+
+def _describe_failure(exc: Any) -> str:
+    """Name the rank that caused the failure; ranks that merely lost it as a peer are listed after."""
+    failures = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
+    causes = [(r, f) for r, f in failures if not any(p in _failure_text(f) for p in _PEER_LOST)]
+    rank, failure = (causes or failures)[0]
+    others = sorted(r for r, _ in failures if r != rank)
+    also = f"\n(ranks {others} stopped too, having lost their peer)" if others else ""
+    return f"rank {rank} failed (exit code {failure.exitcode}):\n{_failure_text(failure)}{also}"
 
 
 def init_distributed(timeout_s: float = 300.0, backend: str = "gloo") -> None:
