@@ -92,6 +92,13 @@ def _run_case(rank: int, world_size: int, comm: Comm, stage: int, optim: str, co
     model = make_model(seed=rank)  # different on purpose: the engine must broadcast rank 0's weights
     factory = optimizer_factory(OptimizerConfig(name=optim, weight_decay=0.1))
     engine = build_zero_engine(model, comm, factory, stage, config)
+    resident: list[int] = []  # stage 3: full buffers held while each block runs forward
+
+    def count(*_: object) -> None:
+        resident.append(sum(g.materialized for g in engine.groups))
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(count)
     losses, grads = [], {}
     for step in range(STEPS):
         x, y = batches(step)
@@ -99,6 +106,8 @@ def _run_case(rank: int, world_size: int, comm: Comm, stage: int, optim: str, co
         micro = [(x[m], y[m]) for m in torch.tensor_split(mine, 2)]
         share = torch.tensor([engine.forward_backward(micro, y.numel())], dtype=torch.float64)
         comm.all_reduce(share)
+        if stage == 3:  # everything is released once the step's gradients are reduced
+            assert not any(g.materialized for g in engine.groups)
         losses.append(share.item())
         if step == 0:
             grads = engine.full_gradients()
@@ -106,6 +115,8 @@ def _run_case(rank: int, world_size: int, comm: Comm, stage: int, optim: str, co
     params = engine.full_parameters()
     engine.close()
     ref_losses, ref_grads, ref_params = reference(optim)
+    if stage == 3:  # root + this block (+ the prefetched next one), never the whole model
+        assert len(engine.groups) == 4 and max(resident) == (3 if config.prefetch else 2), resident
     return {
         "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
         "grad": compare_tensors(ref_grads, grads).max_diff,
