@@ -20,7 +20,8 @@ from shardwise.testing.harness import run_on_ranks
 from shardwise.testing.parity import compare_tensors
 from shardwise.train.engine import loss_sum
 from shardwise.train.optim import optimizer_factory
-from shardwise.zero import build_zero_engine
+from shardwise.zero import build_zero_engine, unique_parameters
+from shardwise.zero.memory import model_state_bytes, zero_formula
 
 VOCAB, DIM, SEQ, GLOBAL_BATCH, STEPS, ATOL = 13, 5, 6, 10, 5, 1e-10
 
@@ -90,6 +91,13 @@ def reference(
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _formula(engine: object, stage: int, world_size: int, optim: str) -> float:
+    psi = sum(p.numel() for _, p in unique_parameters(engine.model.named_parameters()))
+    frozen = engine.model.wpe.weight.numel() * 8
+    states = 1 if optim == "sgd" else 2
+    return zero_formula(psi, stage, world_size, "fp32", 8, states, frozen)["model_state"]
+
+
 def _run_case(rank: int, world_size: int, comm: Comm, stage: int, optim: str, config: ZeroConfig) -> dict:
     model = make_model(seed=rank)  # different on purpose: the engine must broadcast rank 0's weights
     factory = optimizer_factory(OptimizerConfig(name=optim, weight_decay=0.1))
@@ -113,6 +121,8 @@ def _run_case(rank: int, world_size: int, comm: Comm, stage: int, optim: str, co
         losses.append(share.item())
         if step == 0:
             grads = engine.full_gradients()
+        if step == 1:  # optimizer state exists now: compare the live bytes with the formula
+            memory = model_state_bytes(engine)["model_state"] / _formula(engine, stage, world_size, optim)
         engine.optimizer_step()
     params = engine.full_parameters()
     engine.close()
@@ -120,6 +130,7 @@ def _run_case(rank: int, world_size: int, comm: Comm, stage: int, optim: str, co
     if stage == 3:  # root + this block (+ the prefetched next one), never the whole model
         assert len(engine.groups) == 4 and max(resident) == (3 if config.prefetch else 2), resident
     return {
+        "memory_vs_formula": memory,
         "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
         "grad": compare_tensors(ref_grads, grads).max_diff,
         "param": compare_tensors(ref_params, params).max_diff,
@@ -153,6 +164,11 @@ def test_zero_matches_one_process(world_size: int) -> None:
     with tempfile.TemporaryDirectory() as root:
         results = run_on_ranks(_worker, world_size, cases, root, timeout_s=240)
     for name, diffs in results[0].items():
+        ratio = diffs.pop("memory_vs_formula")
+        if name.endswith("none"):  # disk offload keeps the optimizer state out of memory
+            assert 0.9 <= ratio <= 1.1, f"{name} at {world_size} ranks: model state {ratio:.3f} x formula"
+        else:
+            assert ratio < 0.9, f"{name} at {world_size} ranks: offloaded state still {ratio:.3f} x formula"
         for what, diff in diffs.items():
             assert diff <= ATOL, f"{name} at {world_size} ranks: {what} differs by {diff:.2e}"
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.zero.precision import LossScaler, resolve_precision
+from shardwise.zero.precision import LossScaler, Precision, resolve_precision
 
 
 def test_precision_keeps_fp32_masters() -> None:
-    assert resolve_precision("fp32", torch.float64) == resolve_precision("fp32", torch.float64)
+    assert resolve_precision("fp32", torch.float64) == Precision(torch.float64, torch.float64, False)
     bf16 = resolve_precision("bf16", torch.float32)
     assert (bf16.compute, bf16.master, bf16.scaled) == (torch.bfloat16, torch.float32, False)
     fp16 = resolve_precision("fp16", torch.float32)

@@ -4,7 +4,7 @@ A ``FlatGroup`` is a bucket (stages 1-2) or a unit (stage 3). Its parameters are
 padded buffer laid out by :mod:`shardwise.zero.flat_param`; each rank owns one equal slice of it as an
 fp32 (or model-dtype) master tensor that its optimizer updates. Communication, all through ``Comm``:
 ``gather`` all-gathers the shards into the full buffer; ``reduce_grads`` reduce-scatters (sum) the
-gradients into this rank's gradient shard. ``free``/``materialize`` release and re-allocate the full
+gradients into this rank's gradient shard. ``free`` and ``gather`` release and re-allocate the full
 buffer's storage in place, so autograd's saved views stay valid (the trick FSDP uses).
 """
 
@@ -57,6 +57,7 @@ class FlatGroup:
             master = source[start:end].to(precision.master).clone()
         self.master = nn.Parameter(master)
         self.grad_shard: torch.Tensor | None = None  # (shard_size,) master dtype, summed over ranks
+        self.flat_grad: torch.Tensor | None = None  # stage 1: (padded_numel,) the parameters' .grad views
         self._pending: list[_Pending] = []
         self._gather_work: Work | None = None
         # offload replaces this with a context that maps the master shard in while it is read
@@ -97,15 +98,31 @@ class FlatGroup:
             self._gather_work = None
 
     # -- gradients ----------------------------------------------------------------------------------
-    def reduce_grads(self, release: bool) -> None:
-        """Start reduce-scattering the parameters' ``.grad`` (missing ones count as zero)."""
+    def attach_grad_buffer(self) -> None:
+        """Give every parameter a zeroed ``.grad`` that views one flat buffer (autograd adds in place)."""
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros_like(self.full)
+        else:
+            self.flat_grad.zero_()
+        for slot, p in zip(self.layout.slots, self.params, strict=True):
+            p.grad = self.flat_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def _flatten_grads(self, release: bool) -> torch.Tensor:
         dtype = self.precision.master
+        if self.flat_grad is not None:
+            return self.flat_grad.to(dtype)
         full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
         for slot, p in zip(self.layout.slots, self.params, strict=True):
             if p.grad is not None:
                 full[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
                 if release:
                     p.grad = None
+        return full
+
+    def reduce_grads(self, release: bool) -> None:
+        """Start reduce-scattering the parameters' ``.grad`` (missing ones count as zero)."""
+        dtype = self.precision.master
+        full = self._flatten_grads(release)
         shard = torch.empty(self.layout.shard_size, dtype=dtype, device=full.device)
         work = self.comm.reduce_scatter(shard, full, op="sum", async_op=True)
         self._pending.append(_Pending(work, shard, full))
@@ -114,7 +131,12 @@ class FlatGroup:
         """Finish outstanding reductions and add them to the gradient shard."""
         for pending in self._pending:
             pending.work.wait()
-            if self.grad_shard is None:
+            if self.flat_grad is not None and self.flat_grad.dtype == pending.shard.dtype:
+                # stage 1: the summed slice goes back into the full gradient buffer, no extra copy kept
+                start, end = self.layout.shard_range(self.comm.rank)
+                self.flat_grad[start:end].copy_(pending.shard)
+                self.grad_shard = self.flat_grad[start:end]
+            elif self.grad_shard is None:
                 self.grad_shard = pending.shard
             else:
                 self.grad_shard.add_(pending.shard)

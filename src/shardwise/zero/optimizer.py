@@ -61,6 +61,9 @@ class ZeroEngine(ZeroBase):
         self._launched = 0  # buckets whose reduce-scatter has started this step, in order
         self._missing: list[int] = []  # per bucket: gradients not yet accumulated
         self._reset_counts()
+        if stage == 1:
+            for group in self.groups:
+                group.attach_grad_buffer()
         if stage == 2:
             for index, group in enumerate(self.groups):
                 for p in group.params:
@@ -105,3 +108,5 @@ class ZeroEngine(ZeroBase):
     def after_step(self) -> None:
         for group in self.groups:
             group.gather()
+            if self.stage == 1:
+                group.attach_grad_buffer()
