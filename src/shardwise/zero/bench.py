@@ -174,3 +174,47 @@ def run_zero_bench(
         ]
         report["stages"][f"zero{stage}"] = entry
     return report
+
+
+def _offload_rank(rank: int, world_size: int, stage: int, offload: str, folder: str, shape: dict) -> dict:
+    from shardwise.collectives.api import Comm
+    from shardwise.zero import build_zero_engine
+    from shardwise.zero.memory import model_state_bytes, peak_rss_bytes
+
+    torch.manual_seed(0)
+    model = BenchGPT(shape["vocab"], shape["dim"], shape["layers"], shape["seq_len"])
+    factory = optimizer_factory(OptimizerConfig(name="adamw", lr=1e-4))
+    config = ZeroConfig(offload=offload, offload_dir=folder)
+    engine = build_zero_engine(model, Comm(), factory, stage, config)
+    data = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq_len"] + 1))
+    for _ in range(shape.get("steps", 2)):
+        engine.forward_backward([(data[:, :-1], data[:, 1:])], data[:, 1:].numel() * world_size)
+        state = model_state_bytes(engine)
+        engine.optimizer_step()
+    engine.close()
+    return {
+        "peak_rss": peak_rss_bytes(),
+        "model_state": state,
+        "psi": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def run_offload_bench(nproc: int, stage: int, shape: dict | None = None, folder: str = "") -> dict:
+    """Peak RSS per rank without offload and with disk offload (files under ``folder``, a temporary
+    folder when empty), one fresh spawn each, on a GPT of about 100M parameters by default."""
+    import tempfile
+
+    shape = shape or {"vocab": 8192, "dim": 768, "layers": 14, "seq_len": 32, "batch": 1, "steps": 2}
+    out: dict[str, Any] = {"nproc": nproc, "stage": stage, "shape": shape}
+    with tempfile.TemporaryDirectory(prefix="shardwise-offload-", dir=folder or None) as root:
+        for offload in ("none", "disk"):
+            ranks = run_on_ranks(_offload_rank, nproc, stage, offload, root, shape, timeout_s=600)
+            out[offload] = {
+                "peak_rss_per_rank": [r["peak_rss"] for r in ranks],
+                "model_state": ranks[0]["model_state"],
+            }
+            out["psi"] = ranks[0]["psi"]
+    none, disk = max(out["none"]["peak_rss_per_rank"]), max(out["disk"]["peak_rss_per_rank"])
+    out["peak_rss_drop_bytes"] = none - disk
+    out["peak_rss_ratio"] = disk / none
+    return out
