@@ -5,10 +5,11 @@ Communication per step, all through ``Comm``: each bucket's gradients are reduce
 each rank receives only the slice of the summed gradient that its optimizer shard needs; after the
 update, each bucket's shards are all-gathered back into the full parameters.
 
-Stage 1 reduce-scatters once backward is over and keeps the full local gradients until the step.
-Stage 2 reduce-scatters each bucket as soon as its last gradient has accumulated during backward
-(buckets launched strictly in order, so every rank issues the same collectives) and frees the full
-gradients right away, keeping only its shard. Under ``no_sync`` both accumulate full gradients
+Both reduce-scatter each bucket as soon as its last gradient has accumulated during backward
+(buckets launched strictly in order, so every rank issues the same collectives), overlapping
+communication with the rest of backward. Stage 1 keeps the full gradients in one flat buffer per
+bucket (the summed slice is written back into it) until the step; stage 2 frees the full gradients
+as soon as they are flattened, keeping only its shard. Under ``no_sync`` both accumulate full gradients
 locally and communicate on the last micro-batch.
 """
 
@@ -61,14 +62,12 @@ class ZeroEngine(ZeroBase):
         self._launched = 0  # buckets whose reduce-scatter has started this step, in order
         self._missing: list[int] = []  # per bucket: gradients not yet accumulated
         self._reset_counts()
-        if stage == 1:
-            for group in self.groups:
+        for index, group in enumerate(self.groups):
+            if stage == 1:
                 group.attach_grad_buffer()
-        if stage == 2:
-            for index, group in enumerate(self.groups):
-                for p in group.params:
-                    hook = p.register_post_accumulate_grad_hook(lambda _, i=index: self._on_grad(i))
-                    self._hooks.append(hook)
+            for p in group.params:
+                hook = p.register_post_accumulate_grad_hook(lambda _, i=index: self._on_grad(i))
+                self._hooks.append(hook)
 
     def build_groups(self) -> list[FlatGroup]:
         # backward produces gradients roughly in reverse registration order: bucket in that order
@@ -87,7 +86,7 @@ class ZeroEngine(ZeroBase):
             return
         self._missing[index] -= 1
         while self._launched < len(self.groups) and self._missing[self._launched] == 0:
-            self.groups[self._launched].reduce_grads(release=True)
+            self.groups[self._launched].reduce_grads(release=self.stage == 2)
             self._launched += 1
 
     @contextmanager
