@@ -54,6 +54,7 @@ class ZeroBase(Engine):
         self.precision = resolve_precision(config.precision, self.trainable[0][1].dtype)
         self.scaler = LossScaler(self.precision.scaled)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._in_flight: list[FlatGroup] = []  # groups whose gradient reduce-scatter has started
         self.groups: list[FlatGroup] = self.build_groups()
         self._cast_frozen()
         self.optimizers = [optimizer_factory([g.master]) for g in self.groups]
@@ -61,6 +62,19 @@ class ZeroBase(Engine):
 
     def build_groups(self) -> list[FlatGroup]:
         raise NotImplementedError
+
+    def launch_reduce(self, group: FlatGroup, release: bool) -> None:
+        """Start ``group``'s reduce-scatter; finish the one before it, so at most two flat gradient
+        buffers are alive at a time instead of the whole model's."""
+        group.reduce_grads(release)
+        self._in_flight.append(group)
+        if len(self._in_flight) > 2:
+            self._in_flight.pop(0).wait_grads()
+
+    def wait_reduces(self) -> None:
+        for group in self._in_flight:
+            group.wait_grads()
+        self._in_flight.clear()
 
     def _cast_frozen(self) -> None:
         for p in self.model.parameters():

@@ -86,7 +86,7 @@ class ZeroEngine(ZeroBase):
             return
         self._missing[index] -= 1
         while self._launched < len(self.groups) and self._missing[self._launched] == 0:
-            self.groups[self._launched].reduce_grads(release=self.stage == 2)
+            self.launch_reduce(self.groups[self._launched], release=self.stage == 2)
             self._launched += 1
 
     @contextmanager
@@ -99,9 +99,8 @@ class ZeroEngine(ZeroBase):
 
     def finish_grads(self) -> None:
         for group in self.groups[self._launched :]:
-            group.reduce_grads(release=self.stage == 2)
-        for group in self.groups:
-            group.wait_grads()
+            self.launch_reduce(group, release=self.stage == 2)
+        self.wait_reduces()
         self._reset_counts()
 
     def after_step(self) -> None:

@@ -136,17 +136,16 @@ class ShardedModule(ZeroBase):
         self._missing[index] -= 1
         if self._missing[index] == 0:
             self._missing[index] = len(self.groups[index].params)
-            self.groups[index].reduce_grads(release=True)
+            self.launch_reduce(self.groups[index], release=True)
             if index != self._root:
                 self._free(index)
 
     def finish_grads(self) -> None:
         for index, group in enumerate(self.groups):
             if self._missing[index] != len(group.params):  # some gradients never arrived: zeros
-                group.reduce_grads(release=True)
+                self.launch_reduce(group, release=True)
                 self._missing[index] = len(group.params)
-        for group in self.groups:
-            group.wait_grads()
+        self.wait_reduces()
         self.after_step()
 
     def after_step(self) -> None:
