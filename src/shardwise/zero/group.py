@@ -58,6 +58,7 @@ class FlatGroup:
         self.master = nn.Parameter(master)
         self.grad_shard: torch.Tensor | None = None  # (shard_size,) master dtype, summed over ranks
         self.flat_grad: torch.Tensor | None = None  # stage 1: (padded_numel,) the parameters' .grad views
+        self._incoming: torch.Tensor | None = None  # stages 2-3: (padded_numel,) gradients taken so far
         self._pending: list[_Pending] = []
         self._gather_work: Work | None = None
         # offload replaces this with a context that maps the master shard in while it is read
@@ -107,11 +108,24 @@ class FlatGroup:
         for slot, p in zip(self.layout.slots, self.params, strict=True):
             p.grad = self.flat_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
+    def take_grad(self, index: int) -> None:
+        """Copy parameter ``index``'s ready gradient into the flat buffer and free it."""
+        if self._incoming is None:
+            dtype, device = self.precision.master, self.full.device
+            self._incoming = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        slot, p = self.layout.slots[index], self.params[index]
+        if p.grad is not None:
+            self._incoming[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+            p.grad = None
+
     def _flatten_grads(self, release: bool) -> torch.Tensor:
         dtype = self.precision.master
         if self.flat_grad is not None:
             return self.flat_grad.to(dtype)
-        full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
+        full = self._incoming
+        self._incoming = None
+        if full is None:
+            full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
         for slot, p in zip(self.layout.slots, self.params, strict=True):
             if p.grad is not None:
                 full[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))

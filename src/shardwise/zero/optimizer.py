@@ -65,8 +65,8 @@ class ZeroEngine(ZeroBase):
         for index, group in enumerate(self.groups):
             if stage == 1:
                 group.attach_grad_buffer()
-            for p in group.params:
-                hook = p.register_post_accumulate_grad_hook(lambda _, i=index: self._on_grad(i))
+            for j, p in enumerate(group.params):
+                hook = p.register_post_accumulate_grad_hook(lambda _, i=index, j=j: self._on_grad(i, j))
                 self._hooks.append(hook)
 
     def build_groups(self) -> list[FlatGroup]:
@@ -81,9 +81,11 @@ class ZeroEngine(ZeroBase):
         self._launched = 0
         self._missing = [len(g.params) for g in self.groups]
 
-    def _on_grad(self, index: int) -> None:
+    def _on_grad(self, index: int, param_index: int) -> None:
         if not self._sync:
             return
+        if self.stage == 2:  # flatten now: the full gradient lives only until its bucket is sent
+            self.groups[index].take_grad(param_index)
         self._missing[index] -= 1
         while self._launched < len(self.groups) and self._missing[self._launched] == 0:
             self.launch_reduce(self.groups[self._launched], release=self.stage == 2)

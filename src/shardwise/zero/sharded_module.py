@@ -87,8 +87,9 @@ class ShardedModule(ZeroBase):
             self._hooks.append(unit.register_forward_pre_hook(lambda *_, i=i: self._unit_pre_forward(i)))
             self._hooks.append(unit.register_forward_hook(lambda _m, _a, y, i=i: self._unit_forward(i, y)))
         for index, group in enumerate(self.groups):
-            for p in group.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(lambda _, g=index: self._on_grad(g)))
+            for j, p in enumerate(group.params):
+                hook = p.register_post_accumulate_grad_hook(lambda _, g=index, j=j: self._on_grad(g, j))
+                self._hooks.append(hook)
 
     # -- gathering ----------------------------------------------------------------------------------
     def _start(self, index: int | None) -> None:
@@ -132,7 +133,8 @@ class ShardedModule(ZeroBase):
             self._start(self._neighbour(unit, -1))
 
     # -- gradients ----------------------------------------------------------------------------------
-    def _on_grad(self, index: int) -> None:
+    def _on_grad(self, index: int, param_index: int) -> None:
+        self.groups[index].take_grad(param_index)  # the full gradient is freed at once
         self._missing[index] -= 1
         if self._missing[index] == 0:
             self._missing[index] = len(self.groups[index].params)
