@@ -100,7 +100,9 @@ def _return_freed_memory() -> None:
             ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # -3: M_MMAP_THRESHOLD
 
 
-def _bench_rank(rank: int, world_size: int, impl: str, stage: int, shape: dict, steps: int) -> dict:
+def _bench_rank(
+    rank: int, world_size: int, impl: str, stage: int, shape: dict, steps: int, bucket_mb: float
+) -> dict:
     from shardwise.collectives.api import Comm
     from shardwise.zero import build_zero_engine
     from shardwise.zero.memory import model_state_bytes, peak_rss_bytes, zero_formula
@@ -118,7 +120,7 @@ def _bench_rank(rank: int, world_size: int, impl: str, stage: int, shape: dict, 
     if impl == "ours":
         comm = Comm()
         factory = optimizer_factory(OptimizerConfig(name="adamw", lr=1e-4))
-        engine = build_zero_engine(model, comm, factory, stage, ZeroConfig())
+        engine = build_zero_engine(model, comm, factory, stage, ZeroConfig(bucket_mb=bucket_mb))
 
         def step(x: torch.Tensor, y: torch.Tensor, global_tokens: int) -> None:
             engine.forward_backward([(x, y)], global_tokens)
@@ -157,19 +159,23 @@ def run_zero_bench(
     repeats: int = 3,
     stages: tuple[int, ...] = (1, 2, 3),
     shape: dict | None = None,
+    bucket_mb: float = 4.0,
     timeout_s: float = 600.0,
 ) -> dict:
     """Per stage: tokens/s and peak RSS per rank for ours and PyTorch's, their ratios, and our
-    model-state bytes beside the formula. ``speed_ratio`` > 1 and ``memory_ratio`` < 1 favour ours."""
+    model-state bytes beside the formula. ``speed_ratio`` > 1 and ``memory_ratio`` < 1 favour ours.
+    ``bucket_mb`` sizes our gradient buckets (stages 1-2): about one block, as FSDP2 reduces per block."""
     shape = shape or {"vocab": 8192, "dim": 384, "layers": 6, "seq_len": 64, "batch": 4}
     runs: dict[tuple[int, str], list[list[dict]]] = {}
     for _ in range(repeats):
         for stage in stages:
             for impl in ("ours", "torch"):
-                result = run_on_ranks(_bench_rank, nproc, impl, stage, shape, steps, timeout_s=timeout_s)
+                args = (impl, stage, shape, steps, bucket_mb)
+                result = run_on_ranks(_bench_rank, nproc, *args, timeout_s=timeout_s)
                 runs.setdefault((stage, impl), []).append(result)
     tokens = shape["batch"] * shape["seq_len"] * nproc
     report: dict[str, Any] = {"nproc": nproc, "steps": steps, "repeats": repeats, "shape": shape}
+    report["bucket_mb"] = bucket_mb
     report["stages"] = {}
     for stage in stages:
         entry: dict[str, Any] = {"torch_counterpart": TORCH_NAMES[stage]}
