@@ -1,0 +1,153 @@
+"""What every ZeRO stage shares: start from rank 0's weights, step sharded optimizers, inspect.
+
+Communication: one broadcast per parameter and buffer at start (rank 0's initial weights); in fp16,
+one all-reduce (max) of the overflow flag per step; the inspection calls (``full_parameters``,
+``full_gradients``) all-gather shards. Stage-specific gradient and parameter traffic lives in
+:mod:`shardwise.zero.optimizer` (stages 1-2) and :mod:`shardwise.zero.sharded_module` (stage 3).
+Stages follow Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models" (SC 2020).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from shardwise.collectives.api import Comm
+from shardwise.config import ZeroConfig
+from shardwise.train.engine import Batch, Engine, loss_sum
+from shardwise.zero.flat_param import unique_parameters
+from shardwise.zero.group import FlatGroup
+from shardwise.zero.offload import build_offload
+from shardwise.zero.precision import LossScaler, resolve_precision
+
+OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer]
+
+
+def broadcast_initial_state(model: nn.Module, comm: Comm) -> None:
+    """Every rank starts from rank 0's parameters and buffers."""
+    seen: set[int] = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            comm.broadcast(tensor.data, src=0)
+
+
+class ZeroBase(Engine):
+    """Sharded master weights and optimizer state over ``comm``; subclasses decide the groups."""
+
+    stage: int = 0
+
+    def __init__(
+        self, model: nn.Module, comm: Comm, optimizer_factory: OptimizerFactory, config: ZeroConfig
+    ) -> None:
+        super().__init__(model)
+        self.comm, self.config = comm, config
+        broadcast_initial_state(model, comm)
+        self.trainable = unique_parameters(model.named_parameters())
+        if not self.trainable:
+            raise ValueError("the model has no trainable parameters to shard")
+        self.precision = resolve_precision(config.precision, self.trainable[0][1].dtype)
+        self.scaler = LossScaler(self.precision.scaled)
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._in_flight: list[FlatGroup] = []  # groups whose gradient reduce-scatter has started
+        self.groups: list[FlatGroup] = self.build_groups()
+        self._cast_frozen()
+        self.optimizers = [optimizer_factory([g.master]) for g in self.groups]
+        self.offload = build_offload(config, self.groups, self.optimizers)
+
+    def build_groups(self) -> list[FlatGroup]:
+        raise NotImplementedError
+
+    def launch_reduce(self, group: FlatGroup, release: bool) -> None:
+        """Start ``group``'s reduce-scatter; finish the one before it, so at most two flat gradient
+        buffers are alive at a time instead of the whole model's."""
+        group.reduce_grads(release)
+        self._in_flight.append(group)
+        if len(self._in_flight) > 2:
+            self._in_flight.pop(0).wait_grads()
+
+    def wait_reduces(self) -> None:
+        for group in self._in_flight:
+            group.wait_grads()
+        self._in_flight.clear()
+
+    def _cast_frozen(self) -> None:
+        for p in self.model.parameters():
+            if not p.requires_grad and p.dtype != self.precision.compute:
+                p.data = p.data.to(self.precision.compute)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def forward_backward(self, micro_batches: Sequence[Batch], global_tokens: int) -> float:
+        share, last = 0.0, len(micro_batches) - 1
+        for i, (inputs, targets) in enumerate(micro_batches):
+            with self.no_sync() if i < last else nullcontext():
+                loss = self.compute_loss(inputs, targets) / global_tokens
+                (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+            share += float(loss.detach())
+        self.finish_grads()
+        return share
+
+    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs)
+        return loss_sum(logits.to(self.precision.master), targets)
+
+    def _overflowed(self) -> bool:
+        """Unscale fp16 gradient shards; True (on every rank) when any is inf or NaN."""
+        if not self.scaler.enabled:
+            return False
+        flag = torch.zeros(1, device=self.groups[0].master.device)
+        for g in self.groups:
+            if g.grad_shard is not None:
+                g.grad_shard.div_(self.scaler.scale)
+                if not torch.isfinite(g.grad_shard).all():
+                    flag.fill_(1.0)
+        self.comm.all_reduce(flag, op="max")
+        found = bool(flag.item())
+        self.scaler.update(found)
+        return found
+
+    def optimizer_step(self) -> None:
+        if not self._overflowed():
+            for i, (group, optimizer) in enumerate(zip(self.groups, self.optimizers, strict=True)):
+                with self.offload.resident(i):
+                    shard = group.grad_shard
+                    master = group.master
+                    master.grad = torch.zeros_like(master) if shard is None else shard.to(master.device)
+                    optimizer.step()
+                    group.master.grad = None
+        for group in self.groups:
+            group.grad_shard = None
+        for p in self.model.parameters():
+            p.grad = None
+        self.after_step()
+
+    def after_step(self) -> None:
+        """Stage-specific: make the updated parameters visible to the next forward."""
+
+    # -- inspection -------------------------------------------------------------------------------
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        by_name: dict[str, torch.Tensor] = {}
+        for i, group in enumerate(self.groups):
+            with self.offload.resident(i):
+                by_name.update(group.unflatten(group.full_master()))
+        return {
+            name: by_name[name] if name in by_name else p.detach().clone()
+            for name, p in self.model.named_parameters()
+        }
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for group in self.groups:
+            out.update(group.unflatten(group.full_gradient() / self.scaler.scale))
+        return out
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.offload.close()

@@ -1,0 +1,180 @@
+"""One flat group of parameters: a full buffer the parameters view, and this rank's master shard.
+
+A ``FlatGroup`` is a bucket (stages 1-2) or a unit (stage 3). Its parameters are views into one flat,
+padded buffer laid out by :mod:`shardwise.zero.flat_param`; each rank owns one equal slice of it as an
+fp32 (or model-dtype) master tensor that its optimizer updates. Communication, all through ``Comm``:
+``gather`` all-gathers the shards into the full buffer; ``reduce_grads`` reduce-scatters (sum) the
+gradients into this rank's gradient shard. ``free`` and ``gather`` release and re-allocate the full
+buffer's storage in place, so autograd's saved views stay valid (the trick FSDP uses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardwise.collectives.api import Comm, Work
+from shardwise.zero.flat_param import FlatLayout, layout_of
+from shardwise.zero.precision import Precision
+
+
+@dataclass
+class _Pending:
+    work: Work
+    shard: torch.Tensor  # where the reduced slice lands
+    full: torch.Tensor  # kept alive until the collective completes
+
+
+class FlatGroup:
+    """Parameters ``named`` (unique, trainable) flattened for ``comm.world_size`` ranks."""
+
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        comm: Comm,
+        precision: Precision,
+        alias_master: bool,
+    ) -> None:
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.comm, self.precision = comm, precision
+        self.layout: FlatLayout = layout_of(named, comm.world_size)
+        start, end = self.layout.shard_range(comm.rank)
+        device = self.params[0].device
+        source = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=device)
+        for slot, p in zip(self.layout.slots, self.params, strict=True):
+            source[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        # (padded_numel,) in the compute dtype; parameters are views of it
+        self.full = source.to(precision.compute) if precision.compute != source.dtype else source
+        self._bind_views()
+        if alias_master and precision.master == precision.compute:
+            master = self.full[start:end]  # stages 1-2 in one dtype: the shard is the buffer itself
+        else:
+            master = source[start:end].to(precision.master).clone()
+        self.master = nn.Parameter(master)
+        self.grad_shard: torch.Tensor | None = None  # (shard_size,) master dtype, summed over ranks
+        self.flat_grad: torch.Tensor | None = None  # stage 1: (padded_numel,) the parameters' .grad views
+        self._incoming: torch.Tensor | None = None  # stages 2-3: (padded_numel,) gradients taken so far
+        self._pending: list[_Pending] = []
+        self._gather_work: Work | None = None
+        # offload replaces this with a context that maps the master shard in while it is read
+        self.resident: Callable[[], AbstractContextManager[None]] = nullcontext
+
+    # -- parameters ---------------------------------------------------------------------------------
+    def _bind_views(self) -> None:
+        for slot, p in zip(self.layout.slots, self.params, strict=True):
+            p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    @property
+    def materialized(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def free(self) -> None:
+        """Release the full buffer's memory; the parameter views keep their shapes but no data."""
+        self.wait_gather()
+        self.full.untyped_storage().resize_(0)
+
+    def gather(self, async_op: bool = False) -> None:
+        """All-gather every rank's shard (from ``master``) into the full buffer."""
+        if self._gather_work is not None:
+            return
+        if not self.materialized:
+            self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        with self.resident():
+            shard = self.master.detach().to(self.full.device, self.precision.compute)
+            if shard.data_ptr() == self.master.data_ptr():
+                shard = shard.clone()  # the input may not alias the output buffer (nor a mapped file)
+        # .data: the in-place write must not bump the version counter autograd checks on saved views
+        self._gather_work = self.comm.all_gather(self.full.data, shard, async_op=True)
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+
+    # -- gradients ----------------------------------------------------------------------------------
+    def attach_grad_buffer(self) -> None:
+        """Give every parameter a zeroed ``.grad`` that views one flat buffer (autograd adds in place)."""
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros_like(self.full)
+        else:
+            self.flat_grad.zero_()
+        for slot, p in zip(self.layout.slots, self.params, strict=True):
+            p.grad = self.flat_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def take_grad(self, index: int) -> None:
+        """Copy parameter ``index``'s ready gradient into the flat buffer and free it."""
+        if self._incoming is None:
+            dtype, device = self.precision.master, self.full.device
+            self._incoming = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        slot, p = self.layout.slots[index], self.params[index]
+        if p.grad is not None:
+            self._incoming[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+            p.grad = None
+
+    def _flatten_grads(self, release: bool) -> torch.Tensor:
+        dtype = self.precision.master
+        if self.flat_grad is not None:
+            return self.flat_grad.to(dtype)
+        full = self._incoming
+        self._incoming = None
+        if full is None:
+            full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
+        for slot, p in zip(self.layout.slots, self.params, strict=True):
+            if p.grad is not None:
+                full[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+                if release:
+                    p.grad = None
+        return full
+
+    def reduce_grads(self, release: bool) -> None:
+        """Start reduce-scattering the parameters' ``.grad`` (missing ones count as zero)."""
+        dtype = self.precision.master
+        full = self._flatten_grads(release)
+        shard = torch.empty(self.layout.shard_size, dtype=dtype, device=full.device)
+        work = self.comm.reduce_scatter(shard, full, op="sum", async_op=True)
+        self._pending.append(_Pending(work, shard, full))
+
+    def wait_grads(self) -> None:
+        """Finish outstanding reductions and add them to the gradient shard."""
+        for pending in self._pending:
+            pending.work.wait()
+            if self.flat_grad is not None and self.flat_grad.dtype == pending.shard.dtype:
+                # stage 1: the summed slice goes back into the full gradient buffer, no extra copy kept
+                start, end = self.layout.shard_range(self.comm.rank)
+                self.flat_grad[start:end].copy_(pending.shard)
+                self.grad_shard = self.flat_grad[start:end]
+            elif self.grad_shard is None:
+                self.grad_shard = pending.shard
+            else:
+                self.grad_shard.add_(pending.shard)
+        self._pending.clear()
+
+    def full_gradient(self) -> torch.Tensor:
+        """All-gather the gradient shards into a (padded_numel,) tensor (inspection only)."""
+        shard = self.grad_shard
+        if shard is None:
+            shard = torch.zeros(self.layout.shard_size, dtype=self.precision.master, device=self.full.device)
+        out = shard.new_empty(self.layout.padded_numel)
+        self.comm.all_gather(out, shard.contiguous())
+        return out
+
+    def full_master(self) -> torch.Tensor:
+        """All-gather the master shards into a (padded_numel,) tensor (inspection only)."""
+        with self.resident():
+            shard = self.master.detach().to(self.full.device).clone()
+        out = shard.new_empty(self.layout.padded_numel)
+        self.comm.all_gather(out, shard)
+        return out
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+            for name, slot in zip(self.names, self.layout.slots, strict=True)
+        }

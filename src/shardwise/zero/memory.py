@@ -1,0 +1,103 @@
+"""Memory accounting for ZeRO: bytes by component from live tensors, the paper's formula, peak RSS.
+
+No communication. ``model_state_bytes`` walks the engine's live tensors (each storage counted once,
+so a master shard that views the parameter buffer is not counted twice); ``zero_formula`` gives what
+Rajbhandari et al. (SC 2020, section 5) predict per rank for Ψ trainable parameters and N ranks,
+adapted to how this implementation keeps state:
+
+* fp32 (or float64) training: parameters 4Ψ, gradients 4Ψ, optimizer state KΨ (Adam: K = 8 bytes:
+  two moments; the fp32 master *is* the parameter, so it costs nothing extra);
+* bf16/fp16 training: parameters 2Ψ, gradients 2Ψ + 4Ψ/N (stage 1: the full gradients and the fp32
+  reduced slice) or an fp32 shard 4Ψ/N (stages 2-3),
+  optimizer state (4 + K)Ψ: the fp32 master plus the moments (the paper's K = 12).
+
+Stage 1 divides the optimizer state by N, stage 2 also the gradients, stage 3 also the parameters.
+Frozen parameters are not sharded and are added whole on both sides.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterable
+
+import torch
+
+from shardwise.zero.base import ZeroBase
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(engine: ZeroBase) -> dict[str, int]:
+    """Bytes this rank holds now, by component: params, grads, optimizer_state, buffers."""
+    seen: set[int] = set()
+    frozen = [p for p in engine.model.parameters() if not p.requires_grad]
+    params = _unique_bytes([g.full for g in engine.groups] + [g.master for g in engine.groups] + frozen, seen)
+    grads = [g.flat_grad for g in engine.groups if g.flat_grad is not None]
+    grads += [g.grad_shard for g in engine.groups if g.grad_shard is not None]
+    grads += [p.grad for p in engine.model.parameters() if p.grad is not None]
+    state = [
+        value
+        for optimizer in engine.optimizers
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if torch.is_tensor(value)
+    ]
+    out = {
+        "params": params,
+        "grads": _unique_bytes(grads, seen),
+        "optimizer_state": _unique_bytes(state, seen),
+        "buffers": _unique_bytes(engine.model.buffers(), seen),
+    }
+    out["model_state"] = out["params"] + out["grads"] + out["optimizer_state"]
+    return out
+
+
+def zero_formula(
+    psi: int,
+    stage: int,
+    world_size: int,
+    precision: str = "fp32",
+    param_bytes: int = 4,
+    states_per_param: int = 2,
+    frozen_bytes: int = 0,
+) -> dict[str, float]:
+    """Predicted bytes per rank for ``psi`` trainable parameters (see the module docstring).
+
+    ``param_bytes`` is the training dtype's size in fp32 mode (8 for float64); ``states_per_param`` is
+    how many parameter-sized tensors the optimizer keeps (Adam 2, SGD with momentum 1).
+    """
+    n = world_size
+    if precision == "fp32":
+        low, grad_shard, master = param_bytes, param_bytes, 0
+    else:
+        low, grad_shard, master = 2, 4, 4
+    state_bytes = (master + states_per_param * (4 if precision != "fp32" else param_bytes)) * psi
+    params = low * psi / (n if stage >= 3 else 1) + frozen_bytes
+    grads = grad_shard * psi / n
+    if stage == 1:  # full gradients; in low precision the reduced slice is an extra fp32 shard
+        grads = low * psi + (grad_shard * psi / n if precision != "fp32" else 0)
+    state = state_bytes / n
+    return {"params": params, "grads": grads, "optimizer_state": state, "model_state": params + grads + state}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The allocator's peak on a GPU, peak RSS on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()

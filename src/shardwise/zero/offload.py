@@ -1,0 +1,123 @@
+"""Offload of sharded master weights and optimizer state: to CPU memory, or to memory-mapped files.
+
+No communication: offload only moves this rank's own shards. ``cpu`` keeps master shards (and so the
+optimizer state the optimizer creates beside them) in host memory while the model computes on a GPU;
+on a CPU-only machine it changes nothing. ``disk`` keeps each group's master shard and optimizer state
+in files under ``offload_dir/rank<r>/`` and maps them (``torch.from_file``, shared) only while that group
+is stepped or gathered, so at most one group's state is resident at a time, in the spirit of
+ZeRO-Infinity's NVMe swapping (Rajbhandari et al., SC 2021). Parameters in stage 3 are the master
+shards, so disk offload covers them too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from torch.optim import Optimizer
+
+from shardwise.config import ZeroConfig
+from shardwise.zero.group import FlatGroup
+
+
+class NoOffload:
+    """State stays where it was made."""
+
+    def resident(self, index: int) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def close(self) -> None:
+        pass
+
+
+class CpuOffload(NoOffload):
+    """Master shards in host memory; the optimizer then keeps its state there too."""
+
+    def __init__(self, groups: list[FlatGroup]) -> None:
+        for group in groups:
+            if group.master.device.type != "cpu":
+                group.master.data = group.master.data.to("cpu").pin_memory()
+
+
+class DiskOffload:
+    """Master shard and optimizer state of group ``i`` live in files, mapped only while in use."""
+
+    def __init__(self, folder: str, rank: int, groups: list[FlatGroup], optimizers: list[Optimizer]) -> None:
+        self._owned = not folder
+        root = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="shardwise-offload-"))
+        self.dir = root / f"rank{rank}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.groups, self.optimizers = groups, optimizers
+        self._depth = [0] * len(groups)
+        self._files: list[dict[str, Path]] = [{} for _ in groups]
+        for i, group in enumerate(groups):
+            group.resident = lambda i=i: self.resident(i)
+            self._evict(i)
+
+    def _tensors(self, i: int) -> dict[str, torch.Tensor]:
+        """The group's master shard and every optimizer-state tensor of the same shape."""
+        master = self.groups[i].master
+        out = {"master": master.data}
+        for key, value in self.optimizers[i].state.get(master, {}).items():
+            if torch.is_tensor(value) and value.shape == master.shape:
+                out[f"state.{key}"] = value
+        return out
+
+    def _evict(self, i: int) -> None:
+        master = self.groups[i].master
+        for key, tensor in self._tensors(i).items():
+            path = self._files[i].get(key)
+            if path is None:  # first time: write the file; later the mapping already wrote through
+                path = self.dir / f"group{i}.{key}.bin"
+                tensor.detach().cpu().contiguous().numpy().tofile(path)
+                self._files[i][key] = path
+            self._set(i, key, torch.empty(0, dtype=tensor.dtype))
+        if not self._files[i]:
+            raise RuntimeError(f"group {i} had nothing to offload")
+        assert master.numel() == 0
+
+    def _load(self, i: int) -> None:
+        group = self.groups[i]
+        numel, dtype = group.layout.shard_size, group.precision.master
+        for key, path in self._files[i].items():
+            self._set(i, key, torch.from_file(str(path), shared=True, size=numel, dtype=dtype))
+
+    def _set(self, i: int, key: str, tensor: torch.Tensor) -> None:
+        master = self.groups[i].master
+        if key == "master":
+            master.data = tensor
+        else:
+            self.optimizers[i].state[master][key.removeprefix("state.")] = tensor
+
+    @contextmanager
+    def resident(self, index: int) -> Iterator[None]:
+        """Map group ``index``'s files for the duration; unmap (writing through) afterwards."""
+        if self._depth[index] == 0:
+            self._load(index)
+        self._depth[index] += 1
+        try:
+            yield
+        finally:
+            self._depth[index] -= 1
+            if self._depth[index] == 0:
+                self._evict(index)
+
+    def close(self) -> None:
+        if self._owned:
+            shutil.rmtree(self.dir.parent, ignore_errors=True)
+
+
+def build_offload(
+    config: ZeroConfig, groups: list[FlatGroup], optimizers: list[Optimizer]
+) -> NoOffload | CpuOffload | DiskOffload:
+    if config.offload == "none":
+        return NoOffload()
+    if config.offload == "cpu":
+        return CpuOffload(groups)
+    if config.offload == "disk":
+        return DiskOffload(config.offload_dir, groups[0].comm.rank, groups, optimizers)
+    raise ValueError(f"zero.offload must be none, cpu or disk; got {config.offload!r}")

@@ -1,0 +1,55 @@
+"""Mixed precision for ZeRO: compute in bf16/fp16, keep master shards in fp32, scale fp16 losses.
+
+No communication of its own: the engine all-reduces the loss scaler's overflow flag through its Comm.
+Dynamic loss scaling follows Micikevicius et al., "Mixed Precision Training" (2018).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: torch.dtype  # parameters and activations during forward/backward
+    master: torch.dtype  # master shards, gradient shards and optimizer state
+    scaled: bool  # fp16: the loss is multiplied by a dynamic scale before backward
+
+
+def resolve_precision(name: str, model_dtype: torch.dtype) -> Precision:
+    """``fp32`` trains in the model's own dtype (float64 in parity tests); bf16/fp16 keep fp32 masters."""
+    if name == "fp32":
+        return Precision(model_dtype, model_dtype, False)
+    if name not in _COMPUTE:
+        raise ValueError(f"zero.precision must be fp32, bf16 or fp16; got {name!r}")
+    master = model_dtype if model_dtype == torch.float64 else torch.float32
+    return Precision(_COMPUTE[name], master, name == "fp16")
+
+
+class LossScaler:
+    """Multiply the loss by ``scale``; halve it on overflow (skipping the step), double it after
+    ``growth_interval`` clean steps."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000) -> None:
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self._clean_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale /= 2.0
+            self._clean_steps = 0
+            self.skipped_steps += 1
+            return
+        self._clean_steps += 1
+        if self._clean_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self._clean_steps = 0

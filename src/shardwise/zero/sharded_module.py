@@ -1,0 +1,156 @@
+"""ZeRO stage 3: parameters sharded too, gathered one unit at a time.
+
+Each child of ``model.<config.unit>`` (the transformer blocks by default) is one unit, a
+:class:`~shardwise.zero.group.FlatGroup`. Parameters outside the units (embeddings, final norm, a head
+tied to the embedding) and any parameter shared between units form the root unit, all-gathered at the
+start of forward and kept until the step's gradients are reduced. Communication, all through ``Comm``:
+
+* forward: all-gather unit ``i`` just before it runs (prefetching unit ``i + 1``), free it after;
+* backward: all-gather unit ``i`` again when the gradient of its output arrives (prefetching ``i - 1``);
+  once every gradient of the unit has accumulated, reduce-scatter (sum) them into this rank's gradient
+  shard and free both the full gradients and the full parameters;
+* step: each rank updates its own master shard; nothing is gathered until the next forward.
+
+Limitation: ``no_sync`` does not skip communication here; each micro-batch's gradients are
+reduce-scattered and summed into the shard (correct, but no saving). Frozen parameters are not sharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.collectives.api import Comm
+from shardwise.config import ZeroConfig
+from shardwise.zero.base import OptimizerFactory, ZeroBase
+from shardwise.zero.group import FlatGroup
+
+
+class ShardedModule(ZeroBase):
+    """ZeRO stage 3 over the data-parallel group ``comm``."""
+
+    stage = 3
+    name = "zero3"
+
+    def __init__(
+        self, model: nn.Module, comm: Comm, optimizer_factory: OptimizerFactory, config: ZeroConfig
+    ) -> None:
+        self._unit_group: list[int | None] = []  # unit index -> group index (None: nothing to shard)
+        super().__init__(model, comm, optimizer_factory, config)
+        self._gathering: set[int] = set()  # groups whose gather has started since they were last freed
+        self._missing = [len(g.params) for g in self.groups]
+        self._register_hooks()
+        self.after_step()
+
+    # -- units --------------------------------------------------------------------------------------
+    def _units(self) -> nn.ModuleList:
+        units = getattr(self.model, self.config.unit, None)
+        if not isinstance(units, nn.ModuleList | nn.Sequential):
+            raise ValueError(
+                f"zero3 gathers one child of model.{self.config.unit} at a time, but the model has no "
+                f"ModuleList there; set zero.unit to the name of the module holding the blocks"
+            )
+        return units
+
+    def build_groups(self) -> list[FlatGroup]:
+        owners: dict[int, set[int]] = {}
+        for i, unit in enumerate(self._units()):
+            for p in unit.parameters():
+                owners.setdefault(id(p), set()).add(i)
+        per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in self._units()]
+        root = []
+        for name, p in self.trainable:
+            units = owners.get(id(p), set())
+            if len(units) == 1:
+                per_unit[next(iter(units))].append((name, p))
+            else:  # outside every unit, or shared between units
+                root.append((name, p))
+        groups = []
+        if root:
+            groups.append(FlatGroup(root, self.comm, self.precision, alias_master=False))
+        self._root = 0 if root else None
+        for named in per_unit:
+            if named:
+                self._unit_group.append(len(groups))
+                groups.append(FlatGroup(named, self.comm, self.precision, alias_master=False))
+            else:
+                self._unit_group.append(None)
+        return groups
+
+    def _register_hooks(self) -> None:
+        self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._before_forward()))
+        for i, unit in enumerate(self._units()):
+            if self._unit_group[i] is None:
+                continue
+            self._hooks.append(unit.register_forward_pre_hook(lambda *_, i=i: self._unit_pre_forward(i)))
+            self._hooks.append(unit.register_forward_hook(lambda _m, _a, y, i=i: self._unit_forward(i, y)))
+        for index, group in enumerate(self.groups):
+            for j, p in enumerate(group.params):
+                hook = p.register_post_accumulate_grad_hook(lambda _, g=index, j=j: self._on_grad(g, j))
+                self._hooks.append(hook)
+
+    # -- gathering ----------------------------------------------------------------------------------
+    def _start(self, index: int | None) -> None:
+        if index is not None and index not in self._gathering:
+            self.groups[index].gather(async_op=True)
+            self._gathering.add(index)
+
+    def _ensure(self, index: int) -> None:
+        self._start(index)
+        self.groups[index].wait_gather()
+
+    def _free(self, index: int) -> None:
+        self.groups[index].free()
+        self._gathering.discard(index)
+
+    def _neighbour(self, unit: int, step: int) -> int | None:
+        j = unit + step
+        while 0 <= j < len(self._unit_group):
+            if self._unit_group[j] is not None:
+                return self._unit_group[j]
+            j += step
+        return None
+
+    def _before_forward(self) -> None:
+        if self._root is not None:
+            self._ensure(self._root)
+
+    def _unit_pre_forward(self, unit: int) -> None:
+        self._ensure(self._unit_group[unit])  # type: ignore[arg-type]
+        if self.config.prefetch:
+            self._start(self._neighbour(unit, +1))
+
+    def _unit_forward(self, unit: int, output: Any) -> None:
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda _grad: self._unit_pre_backward(unit))
+        self._free(self._unit_group[unit])  # type: ignore[arg-type]
+
+    def _unit_pre_backward(self, unit: int) -> None:
+        self._ensure(self._unit_group[unit])  # type: ignore[arg-type]
+        if self.config.prefetch:
+            self._start(self._neighbour(unit, -1))
+
+    # -- gradients ----------------------------------------------------------------------------------
+    def _on_grad(self, index: int, param_index: int) -> None:
+        self.groups[index].take_grad(param_index)  # the full gradient is freed at once
+        self._missing[index] -= 1
+        if self._missing[index] == 0:
+            self._missing[index] = len(self.groups[index].params)
+            self.launch_reduce(self.groups[index], release=True)
+            if index != self._root:
+                self._free(index)
+
+    def finish_grads(self) -> None:
+        for index, group in enumerate(self.groups):
+            if self._missing[index] != len(group.params):  # some gradients never arrived: zeros
+                self.launch_reduce(group, release=True)
+                self._missing[index] = len(group.params)
+        self.wait_reduces()
+        self.after_step()
+
+    def after_step(self) -> None:
+        """Free every full buffer: the next forward gathers the updated shards."""
+        for index in range(len(self.groups)):
+            self._free(index)
