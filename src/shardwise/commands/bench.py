@@ -32,6 +32,16 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     comm.add_argument("--json", action="store_true")
     comm.add_argument("--out", help="also write the JSON result to this file")
     comm.set_defaults(run=run)
+    zero = kinds.add_parser("zero", help="ZeRO stages against ZeroRedundancyOptimizer and FSDP2")
+    zero.add_argument("--nproc", type=int, default=2)
+    zero.add_argument("--steps", type=int, default=5)
+    zero.add_argument("--repeats", type=int, default=3, help="interleaved runs of each side; medians")
+    zero.add_argument("--stages", default="1,2,3")
+    zero.add_argument("--bucket-mb", type=float, default=4.0)
+    zero.add_argument("--offload-stage", type=int, help="instead: peak RSS with and without disk offload")
+    zero.add_argument("--json", action="store_true")
+    zero.add_argument("--out", help="also write the JSON result to this file")
+    zero.set_defaults(run=run)
     compare = kinds.add_parser("dp-compare", help="single-process DP, parameter server, all-reduce DP")
     compare.add_argument("--nproc", type=int, default=3)
     compare.add_argument("--steps", type=int, default=5)
@@ -73,6 +83,15 @@ def bench_command(args: argparse.Namespace) -> int:
         ops = args.ops.split(",") if args.ops else None
         result = run_comm_bench(args.nproc, sizes, args.calibrate, args.profile, ops)
         render = lambda r: print(format_table(r))  # noqa: E731
+    elif args.kind == "zero":
+        from shardwise.zero.bench import render_zero, run_offload_bench, run_zero_bench
+
+        if args.offload_stage:
+            result = run_offload_bench(args.nproc, args.offload_stage)
+        else:
+            stages = tuple(int(s) for s in args.stages.split(","))
+            result = run_zero_bench(args.nproc, args.steps, args.repeats, stages, bucket_mb=args.bucket_mb)
+        render = render_zero
     elif args.kind == "dp-compare":
         from shardwise.data_parallel.compare import render_compare, run_dp_compare
 

@@ -124,12 +124,17 @@ class DataSampler:
         self.step = step + 1
         return make_batch(self.tokens, offsets, self.seq_len)
 
-    def local_micro_batches(self, step: int, n: int) -> list[Batch]:
-        """The local batch cut into ``n`` nearly equal consecutive pieces; empty pieces are dropped."""
+    def local_micro_batches(self, step: int, n: int, keep_empty: bool = False) -> list[Batch]:
+        """The local batch cut into ``n`` nearly equal consecutive pieces.
+
+        Empty pieces (a small or zero share) are dropped, unless ``keep_empty``: then there are always
+        ``n`` pieces, so every rank runs the same number of forward and backward passes, which
+        strategies that communicate inside them (ZeRO-3) need.
+        """
         if n < 1:
             raise ConfigError(f"micro-batches must be >= 1, got {n}")
         inputs, targets = self.local_batch(step)
-        sizes = [s for s in _split_sizes(self.local_count, n) if s > 0]
+        sizes = [s for s in _split_sizes(self.local_count, n) if s > 0 or keep_empty]
         return list(zip(inputs.split(sizes), targets.split(sizes), strict=True))
 
     def state_dict(self) -> dict[str, Any]:

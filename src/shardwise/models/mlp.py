@@ -78,13 +78,13 @@ class MLP(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: (batch, seq) with seq >= context -> logits (batch, 1, vocab)."""
-        batch, seq = idx.shape
+        seq = idx.size(1)
         if seq < self.config.context:
             raise ValueError(
                 f"the MLP reads the last {self.config.context} tokens, but the sequence has only {seq}"
             )
         window = idx[:, seq - self.config.context :]  # (batch, context)
-        x = self.embed(window).reshape(batch, -1)  # (batch, context * d_embed)
+        x = self.embed(window).flatten(1)  # (batch, context * d_embed)
         for layer in self.blocks:
             x = layer(x)  # (batch, d_hidden)
         return self.head(x).unsqueeze(1)  # (batch, 1, vocab)

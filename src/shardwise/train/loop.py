@@ -113,7 +113,8 @@ class Trainer:
 
     def step(self, step: int, after_backward: Callable[[int], None] | None = None) -> StepRecord:
         """One optimizer step; ``after_backward(step)`` sees the global gradients before the update."""
-        micro = self.sampler.local_micro_batches(step, self.config.data.micro_batches)
+        # every rank runs the same number of passes, empty ones included (see local_micro_batches)
+        micro = self.sampler.local_micro_batches(step, self.config.data.micro_batches, keep_empty=True)
         assert self.metrics_comm is not None, "a parameter-server rank serves; it does not step"
         before = self.engine_comm.stats.snapshot()
         start = time.perf_counter()

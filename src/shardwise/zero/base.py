@@ -112,6 +112,9 @@ class ZeroBase(Engine):
         return found
 
     def optimizer_step(self) -> None:
+        from shardwise.zero.memory import memory_report
+
+        self._memory = memory_report(self)  # gradients are live now: the moment the formula describes
         if not self._overflowed():
             for i, (group, optimizer) in enumerate(zip(self.groups, self.optimizers, strict=True)):
                 with self.offload.resident(i):
@@ -145,6 +148,10 @@ class ZeroBase(Engine):
         for group in self.groups:
             out.update(group.unflatten(group.full_gradient() / self.scaler.scale))
         return out
+
+    def metrics(self) -> dict[str, float]:
+        """Model-state bytes by component beside the ZeRO formula, taken just before the last update."""
+        return dict(getattr(self, "_memory", {}))
 
     def close(self) -> None:
         for handle in self._hooks:

@@ -238,3 +238,24 @@ def run_offload_bench(nproc: int, stage: int, shape: dict | None = None, folder:
     out["peak_rss_drop_bytes"] = none - disk
     out["peak_rss_ratio"] = disk / none
     return out
+
+
+def render_zero(result: dict) -> None:
+    """A table per stage (or the offload comparison), for people; ``--json`` gives everything."""
+    if "stages" not in result:
+        print(f"ZeRO-{result['stage']} on {result['nproc']} ranks, {result['psi'] / 1e6:.1f}M parameters")
+        for offload in ("none", "disk"):
+            peaks = [round(p / 2**20) for p in result[offload]["peak_rss_per_rank"]]
+            print(f"  offload {offload:5s} peak RSS per rank (MB): {peaks}")
+        print(
+            f"  disk offload lowers peak RSS by {result['peak_rss_drop_bytes'] / 2**20:.0f} MB "
+            f"(x{result['peak_rss_ratio']:.2f})"
+        )
+        return
+    print(f"ZeRO on {result['nproc']} ranks, model {result['shape']}, buckets {result['bucket_mb']} MB")
+    for name, entry in result["stages"].items():
+        print(
+            f"  {name}  vs {entry['torch_counterpart']:45s} speed ratio {entry['speed_ratio']:.3f}  "
+            f"memory ratio {entry['memory_ratio']:.3f}  model state / formula "
+            f"{[round(x, 3) for x in entry['model_state_vs_formula']]}"
+        )

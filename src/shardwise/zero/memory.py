@@ -101,3 +101,26 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return peak_rss_bytes()
+
+
+def memory_report(engine: ZeroBase) -> dict[str, float]:
+    """This rank's model-state bytes by component beside the formula's, for metrics and ``--json``.
+
+    Before the first optimizer step the optimizer holds no state yet; the comparison is meaningful
+    from the end of the first step on.
+    """
+    live = model_state_bytes(engine)
+    psi = sum(p.numel() for _, p in engine.trainable)
+    mixed = engine.precision.compute != engine.precision.master
+    param_bytes = torch.empty((), dtype=engine.precision.master).element_size()
+    first_state = next((s for opt in engine.optimizers for s in opt.state.values()), {})
+    states_per_param = sum(1 for t in first_state.values() if torch.is_tensor(t) and t.dim() > 0)
+    frozen = sum(p.numel() * p.element_size() for p in engine.model.parameters() if not p.requires_grad)
+    precision = "bf16" if mixed else "fp32"  # the formula treats bf16 and fp16 alike (2 bytes)
+    formula = zero_formula(
+        psi, engine.stage, engine.comm.world_size, precision, param_bytes, states_per_param, frozen
+    )
+    report = {f"mem_{k}_bytes": float(v) for k, v in live.items()}
+    report.update({f"formula_{k}_bytes": float(v) for k, v in formula.items()})
+    report["model_state_vs_formula"] = live["model_state"] / formula["model_state"]
+    return report
