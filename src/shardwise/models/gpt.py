@@ -59,13 +59,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=2)  # 3 x (batch, seq, d_model)
         # (batch, seq, d_model) -> (batch, n_head, seq, head_dim). Heads are counted from the width,
         # so the same code runs when tensor parallelism leaves a rank only some of the heads.
-        heads = q.size(-1) // self.head_dim  # from the width, so a rank holding some heads runs this too
+        heads = q.size(-1) // self.head_dim
         q, k, v = (t.view(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        y = y.transpose(1, 2).reshape(
-            batch, seq, heads * self.head_dim
-        )  # (batch, seq, d_model): heads side by side
+        y = y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)  # heads side by side
         return self.resid_dropout(self.proj(y))
 
 
