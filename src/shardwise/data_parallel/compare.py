@@ -25,11 +25,11 @@ from torch import nn
 
 from shardwise.collectives.api import Comm, CommStats
 from shardwise.config import OptimizerConfig, PSConfig
-from shardwise.data_parallel.param_server import ParamServerEngine, flatten, unflatten_into
+from shardwise.data_parallel.param_server import ParamServerEngine
 from shardwise.data_parallel.single_process import SingleProcessDPEngine
 from shardwise.testing.harness import run_on_ranks
-from shardwise.train.engine import Batch, loss_sum
-from shardwise.train.optim import build_optimizer, optimizer_factory
+from shardwise.train.engine import Batch
+from shardwise.train.optim import optimizer_factory
 
 OPTIM = OptimizerConfig(name="sgd", lr=0.1, momentum=0.0)
 
@@ -103,22 +103,20 @@ def _ps_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]
 
 
 def _allreduce_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """All-reduce DP at its plainest: one flat all_reduce of the gradient per step."""
-    model, comm = tiny_model(spec["vocab"], spec["dim"]), Comm()
-    params = list(model.parameters())
-    optimizer = build_optimizer(params, OPTIM)
+    """Our all-reduce DP engine (buckets overlapped with backward) on the same model and batches."""
+    from shardwise.config import DDPConfig
+    from shardwise.data_parallel.ddp import DDPEngine
+
+    comm = Comm()
+    engine = DDPEngine(tiny_model(spec["vocab"], spec["dim"]), comm, optimizer_factory(OPTIM), DDPConfig())
     batches = markov_batches(spec["vocab"], spec["batch"], spec["seq_len"], spec["steps"], seed=5)
     stats, start = [], time.perf_counter()
     for batch in batches:
-        inputs, targets = share(batch, rank, world_size)
-        (loss_sum(model(inputs), targets) / batch[1].numel()).backward()
         before = comm.stats.snapshot()
-        flat = flatten([p.grad for p in params], 0)
-        comm.all_reduce(flat)
-        unflatten_into(flat, [p.grad for p in params])
+        engine.forward_backward([share(batch, rank, world_size)], batch[1].numel())
         stats.append(comm.stats.since(before))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        engine.optimizer_step()
+    engine.close()
     return {"role": "rank", "step_s": (time.perf_counter() - start) / spec["steps"], **_per_step(stats)}
 
 
@@ -186,7 +184,12 @@ def run_dp_compare(
                 [workers * m] + [m] * workers,
                 f"server sends and receives W*M (W={workers}); each worker sends M and receives M",
             ),
-            _row("allreduce", ring, [2 * (n - 1) / n * m] * n, "ring all-reduce: 2(n-1)/n * M per rank"),
+            _row(
+                "allreduce",
+                ring,
+                [2 * (n - 1) / n * m] * n,
+                "ring all-reduce: 2(n-1)/n * M per rank (gloo's bytes estimated by that formula)",
+            ),
         ],
     }
 
