@@ -4,7 +4,8 @@ Used by replicated strategies (DDP) and any engine whose parameters and optimize
 tensors on the rank. Names follow ``Engine.state_pieces``: ``model/<name>`` for parameters and
 buffers, ``optim/<key>/<name>`` for per-parameter optimizer tensors (``optim/step/<name>`` included).
 No communication: saving spreads whole tensors over ranks by bytes (each written by one rank), and
-loading reads whole tensors through the caller's reader.
+loading reads whole tensors through the caller's reader. ``load_checkpoint`` loads any strategy's
+checkpoint into a plain model and ``torch.optim`` optimizer in one process (no process group).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.checkpoint.format import Manifest
 from shardwise.checkpoint.manager import Piece, spread_replicated
-from shardwise.train.engine import StateReader
+from shardwise.checkpoint.reader import load, resolve, verify_checkpoint
+from shardwise.train.engine import Span, StateReader
 
 
 class StateMismatchError(ValueError):
@@ -55,6 +58,29 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, read: St
         for name, target in local.items():
             target.copy_(tensors[name])
     _replace_optimizer_state(optimizer, params, {n: (k, p, tensors[n]) for n, (k, p) in optim_names.items()})
+
+
+class FolderReader:
+    """``StateReader`` over one checkpoint folder (``step-<k>``)."""
+
+    def __init__(self, step_dir: str, manifest: Manifest | None = None) -> None:
+        self.step_dir = step_dir
+        self.manifest = manifest or verify_checkpoint(step_dir)
+        self.shapes = {name: tuple(rec.global_shape) for name, rec in self.manifest.tensors.items()}
+
+    def __call__(self, requests: dict[str, Span]) -> dict[str, torch.Tensor]:
+        return load(self.step_dir, requests, manifest=self.manifest)
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load a checkpoint saved by any strategy and world size into one process; returns its step.
+
+    ``path`` is a ``step-<k>`` folder or a checkpoint root (its newest complete checkpoint).
+    ``optimizer`` must be built over ``model``'s trainable parameters.
+    """
+    reader = FolderReader(resolve(path))
+    load_full_state(model, optimizer, reader)
+    return reader.manifest.step
 
 
 def _check_shapes(local: dict[str, torch.Tensor], read: StateReader) -> None:
