@@ -145,10 +145,30 @@ class CountingReader(FolderReader):
         return super().__call__(requests)
 
 
+def _resume_ps(root: Path, rank: int, world_size: int) -> dict:
+    """1 server, 2 workers: every rank's pieces (to check each tensor is written once) and its model."""
+    from shardwise.train.checkpointing import TrainCheckpoints
+    from shardwise.train.loop import Trainer
+
+    trainer = Trainer.build(_loop_config(root, "ps", **{"model.dropout": "0.0"}))
+    resumed = TrainCheckpoints.create(trainer, rank, world_size).resume()
+    assert resumed is not None and resumed.next_step == SAVED_STEPS
+    pieces = trainer.engine.state_pieces(rank, world_size)
+    out = {
+        "pieces": {p.name: p.tensor.detach().clone().reshape(p.global_shape) for p in pieces},
+        "written": [p.name for p in pieces],
+        "model": {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()},
+        "server": trainer.engine.is_server,
+    }
+    trainer.engine.close()
+    return out
+
+
 def _load_cases_zero(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed as dist
 
     out = {"loop": _resume(Path(root) / "loop", "zero2", rank, world_size)}
+    out["ps"] = _resume_ps(Path(root) / "loop", rank, world_size)
     comm = Comm()
     for case in CASES:
         engine = _zero(case, False, comm, seed=1)  # other initial weights: all must be replaced
@@ -161,7 +181,7 @@ def _load_cases_zero(rank: int, world_size: int, root: str) -> dict:
             out[case + "/compute"] = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
         out[case + "/spans"] = spans
         engine.close()
-    return out if rank == 0 else {}
+    return out if rank == 0 else {"ps": out["ps"]}
 
 
 def _load_cases_ddp(rank: int, world_size: int, root: str) -> dict:
@@ -204,8 +224,10 @@ def test_zero3_checkpoint_loads_into_ddp_zero2_and_one_process(tmp_path: Path) -
     on_disk = load(step_dir, dict.fromkeys(names))
     _assert_same(on_disk, loop, "files written by zero3 on 4 ranks")
 
-    zero = run_on_ranks(_load_cases_zero, 3, str(tmp_path), timeout_s=240)[0]
+    zero_ranks = run_on_ranks(_load_cases_zero, 3, str(tmp_path), timeout_s=240)
+    zero = zero_ranks[0]
     _assert_same(zero["loop"], loop, "zero2 on 3 ranks")
+    _assert_ps_loaded([r["ps"] for r in zero_ranks], loop)
     ddp = run_on_ranks(_load_cases_ddp, 2, str(tmp_path), timeout_s=240)[0]
     _assert_same(ddp["loop"], loop, "ddp on 2 ranks")
     _assert_same(_one_process(tmp_path / "loop"), loop, "one process")
@@ -222,6 +244,18 @@ def test_zero3_checkpoint_loads_into_ddp_zero2_and_one_process(tmp_path: Path) -
     for case in ("adamw-disk", "sgd"):
         _assert_same(ddp[case], saved[case], f"{case}: ddp on 2 ranks")
     assert "optim/momentum_buffer/wte.weight" in saved["sgd"]
+
+
+def _assert_ps_loaded(ranks: list[dict], loop: dict[str, torch.Tensor]) -> None:
+    """Servers hold what they serve, workers the whole model; together they write each tensor once."""
+    written = [n for r in ranks for n in r["written"] if not n.startswith("rng/")]
+    assert len(written) == len(set(written)), "a tensor is written by two ranks"
+    union = {n: t for r in ranks for n, t in r["pieces"].items() if not n.startswith("rng/")}
+    _assert_same(union, loop, "ps (1 server, 2 workers)")
+    for r in ranks:
+        if not r["server"]:
+            for name, tensor in r["model"].items():
+                assert torch.equal(tensor, loop[f"model/{name}"]), f"ps worker: {name}"
 
 
 def _assert_spans_partition(spans: list[dict], want: dict[str, torch.Tensor]) -> None:
@@ -258,6 +292,34 @@ def test_zero2_resume_equals_uninterrupted(tmp_path: Path) -> None:
     got = run_on_ranks(_resume_zero2, 2, str(tmp_path), timeout_s=240)[0]
     full, cut = got["full"], got["cut"]
     assert cut["checkpoint"]["resumed_at_step"] == 3 and full["checkpoint"]["resumed_from"] is None
+    assert cut["final_param_digest"] == full["final_param_digest"]
+    for key in ("initial_loss", "final_loss", "eval_losses", "steps"):
+        assert cut[key] == full[key], key
+
+
+def _resume_ps_run(rank: int, world_size: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    from shardwise.train.loop import run_training
+
+    base = Path(root)
+    ps = {"strategy": "ps"}
+    full = run_training(replace(resume_config(base / "full", "float64"), **ps), show_progress=False)
+    if rank == 0:
+        shutil.copytree(base / "full" / "checkpoints", base / "cut" / "checkpoints")
+        steps = list_steps(str(base / "cut" / "checkpoints"))
+        shutil.rmtree(steps[-1][1])
+        shutil.rmtree(steps[-2][1])  # resume from step 3
+    dist.barrier()
+    cut = run_training(replace(resume_config(base / "cut", "float64"), **ps), show_progress=False)
+    return {"full": full, "cut": cut}
+
+
+def test_parameter_server_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    """1 server and 2 workers (sync): servers save with the workers and resume where they stopped."""
+    got = run_on_ranks(_resume_ps_run, 3, str(tmp_path), timeout_s=240)[1]  # rank 1 reports
+    full, cut = got["full"], got["cut"]
+    assert full["checkpoint"]["saves"] == 3 and cut["checkpoint"]["resumed_at_step"] == 3
     assert cut["final_param_digest"] == full["final_param_digest"]
     for key in ("initial_loss", "final_loss", "eval_losses", "steps"):
         assert cut[key] == full[key], key

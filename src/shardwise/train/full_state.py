@@ -43,12 +43,24 @@ def replicated_pieces(tensors: dict[str, torch.Tensor], rank: int, world_size: i
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, read: StateReader) -> None:
     """Read whole tensors, then copy them into ``model`` and replace ``optimizer``'s state."""
-    params = dict(model.named_parameters())
-    local = {f"model/{n}": p for n, p in params.items()}
+    local = {f"model/{n}": p for n, p in model.named_parameters()}
     local.update({f"model/{n}": b for n, b in model.named_buffers()})
+    load_named_state(local, dict(model.named_parameters()), optimizer, read)
+
+
+def load_named_state(
+    local: dict[str, torch.Tensor],
+    params: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer | None,
+    read: StateReader,
+) -> None:
+    """Whole tensors by checkpoint name into ``local``, and the optimizer state of ``params``.
+
+    Only these names are read (a parameter server reads the parameters it serves).
+    """
     _check_shapes(local, read)
     optim_names = {}
-    for name in read.shapes:
+    for name in read.shapes if optimizer is not None else ():
         if name.startswith("optim/"):
             _, key, pname = name.split("/", 2)
             if pname in params:
@@ -57,7 +69,9 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, read: St
     with torch.no_grad():
         for name, target in local.items():
             target.copy_(tensors[name])
-    _replace_optimizer_state(optimizer, params, {n: (k, p, tensors[n]) for n, (k, p) in optim_names.items()})
+    if optimizer is not None:
+        loaded = {n: (k, p, tensors[n]) for n, (k, p) in optim_names.items()}
+        _replace_optimizer_state(optimizer, params, loaded)
 
 
 class FolderReader:
