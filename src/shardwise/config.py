@@ -168,10 +168,14 @@ class TrainConfig:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if world_size < 1:
             raise ConfigError(f"the world needs at least one rank, got {world_size}")
-        if self.strategy == "ps" and (self.checkpoint.dir or self.checkpoint.every):
+        if (
+            self.strategy == "ps"
+            and self.ps.mode == "async"
+            and (self.checkpoint.dir or self.checkpoint.every)
+        ):
             raise ConfigError(
-                "checkpoints are not implemented for the parameter server yet; "
-                "drop checkpoint.dir/checkpoint.every or train with ddp or zero1/2/3"
+                "checkpoints of the parameter server need ps.mode = sync (asynchronous servers have no "
+                "common step to save at); drop checkpoint.dir/checkpoint.every or set ps.mode = sync"
             )
         parallel = self.parallel.resolve(self.data_parallel_world(world_size))
         self._check_batch(parallel.dp)

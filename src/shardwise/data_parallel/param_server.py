@@ -20,14 +20,15 @@ Message layout (flat tensors in the parameters' dtype): a push is ``[grad shard.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm, CommStats
 from shardwise.config import ConfigError, PSConfig
-from shardwise.train.engine import Batch, Engine, loss_sum
+from shardwise.train.engine import Batch, Engine, StateReader, loss_sum
 from shardwise.train.optim import OptimizerFactory
 
 PUSH_EXTRA = 3  # loss, version, kind
@@ -235,13 +236,21 @@ class ParamServerEngine(Engine):
         return next(iter(self.model.parameters())).dtype
 
     # -- server side --------------------------------------------------------------------------------
-    def serve(self) -> None:
-        """Run this server until the workers are done, then share the final weights with every rank."""
+    def serve(self, after_step: Callable[[int], None] | None = None) -> None:
+        """Run this server until the workers are done, then share the final weights with every rank.
+
+        Sync mode: ``after_step(done)`` runs after each served step (``done`` steps complete), at the
+        points where the workers' loop runs its own (the last one after the final weights are shared,
+        since a worker receives them within its last step); checkpoints are saved there.
+        """
         if not self.is_server:
             raise RuntimeError(f"rank {self.comm.rank} is a worker: it steps, it does not serve")
         if self.config.mode == "sync":
-            for _ in range(self.steps):
+            for done in range(self._steps_done + 1, self.steps + 1):
                 self._serve_sync_step()
+                self._steps_done = done
+                if after_step is not None and done < self.steps:
+                    after_step(done)
             dead: Sequence[int] = ()
         else:
             from shardwise.data_parallel.ps_async import serve_async
@@ -250,6 +259,8 @@ class ParamServerEngine(Engine):
         self.dead_workers = sorted(dead)
         self._finished = True
         self._distribute_final(dead)
+        if after_step is not None and self.config.mode == "sync" and self.steps > 0:
+            after_step(self.steps)
 
     def _serve_sync_step(self) -> None:
         start = self.comm.stats.snapshot()
@@ -319,6 +330,23 @@ class ParamServerEngine(Engine):
                 self.comm.recv(flat, s)
                 with torch.no_grad():
                     unflatten_into(flat, self.shards[s])
+
+    # -- checkpoints (see shardwise.data_parallel.ps_state) ----------------------------------------------
+    def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
+        from shardwise.data_parallel.ps_state import ps_state_pieces
+
+        return ps_state_pieces(self)
+
+    def load_state(self, read: StateReader) -> None:
+        from shardwise.data_parallel.ps_state import load_ps_state
+
+        load_ps_state(self, read)
+
+    def resume_at(self, step: int) -> None:
+        """Continue after ``step`` completed steps (a checkpoint was loaded): serve / run the rest."""
+        self._steps_done = step
+        self.version = step if self.config.mode == "sync" else self.version
+        self.server_versions = [self.version] * len(self.servers)
 
     # -- inspection ---------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

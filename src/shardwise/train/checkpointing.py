@@ -187,24 +187,35 @@ class TrainCheckpoints:
         """Save when ``checkpoint.every`` steps have completed since the start, and after the last step."""
         if self.initial_loss is None:
             self.initial_loss = record.loss
-        config: TrainConfig = self.trainer.config
-        done = record.step + 1
-        every = config.checkpoint.every
-        if (every > 0 and done % every == 0) or done == config.steps:
+        if self._due(record.step + 1):
             self.save(record, eval_losses)
 
+    def serve_step(self, done: int) -> None:
+        """A parameter server after ``done`` served steps: take part in the save the workers make now."""
+        if self._due(done):
+            self._write(done, None)
+
+    def _due(self, done: int) -> bool:
+        every = self.trainer.config.checkpoint.every
+        return (every > 0 and done % every == 0) or done == self.trainer.config.steps
+
     def save(self, record: StepRecord, eval_losses: list[tuple[int, float]]) -> SaveReport:
-        trainer, config = self.trainer, self.trainer.config
-        rng_state, rng_pieces = capture_rng(self.rank)
         meta = {
-            "sampler": trainer.sampler.state_dict(),
+            "sampler": self.trainer.sampler.state_dict(),
             "initial_loss": self.initial_loss,
             "eval_losses": [list(e) for e in eval_losses],
             "last_record": asdict(record),
             "restarts": restart_count(),
         }
+        return self._write(record.step + 1, meta)
+
+    def _write(self, step: int, meta: dict[str, Any] | None) -> SaveReport:
+        trainer, config = self.trainer, self.trainer.config
+        if config.strategy == "ps":  # rank 0 (a server) publishes the workers' meta
+            meta = _broadcast_json(trainer.world_comm, meta, src=config.ps.servers)
+        rng_state, rng_pieces = capture_rng(self.rank)
         report = self.writer.save(
-            record.step + 1,
+            step,
             trainer.engine.state_pieces(self.rank, self.world_size) + rng_pieces,
             meta=meta,
             rank_meta={"rng": rng_state},
@@ -233,6 +244,18 @@ class TrainCheckpoints:
             "resumed_from": self.resumed.path if self.resumed else None,
             "resumed_at_step": self.resumed.next_step if self.resumed else None,
         }
+
+
+def _broadcast_json(comm: Comm, value: Any, src: int) -> Any:
+    """``value`` of rank ``src`` on every rank, as JSON bytes (two broadcasts)."""
+    data = json.dumps(value).encode() if comm.rank == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    comm.broadcast(size, src=src)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    if comm.rank != src:
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+    comm.broadcast(buf, src=src)
+    return json.loads(bytes(buf.tolist()).decode())
 
 
 def check_same_run(manifest: Manifest, config: TrainConfig) -> None:

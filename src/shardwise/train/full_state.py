@@ -4,7 +4,8 @@ Used by replicated strategies (DDP) and any engine whose parameters and optimize
 tensors on the rank. Names follow ``Engine.state_pieces``: ``model/<name>`` for parameters and
 buffers, ``optim/<key>/<name>`` for per-parameter optimizer tensors (``optim/step/<name>`` included).
 No communication: saving spreads whole tensors over ranks by bytes (each written by one rank), and
-loading reads whole tensors through the caller's reader.
+loading reads whole tensors through the caller's reader. ``load_checkpoint`` loads any strategy's
+checkpoint into a plain model and ``torch.optim`` optimizer in one process (no process group).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.checkpoint.format import Manifest
 from shardwise.checkpoint.manager import Piece, spread_replicated
-from shardwise.train.engine import StateReader
+from shardwise.checkpoint.reader import load, resolve, verify_checkpoint
+from shardwise.train.engine import Span, StateReader
 
 
 class StateMismatchError(ValueError):
@@ -40,12 +43,24 @@ def replicated_pieces(tensors: dict[str, torch.Tensor], rank: int, world_size: i
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, read: StateReader) -> None:
     """Read whole tensors, then copy them into ``model`` and replace ``optimizer``'s state."""
-    params = dict(model.named_parameters())
-    local = {f"model/{n}": p for n, p in params.items()}
+    local = {f"model/{n}": p for n, p in model.named_parameters()}
     local.update({f"model/{n}": b for n, b in model.named_buffers()})
+    load_named_state(local, dict(model.named_parameters()), optimizer, read)
+
+
+def load_named_state(
+    local: dict[str, torch.Tensor],
+    params: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer | None,
+    read: StateReader,
+) -> None:
+    """Whole tensors by checkpoint name into ``local``, and the optimizer state of ``params``.
+
+    Only these names are read (a parameter server reads the parameters it serves).
+    """
     _check_shapes(local, read)
     optim_names = {}
-    for name in read.shapes:
+    for name in read.shapes if optimizer is not None else ():
         if name.startswith("optim/"):
             _, key, pname = name.split("/", 2)
             if pname in params:
@@ -54,7 +69,32 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, read: St
     with torch.no_grad():
         for name, target in local.items():
             target.copy_(tensors[name])
-    _replace_optimizer_state(optimizer, params, {n: (k, p, tensors[n]) for n, (k, p) in optim_names.items()})
+    if optimizer is not None:
+        loaded = {n: (k, p, tensors[n]) for n, (k, p) in optim_names.items()}
+        _replace_optimizer_state(optimizer, params, loaded)
+
+
+class FolderReader:
+    """``StateReader`` over one checkpoint folder (``step-<k>``)."""
+
+    def __init__(self, step_dir: str, manifest: Manifest | None = None) -> None:
+        self.step_dir = step_dir
+        self.manifest = manifest or verify_checkpoint(step_dir)
+        self.shapes = {name: tuple(rec.global_shape) for name, rec in self.manifest.tensors.items()}
+
+    def __call__(self, requests: dict[str, Span]) -> dict[str, torch.Tensor]:
+        return load(self.step_dir, requests, manifest=self.manifest)
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load a checkpoint saved by any strategy and world size into one process; returns its step.
+
+    ``path`` is a ``step-<k>`` folder or a checkpoint root (its newest complete checkpoint).
+    ``optimizer`` must be built over ``model``'s trainable parameters.
+    """
+    reader = FolderReader(resolve(path))
+    load_full_state(model, optimizer, reader)
+    return reader.manifest.step
 
 
 def _check_shapes(local: dict[str, torch.Tensor], read: StateReader) -> None:

@@ -168,15 +168,17 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
     """
     trainer = Trainer.build(config)
     config = trainer.config
-    if trainer.serves:
-        return _serve(trainer)
     run_dir = Path(config.run_dir)
     rank = dist.get_rank()
     write_pid_file(config.run_dir, rank)
-    restarts = agreed_restart_count(trainer.world_comm)
+    restarts = agreed_restart_count(trainer.world_comm)  # every rank, servers too: a world collective
     ckpt = TrainCheckpoints.create(trainer, rank, dist.get_world_size())
     resumed = ckpt.resume() if ckpt else None
     start = resumed.next_step if resumed else 0
+    if resumed and hasattr(trainer.engine, "resume_at"):  # the parameter server counts its steps
+        trainer.engine.resume_at(start)
+    if trainer.serves:
+        return _serve(trainer, ckpt)
     if trainer.reports:
         run_dir.mkdir(parents=True, exist_ok=True)
         if resumed:
@@ -196,6 +198,8 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
             progress.update(record)
             if ckpt:
                 ckpt.after_step(record, eval_losses)
+        if hasattr(trainer.engine, "finish"):  # resumed after the last step: still take the final weights
+            trainer.engine.finish()
         if ckpt:
             ckpt.close()
         params = trainer.engine.full_parameters()
@@ -217,10 +221,12 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
     return summary
 
 
-def _serve(trainer: Trainer) -> None:
-    """A parameter-server rank: serve the workers until they are done."""
+def _serve(trainer: Trainer, ckpt: TrainCheckpoints | None) -> None:
+    """A parameter-server rank: serve the workers until they are done, saving with them."""
     try:
-        trainer.engine.serve()  # type: ignore[attr-defined]
+        trainer.engine.serve(ckpt.serve_step if ckpt else None)  # type: ignore[attr-defined]
+        if ckpt:
+            ckpt.close()
         trainer.engine.full_parameters()
     finally:
         trainer.engine.close()

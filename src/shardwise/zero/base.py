@@ -17,9 +17,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
-from shardwise.train.engine import Batch, Engine, loss_sum
+from shardwise.train.engine import Batch, Engine, StateReader, loss_sum
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
 from shardwise.zero.offload import build_offload
@@ -152,6 +153,23 @@ class ZeroBase(Engine):
     def metrics(self) -> dict[str, float]:
         """Model-state bytes by component beside the ZeRO formula, taken just before the last update."""
         return dict(getattr(self, "_memory", {}))
+
+    # -- checkpoints (see shardwise.zero.state) ----------------------------------------------------
+    def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
+        from shardwise.zero.state import zero_state_pieces
+
+        return zero_state_pieces(self, rank, world_size)
+
+    def load_state(self, read: StateReader) -> None:
+        from shardwise.zero.state import load_zero_state
+
+        load_zero_state(self, read)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor at its global shape, by checkpoint name, on every rank (all-gathers)."""
+        from shardwise.zero.state import gathered_state
+
+        return gathered_state(self)
 
     def close(self) -> None:
         for handle in self._hooks:

@@ -30,6 +30,9 @@ class NoOffload:
     def resident(self, index: int) -> AbstractContextManager[None]:
         return nullcontext()
 
+    def forget_state(self, index: int, keep: set[str]) -> None:
+        """Group ``index``'s optimizer state now holds only ``keep`` (a checkpoint was loaded)."""
+
     def close(self) -> None:
         pass
 
@@ -105,6 +108,11 @@ class DiskOffload:
             self._depth[index] -= 1
             if self._depth[index] == 0:
                 self._evict(index)
+
+    def forget_state(self, index: int, keep: set[str]) -> None:
+        """Drop the files of group ``index``'s optimizer state other than ``keep`` (they were cleared)."""
+        for key in [k for k in self._files[index] if k != "master" and k.removeprefix("state.") not in keep]:
+            self._files[index].pop(key).unlink(missing_ok=True)
 
     def close(self) -> None:
         if self._owned:

@@ -1,0 +1,61 @@
+"""Parameter-server checkpoints: each server writes and reads the parameters it serves.
+
+Names follow ``Engine.state_pieces``. Server ``s`` writes ``model/<name>`` and ``optim/<key>/<name>``
+for the parameters assigned to it (whole tensors: a server holds whole parameters); the first worker
+writes the frozen parameters and the buffers (workers run the forward, so theirs are the live ones);
+the other workers write nothing of the model. On load, a server reads its own parameters and their
+optimizer state; a worker reads the whole model (it computes with every parameter) and no optimizer
+state. No communication: every rank reads and writes files only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardwise.checkpoint.manager import Piece
+from shardwise.train.engine import StateReader
+from shardwise.train.full_state import load_named_state
+
+if TYPE_CHECKING:
+    from shardwise.data_parallel.param_server import ParamServerEngine
+
+
+def _served(engine: ParamServerEngine) -> dict[str, torch.nn.Parameter]:
+    names = engine.assignment[engine.comm.rank] if engine.is_server else []
+    params = dict(engine.model.named_parameters())
+    return {n: params[n] for n in names}
+
+
+def _worker_tensors(engine: ParamServerEngine) -> dict[str, torch.Tensor]:
+    """What the first worker writes: frozen parameters and buffers."""
+    out = {f"model/{n}": p.detach() for n, p in engine.model.named_parameters() if not p.requires_grad}
+    out.update({f"model/{n}": b.detach() for n, b in engine.model.named_buffers()})
+    return out
+
+
+def ps_state_pieces(engine: ParamServerEngine) -> list[Piece]:
+    """This rank's pieces: its served parameters and their optimizer state, or (first worker) the rest."""
+    if not engine.is_server:
+        first_worker = engine.comm.rank == engine.workers[0]
+        return [Piece.full(n, t) for n, t in _worker_tensors(engine).items()] if first_worker else []
+    served = _served(engine)
+    out = [Piece.full(f"model/{n}", p.detach()) for n, p in served.items()]
+    if engine.optimizer is not None:
+        for name, param in served.items():
+            for key, value in engine.optimizer.state.get(param, {}).items():
+                if torch.is_tensor(value):
+                    out.append(Piece.full(f"optim/{key}/{name}", value.detach()))
+    return out
+
+
+def load_ps_state(engine: ParamServerEngine, read: StateReader) -> None:
+    """A server reads what it serves (with optimizer state); a worker reads the whole model."""
+    if engine.is_server:
+        served = _served(engine)
+        load_named_state({f"model/{n}": p for n, p in served.items()}, served, engine.optimizer, read)
+        return
+    local = {f"model/{n}": p for n, p in engine.model.named_parameters()}
+    local.update({f"model/{n}": b for n, b in engine.model.named_buffers()})
+    load_named_state(local, {}, None, read)

@@ -1,0 +1,202 @@
+"""ZeRO checkpoints: each rank writes and reads its own flat shard's overlap with every parameter.
+
+Names follow ``Engine.state_pieces``: ``model/<name>`` (the master weights, at the parameter's global
+shape), ``optim/<key>/<name>`` for per-element optimizer state, ``optim/step/<name>`` (scalar). The
+shard arithmetic is :mod:`shardwise.zero.flat_param`'s (``FlatLayout.pieces``): for every group, the
+parameters overlapping this rank's shard become flat ranges ``[a, b)`` of those parameters; padding is
+never written, and a scalar (the group's step) goes to the rank holding the parameter's first element.
+Frozen parameters and buffers are whole on every rank: they are spread over ranks by bytes, so each is
+written once. Loading asks for exactly the same ranges in the loading engine's own layout (any world
+size), so checkpoints of any strategy load here and ours load anywhere. Mixed precision: the checkpoint
+holds the master weights; the compute copies are re-derived by the stage's ``after_step`` (an
+all-gather in stages 1-2; stage 3 gathers at the next forward). Disk offload: every group is mapped in
+(``offload.resident``) while it is read or written, and loaded values are copied into the mapped files.
+
+Communication: none for saving; for loading, only the stage's own re-gather of the parameters.
+``gathered_state`` (inspection and tests) all-gathers every state tensor.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardwise.checkpoint.manager import Piece as SavedPiece
+from shardwise.train.engine import Span, StateReader
+from shardwise.train.full_state import StateMismatchError, replicated_pieces
+from shardwise.zero.flat_param import FlatLayout
+from shardwise.zero.group import FlatGroup
+
+if TYPE_CHECKING:
+    from shardwise.zero.base import ZeroBase
+
+SCALAR_KEYS = ("step",)  # per-parameter scalars; everything else of the master's shape is per element
+
+
+def replicated_tensors(engine: ZeroBase) -> dict[str, torch.Tensor]:
+    """Frozen parameters and buffers, whole on every rank, by checkpoint name (no copies)."""
+    out = {f"model/{n}": p.detach() for n, p in engine.model.named_parameters() if not p.requires_grad}
+    out.update({f"model/{n}": b.detach() for n, b in engine.model.named_buffers()})
+    return out
+
+
+def _split_state(state: dict, master: torch.Tensor) -> tuple[dict, dict]:
+    """(per-element tensors of the master's shape, per-parameter scalars) of one group's optimizer."""
+    elements = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape}
+    scalars = {k: v for k, v in state.items() if torch.is_tensor(v) and k not in elements and v.dim() == 0}
+    return elements, scalars
+
+
+def _shape(layout: FlatLayout, name: str) -> tuple[int, ...]:
+    return layout.slot(name).shape
+
+
+def zero_state_pieces(engine: ZeroBase, rank: int, world_size: int) -> list[SavedPiece]:
+    """What this rank writes: its shards' overlap with every parameter, and its share of the rest."""
+    comm = engine.comm
+    if world_size != comm.world_size or rank != comm.rank:
+        raise ValueError(
+            f"ZeRO shards over its data-parallel group (rank {comm.rank} of {comm.world_size}); the "
+            f"checkpoint was asked for rank {rank} of {world_size}: save over the data-parallel group"
+        )
+    out = replicated_pieces(replicated_tensors(engine), rank, world_size)
+    for i, (group, optimizer) in enumerate(zip(engine.groups, engine.optimizers, strict=True)):
+        with engine.offload.resident(i):  # views of mapped files stay valid after the group is unmapped
+            master = group.master.detach()
+            elements, scalars = _split_state(optimizer.state.get(group.master, {}), master)
+            for piece in group.layout.pieces(rank):
+                shape, span = _shape(group.layout, piece.name), slice(piece.shard_start, piece.shard_end)
+                a, b = piece.param_start, piece.param_end
+                out.append(SavedPiece(f"model/{piece.name}", shape, a, b, master[span]))
+                for key, value in elements.items():
+                    out.append(SavedPiece(f"optim/{key}/{piece.name}", shape, a, b, value[span]))
+                if a == 0:
+                    out.extend(SavedPiece.full(f"optim/{k}/{piece.name}", v) for k, v in scalars.items())
+    return out
+
+
+# -- loading ------------------------------------------------------------------------------------------
+def _group_keys(group: FlatGroup, shapes: dict) -> tuple[list[str], list[str]]:
+    """Optimizer keys the checkpoint holds for ``group``: (per element, scalar); all or none of its
+    parameters must have each, since one optimizer steps the whole group."""
+    found: dict[str, set[str]] = {}
+    for name in shapes:
+        if name.startswith("optim/"):
+            _, key, pname = name.split("/", 2)
+            found.setdefault(key, set()).add(pname)
+    elements, scalars = [], []
+    for key, names in sorted(found.items()):
+        mine = names & set(group.names)
+        if not mine:
+            continue
+        if mine != set(group.names):
+            missing = sorted(set(group.names) - mine)[:3]
+            raise StateMismatchError(
+                f"the checkpoint has optimizer state {key!r} for some parameters of a ZeRO group but not for "
+                f"{', '.join(missing)}: ZeRO steps them together and cannot load a partial state"
+            )
+        saved = shapes[f"optim/{key}/{group.names[0]}"]
+        scalar = key in SCALAR_KEYS or (saved == () != tuple(group.params[0].shape))
+        (scalars if scalar else elements).append(key)
+    return elements, scalars
+
+
+def _check_model_shapes(engine: ZeroBase, shapes: dict) -> None:
+    local = {n: tuple(t.shape) for n, t in replicated_tensors(engine).items()}
+    for group in engine.groups:
+        local.update({f"model/{s.name}": s.shape for s in group.layout.slots})
+    for name, shape in local.items():
+        if name not in shapes:
+            raise StateMismatchError(f"the checkpoint has no {name}: it was written for another model")
+        if tuple(shapes[name]) != tuple(shape):
+            raise StateMismatchError(
+                f"{name} has shape {tuple(shapes[name])} in the checkpoint but {shape} in this model: "
+                "it was written for another model"
+            )
+
+
+def _requests(engine: ZeroBase, shapes: dict) -> tuple[dict[str, Span], list[tuple[list[str], list[str]]]]:
+    rank = engine.comm.rank
+    requests: dict[str, Span] = dict.fromkeys(replicated_tensors(engine))
+    keys = []
+    for group in engine.groups:
+        elements, scalars = _group_keys(group, shapes)
+        keys.append((elements, scalars))
+        for piece in group.layout.pieces(rank):
+            span = (piece.param_start, piece.param_end)
+            requests[f"model/{piece.name}"] = span
+            requests.update({f"optim/{key}/{piece.name}": span for key in elements})
+        requests.update({f"optim/{key}/{name}": None for key in scalars for name in group.names})
+    return requests, keys
+
+
+def _shard(group: FlatGroup, prefix: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This rank's (shard_size,) slice in the master dtype, padding zero, from the loaded ranges."""
+    out = torch.zeros(group.layout.shard_size, dtype=group.precision.master, device=group.master.device)
+    for piece in group.layout.pieces(group.comm.rank):
+        out[piece.shard_start : piece.shard_end].copy_(tensors[f"{prefix}/{piece.name}"].reshape(-1))
+    return out
+
+
+def _scalar(group: FlatGroup, key: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    values = [tensors[f"optim/{key}/{name}"] for name in group.names]
+    if any(not torch.equal(v, values[0]) for v in values[1:]):
+        raise StateMismatchError(
+            f"optim/{key} differs between parameters of one ZeRO group ({', '.join(group.names[:3])}...): "
+            "ZeRO keeps one per group and cannot load them"
+        )
+    return values[0].clone()
+
+
+def load_zero_state(engine: ZeroBase, read: StateReader) -> None:
+    """Read this rank's ranges of every tensor, then replace masters, optimizer state and the rest."""
+    shapes = {name: tuple(shape) for name, shape in read.shapes.items()}
+    _check_model_shapes(engine, shapes)
+    requests, keys = _requests(engine, shapes)
+    tensors = read(requests)  # every read before any change: a damaged file leaves the engine as it was
+    with torch.no_grad():
+        for name, target in replicated_tensors(engine).items():
+            target.copy_(tensors[name])
+        for i, (group, (elements, scalars)) in enumerate(zip(engine.groups, keys, strict=True)):
+            with engine.offload.resident(i):
+                _load_group(engine, i, group, elements, scalars, tensors)
+    engine.after_step()  # compute copies from the new masters
+
+
+def _load_group(
+    engine: ZeroBase, index: int, group: FlatGroup, elements: list[str], scalars: list[str], tensors: dict
+) -> None:
+    group.master.copy_(_shard(group, "model", tensors))  # in place: in stages 1-2 it may view the buffer
+    state = engine.optimizers[index].state[group.master]
+    for key in list(state):
+        if key not in elements and key not in scalars:
+            del state[key]
+    if not elements and not scalars:
+        engine.optimizers[index].state.pop(group.master, None)
+    engine.offload.forget_state(index, set(elements))
+    for key in elements:
+        value = _shard(group, f"optim/{key}", tensors)
+        if torch.is_tensor(state.get(key)) and state[key].shape == value.shape:
+            state[key].copy_(value)  # a mapped file (disk offload) is written through
+        else:
+            state[key] = value
+    for key in scalars:
+        state[key] = _scalar(group, key, tensors)  # kept as saved, as torch's load_state_dict does
+
+
+def gathered_state(engine: ZeroBase) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint contract at its global shape, on every rank (all-gathers)."""
+    out = {name: t.clone() for name, t in replicated_tensors(engine).items()}
+    for i, (group, optimizer) in enumerate(zip(engine.groups, engine.optimizers, strict=True)):
+        with engine.offload.resident(i):
+            master = group.master.detach()
+            elements, scalars = _split_state(optimizer.state.get(group.master, {}), master)
+            flat = {"model": master, **{f"optim/{k}": v for k, v in elements.items()}}
+            for prefix, shard in flat.items():
+                full = shard.new_empty(group.layout.padded_numel)
+                engine.comm.all_gather(full, shard.contiguous().clone())
+                out.update({f"{prefix}/{n}": t for n, t in group.unflatten(full).items()})
+            for key, value in scalars.items():
+                out.update({f"optim/{key}/{n}": value.clone() for n in group.names})
+    return out
