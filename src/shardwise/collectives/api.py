@@ -20,14 +20,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from shardwise.collectives import cost, explicit
 from shardwise.collectives.explicit import EXPLICIT, divide
-from shardwise.collectives.p2p import P2P
+from shardwise.collectives.p2p import P2P, Done, Work
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -35,17 +34,6 @@ _OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-
-
-class Work(Protocol):
-    def wait(self) -> object: ...
-
-
-class Done:
-    """A finished piece of work (the call was synchronous)."""
-
-    def wait(self) -> bool:
-        return True
 
 
 class _Then:

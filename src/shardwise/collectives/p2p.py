@@ -18,12 +18,14 @@ import torch.distributed as dist
 REDUCE_OPS = ("sum", "max", "min")  # "avg" is "sum" then a division, done by the caller
 
 
-class Request(Protocol):
+class Work(Protocol):
+    """Something under way that can be waited for (backend work, a message in flight)."""
+
     def wait(self) -> object: ...
 
 
-class _Nothing:
-    """The request of an empty message: complete from the start."""
+class Done:
+    """Work that is already complete (an empty message, or a call that ran synchronously)."""
 
     def wait(self) -> bool:
         return True
@@ -56,16 +58,16 @@ class P2P:
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Request:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         if tensor.numel() == 0:
-            return _Nothing()
+            return Done()
         if self.stats is not None:
             self.stats.bytes_sent += tensor.numel() * tensor.element_size()
         return dist.isend(tensor, self._global(dst), group=self.group, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Request:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         if tensor.numel() == 0:
-            return _Nothing()
+            return Done()
         if self.stats is not None:
             self.stats.bytes_received += tensor.numel() * tensor.element_size()
         return dist.irecv(tensor, self._global(src), group=self.group, tag=tag)
@@ -115,6 +117,6 @@ def split_blocks(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return [flat[lo:hi] for lo, hi in block_bounds(flat.numel(), parts)]
 
 
-def wait_all(requests: list[Request]) -> None:
+def wait_all(requests: list[Work]) -> None:
     for request in requests:
         request.wait()

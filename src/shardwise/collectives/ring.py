@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from shardwise.collectives.p2p import P2P, Request, combine, split_blocks, wait_all
+from shardwise.collectives.p2p import P2P, Work, combine, split_blocks, wait_all
 
 DEFAULT_SEGMENT_BYTES = 4 << 20  # measured: 256 KB segments cost more in messages than they win
 
@@ -44,7 +44,7 @@ class _RingRun:
         self.tags_per_step = max(1, -(-largest // self.segment_elems))
         needs_scratch = any(reduce for _, reduce in steps)
         self.scratch = [p2p.workspace(slot, largest if needs_scratch else 0, blocks[0]) for slot in (0, 1)]
-        self.in_flight: dict[int, list[Request]] = defaultdict(list)  # block -> sends not yet complete
+        self.in_flight: dict[int, list[Work]] = defaultdict(list)  # block -> sends not yet complete
 
     def _tag(self, step: int, segment: int) -> int:
         return step * self.tags_per_step + segment
@@ -55,7 +55,7 @@ class _RingRun:
         for j, (lo, hi) in enumerate(_segments(data.numel(), self.segment_elems)):
             self.in_flight[block].append(self.p2p.isend(data[lo:hi], self.right, self._tag(step, j)))
 
-    def _post(self, step: int) -> list[Request]:
+    def _post(self, step: int) -> list[Work]:
         block, reduce = self.steps[step]
         if reduce:
             target = self.scratch[step % 2][: self.blocks[block].numel()]
@@ -67,7 +67,7 @@ class _RingRun:
             for j, (lo, hi) in enumerate(_segments(target.numel(), self.segment_elems))
         ]
 
-    def _finish(self, step: int, requests: list[Request]) -> None:
+    def _finish(self, step: int, requests: list[Work]) -> None:
         """Wait for the segments of ``step``, reduce them, and forward each one as the next step's."""
         block, reduce = self.steps[step]
         data = self.blocks[block]

@@ -83,17 +83,22 @@ def _per_step(stats: list[CommStats]) -> dict[str, float]:
     }
 
 
+def drive_ps(engine: ParamServerEngine, batches: list[Batch], rank: int, world_size: int) -> None:
+    """Run one rank of a one-server job: the server serves, each worker trains on its share."""
+    if engine.is_server:
+        engine.serve()
+        return
+    for batch in batches:
+        engine.forward_backward([share(batch, rank - 1, world_size - 1)], batch[1].numel())
+        engine.optimizer_step()
+
+
 def _ps_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     model = tiny_model(spec["vocab"], spec["dim"])
     engine = ParamServerEngine(model, Comm(), optimizer_factory(OPTIM), PSConfig(servers=1), spec["steps"])
     batches = markov_batches(spec["vocab"], spec["batch"], spec["seq_len"], spec["steps"], seed=5)
     start = time.perf_counter()
-    if engine.is_server:
-        engine.serve()
-    else:
-        for batch in batches:
-            engine.forward_backward([share(batch, rank - 1, world_size - 1)], batch[1].numel())
-            engine.optimizer_step()
+    drive_ps(engine, batches, rank, world_size)
     elapsed = (time.perf_counter() - start) / spec["steps"]
     return {
         "role": "server" if engine.is_server else "worker",

@@ -15,7 +15,7 @@ import torch
 
 from shardwise.collectives.api import Comm
 from shardwise.config import OptimizerConfig, PSConfig
-from shardwise.data_parallel.compare import markov_batches, share, tiny_model
+from shardwise.data_parallel.compare import drive_ps, markov_batches, tiny_model
 from shardwise.data_parallel.param_server import ParamServerEngine
 from shardwise.testing.harness import run_on_ranks
 from shardwise.train.engine import loss_sum
@@ -28,12 +28,7 @@ def _train_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, A
     optim = OptimizerConfig(name="adamw", lr=spec["lr"])
     engine = ParamServerEngine(model, Comm(), optimizer_factory(optim), config, spec["steps"])
     batches = markov_batches(spec["vocab"], spec["batch"], spec["seq_len"], spec["steps"], seed=7)
-    if engine.is_server:
-        engine.serve()
-    else:
-        for batch in batches:
-            engine.forward_backward([share(batch, rank - 1, world_size - 1)], batch[1].numel())
-            engine.optimizer_step()
+    drive_ps(engine, batches, rank, world_size)
     if rank != 0:
         return {}
     return {

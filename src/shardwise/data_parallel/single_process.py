@@ -50,13 +50,7 @@ class SingleProcessDPEngine(Engine):
 
     def forward_backward(self, micro_batches: Sequence[Batch], global_tokens: int) -> float:
         self._replicate()
-        share = 0.0
-        for inputs, targets in micro_batches:
-            loss = self.compute_loss(inputs, targets) / global_tokens
-            loss.backward()
-            share += float(loss.detach())
-        self.finish_grads()
-        return share
+        return super().forward_backward(micro_batches, global_tokens)
 
     def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         chunks = [c for c in inputs.chunk(self.replicas, dim=0) if c.numel()]  # scatter
