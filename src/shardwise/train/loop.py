@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -181,11 +182,12 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
         return _serve(trainer, ckpt)
     if trainer.reports:
         run_dir.mkdir(parents=True, exist_ok=True)
-        if resumed:
-            truncate_metrics(run_dir / "metrics.jsonl", start)
+        # a fresh run starts its own metrics file; a resumed one keeps the rows before its step
+        truncate_metrics(run_dir / "metrics.jsonl", start)
         (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+        _announce(config, ckpt, start, restarts)
     writer = MetricsWriter(run_dir, enabled=trainer.reports)
-    progress = Progress(config.steps, enabled=trainer.reports and show_progress)
+    progress = Progress(config.steps, enabled=trainer.reports and show_progress, completed=start)
     eval_losses: list[tuple[int, float]] = list(resumed.eval_losses) if resumed else []
     try:
         for step in range(start, config.steps):
@@ -219,6 +221,24 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
     writer.enabled = False
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _announce(config: TrainConfig, ckpt: TrainCheckpoints | None, start: int, restarts: int) -> None:
+    """One line on stderr for what a user would otherwise miss: a restart, a resume, nothing to do."""
+    where = f" from {ckpt.root}/step-{start:08d}" if ckpt and start else ""
+    if restarts:
+        log(f"restart {restarts} of {config.max_restarts} after a rank failed; resuming{where or ' from step 0'}")
+    elif start:
+        log(f"resuming at step {start}{where}")
+    if start >= config.steps:
+        log(
+            f"the checkpoint is already at step {start}, past --steps {config.steps}: nothing to train "
+            "(raise --steps, or use another --checkpoint-dir or --set checkpoint.resume=false)"
+        )
+
+
+def log(message: str) -> None:
+    print(f"shardwise: {message}", file=sys.stderr, flush=True)
 
 
 def _serve(trainer: Trainer, ckpt: TrainCheckpoints | None) -> None:
