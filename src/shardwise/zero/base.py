@@ -64,11 +64,11 @@ class ZeroBase(Engine):
         raise NotImplementedError
 
     def launch_reduce(self, group: FlatGroup, release: bool) -> None:
-        """Start ``group``'s reduce-scatter; finish the one before it, so at most two flat gradient
-        buffers are alive at a time instead of the whole model's."""
+        """Start ``group``'s reduce-scatter and finish the one before it: one reduce-scatter in flight
+        (overlapping the rest of backward), so flat gradient buffers never pile up."""
         group.reduce_grads(release)
         self._in_flight.append(group)
-        if len(self._in_flight) > 2:
+        if len(self._in_flight) > 1:
             self._in_flight.pop(0).wait_grads()
 
     def wait_reduces(self) -> None:

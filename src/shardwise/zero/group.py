@@ -69,6 +69,16 @@ class FlatGroup:
         for slot, p in zip(self.layout.slots, self.params, strict=True):
             p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
+    def _master_is_own(self) -> bool:
+        """The master shard is a tensor of its own, always mapped in: it can feed a gather directly."""
+        own = self.master.untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr()
+        return own and self.resident is nullcontext
+
+    @property
+    def collecting(self) -> bool:
+        """Whether a flat buffer is already collecting this group's gradients (stages 2-3)."""
+        return self._incoming is not None
+
     @property
     def materialized(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
@@ -86,7 +96,7 @@ class FlatGroup:
             self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
         with self.resident():
             shard = self.master.detach().to(self.full.device, self.precision.compute)
-            if shard.data_ptr() == self.master.data_ptr():
+            if shard.data_ptr() == self.master.data_ptr() and not self._master_is_own():
                 shard = shard.clone()  # the input may not alias the output buffer (nor a mapped file)
         # .data: the in-place write must not bump the version counter autograd checks on saved views
         self._gather_work = self.comm.all_gather(self.full.data, shard, async_op=True)
