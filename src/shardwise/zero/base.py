@@ -41,6 +41,7 @@ class ZeroBase(Engine):
     """Sharded master weights and optimizer state over ``comm``; subclasses decide the groups."""
 
     stage: int = 0
+    reduce_window: int | None = 2  # reduce-scatters in flight at most; None: no limit
 
     def __init__(
         self, model: nn.Module, comm: Comm, optimizer_factory: OptimizerFactory, config: ZeroConfig
@@ -64,11 +65,11 @@ class ZeroBase(Engine):
         raise NotImplementedError
 
     def launch_reduce(self, group: FlatGroup, release: bool) -> None:
-        """Start ``group``'s reduce-scatter and finish the one before it: one reduce-scatter in flight
-        (overlapping the rest of backward), so flat gradient buffers never pile up."""
+        """Start ``group``'s reduce-scatter (it overlaps the rest of backward); once more than
+        ``reduce_window`` are in flight, finish the oldest, so flat gradient buffers never pile up."""
         group.reduce_grads(release)
         self._in_flight.append(group)
-        if len(self._in_flight) > 1:
+        if self.reduce_window is not None and len(self._in_flight) > self.reduce_window:
             self._in_flight.pop(0).wait_grads()
 
     def wait_reduces(self) -> None:

@@ -57,6 +57,8 @@ class ZeroEngine(ZeroBase):
             raise ValueError(f"ZeroEngine runs stages 1 and 2; got {stage} (stage 3: ShardedModule)")
         self.stage = stage
         self.name = f"zero{stage}"
+        # stage 1 reduces in place in gradient buffers that live all step: never block backward
+        self.reduce_window = None if stage == 1 else 2
         super().__init__(model, comm, optimizer_factory, config)
         self._sync = True
         self._launched = 0  # buckets whose reduce-scatter has started this step, in order
@@ -106,7 +108,9 @@ class ZeroEngine(ZeroBase):
         self._reset_counts()
 
     def after_step(self) -> None:
+        for group in self.groups:  # all in flight at once; stage 1 zeroes its gradients meanwhile
+            group.gather(async_op=True)
         for group in self.groups:
-            group.gather()
             if self.stage == 1:
                 group.attach_grad_buffer()
+            group.wait_gather()

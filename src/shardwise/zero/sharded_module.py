@@ -37,6 +37,7 @@ class ShardedModule(ZeroBase):
 
     stage = 3
     name = "zero3"
+    reduce_window = 1  # with _first_grad's wait: one flat gradient buffer at a time
 
     def __init__(
         self, model: nn.Module, comm: Comm, optimizer_factory: OptimizerFactory, config: ZeroConfig
