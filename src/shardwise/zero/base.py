@@ -121,11 +121,16 @@ class ZeroBase(Engine):
                     master.grad = torch.zeros_like(master) if shard is None else shard.to(master.device)
                     optimizer.step()
                     group.master.grad = None
+                    self.after_group_step(i)
         for group in self.groups:
             group.grad_shard = None
         for p in self.model.parameters():
             p.grad = None
         self.after_step()
+
+    def after_group_step(self, index: int) -> None:
+        """Stage-specific: group ``index``'s shard is updated (its gather may start while the
+        next group steps)."""
 
     def after_step(self) -> None:
         """Stage-specific: make the updated parameters visible to the next forward."""

@@ -107,8 +107,11 @@ class ZeroEngine(ZeroBase):
         self.wait_reduces()
         self._reset_counts()
 
+    def after_group_step(self, index: int) -> None:
+        self.groups[index].gather(async_op=True)  # overlaps the next group's update
+
     def after_step(self) -> None:
-        for group in self.groups:  # all in flight at once; stage 1 zeroes its gradients meanwhile
+        for group in self.groups:  # (already started unless the step was skipped) all in flight at once
             group.gather(async_op=True)
         for group in self.groups:
             if self.stage == 1:

@@ -7,7 +7,8 @@ start of forward and kept until the step's gradients are reduced. Communication,
 
 * forward: all-gather unit ``i`` just before it runs (prefetching unit ``i + 1``), free it after;
 * backward: all-gather unit ``i`` again when the gradient of its output arrives; when its first
-  parameter gradient arrives, wait for unit ``i + 1``'s reduce-scatter and prefetch unit ``i - 1``.
+  parameter gradient arrives, wait for unit ``i + 1``'s reduce-scatter; when half have arrived,
+  prefetch unit ``i - 1``.
   Each gradient is copied into the unit's flat buffer and freed at once; once the unit's last one has
   arrived, reduce-scatter (sum) the buffer into this rank's gradient shard (asynchronously, overlapping
   the next unit's backward) and free the full parameters. So at most one flat gradient buffer and two
@@ -144,20 +145,22 @@ class ShardedModule(ZeroBase):
             # the last one, so no flat buffer is held across the whole backward.
             group = self.groups[index]
             if not group.collecting:  # the unit's first gradient
-                self._first_grad(index)
+                self.wait_reduces()  # the previous unit's buffer goes before this one's exists
             group.take_grad(param_index)
         self._missing[index] -= 1
+        if index != self._root and self._missing[index] == len(self.groups[index].params) // 2:
+            self._prefetch_previous(index)
         if self._missing[index] == 0:
             self._missing[index] = len(self.groups[index].params)
             self.launch_reduce(self.groups[index], release=True)
             if index != self._root:
                 self._free(index)
 
-    def _first_grad(self, index: int) -> None:
-        """Finish the previous unit's reduce-scatter before this unit's flat gradient buffer exists,
-        then prefetch the unit that runs backward next: at most one flat gradient buffer and two
-        gathered units are alive at a time (the root aside)."""
-        self.wait_reduces()
+    def _prefetch_previous(self, index: int) -> None:
+        """Half of unit ``index``'s gradients are in (and its activations partly freed): start
+        gathering the unit that runs backward next. It still lands well before it is needed (a
+        gather takes a few ms, half a block's backward tens), and at most one flat gradient buffer
+        and two gathered units are alive at a time (the root aside)."""
         if self.config.prefetch:
             self._start(self._neighbour(self._group_unit[index], -1))
 
