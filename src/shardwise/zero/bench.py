@@ -11,6 +11,7 @@ per-rank model-state bytes against :func:`shardwise.zero.memory.zero_formula`.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from typing import Any
@@ -184,6 +185,7 @@ def run_zero_bench(
     and DDP's (``bucket_cap_mb``) in stage 1's counterpart: the same knob gets the same value."""
     shape = shape or {"vocab": 8192, "dim": 384, "layers": 6, "seq_len": 64, "batch": 4}
     runs: dict[tuple[int, str], list[list[dict]]] = {}
+    load_before = os.getloadavg()
     for _ in range(repeats):
         for stage in stages:
             for impl in ("ours", "torch"):
@@ -193,6 +195,7 @@ def run_zero_bench(
     tokens = shape["batch"] * shape["seq_len"] * nproc
     report: dict[str, Any] = {"nproc": nproc, "steps": steps, "repeats": repeats, "shape": shape}
     report["bucket_mb"] = bucket_mb
+    report["load_avg_1m"] = {"before": load_before[0], "after": os.getloadavg()[0]}  # timings are noisy
     report["stages"] = {}
     for stage in stages:
         entry: dict[str, Any] = {"torch_counterpart": TORCH_NAMES[stage]}
