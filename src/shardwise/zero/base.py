@@ -42,6 +42,7 @@ class ZeroBase(Engine):
     """Sharded master weights and optimizer state over ``comm``; subclasses decide the groups."""
 
     stage: int = 0
+    reduce_window: int | None = 2  # reduce-scatters in flight at most; None: no limit
 
     def __init__(
         self, model: nn.Module, comm: Comm, optimizer_factory: OptimizerFactory, config: ZeroConfig
@@ -65,11 +66,11 @@ class ZeroBase(Engine):
         raise NotImplementedError
 
     def launch_reduce(self, group: FlatGroup, release: bool) -> None:
-        """Start ``group``'s reduce-scatter; finish the one before it, so at most two flat gradient
-        buffers are alive at a time instead of the whole model's."""
+        """Start ``group``'s reduce-scatter (it overlaps the rest of backward); once more than
+        ``reduce_window`` are in flight, finish the oldest, so flat gradient buffers never pile up."""
         group.reduce_grads(release)
         self._in_flight.append(group)
-        if len(self._in_flight) > 2:
+        if self.reduce_window is not None and len(self._in_flight) > self.reduce_window:
             self._in_flight.pop(0).wait_grads()
 
     def wait_reduces(self) -> None:
@@ -124,11 +125,16 @@ class ZeroBase(Engine):
                     master.grad = torch.zeros_like(master) if shard is None else shard.to(master.device)
                     optimizer.step()
                     group.master.grad = None
+                    self.after_group_step(i)
         for group in self.groups:
             group.grad_shard = None
         for p in self.model.parameters():
             p.grad = None
         self.after_step()
+
+    def after_group_step(self, index: int) -> None:
+        """Stage-specific: group ``index``'s shard is updated (its gather may start while the
+        next group steps)."""
 
     def after_step(self) -> None:
         """Stage-specific: make the updated parameters visible to the next forward."""

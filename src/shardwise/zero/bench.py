@@ -11,6 +11,7 @@ per-rank model-state bytes against :func:`shardwise.zero.memory.zero_formula`.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from typing import Any
@@ -61,12 +62,28 @@ class BenchGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def _torch_step_fn(model: nn.Module, stage: int, world_size: int, lr: float) -> Any:
+def configurations(stage: int, bucket_mb: float) -> dict[str, str]:
+    """How each side is configured for ``stage``, in words (recorded in the bench report)."""
+    optim = "AdamW(lr=1e-4, foreach=False)"
+    ours = f"zero{stage}, {optim}, fp32, gloo"
+    if stage in (1, 2):
+        ours += f", bucket_mb={bucket_mb}"
+    else:
+        ours += ", one unit per block + root (embeddings, final norm), prefetch"
+    torch_side = {
+        1: f"DistributedDataParallel(bucket_cap_mb={bucket_mb}) + ZeroRedundancyOptimizer({optim})",
+        2: f"fully_shard(each block, then root; reshard_after_forward=False) + {optim}",
+        3: f"fully_shard(each block, then root; reshard_after_forward=True) + {optim}",
+    }[stage]
+    return {"ours": ours, "torch": torch_side + ", fp32, gloo"}
+
+
+def _torch_step_fn(model: nn.Module, stage: int, world_size: int, lr: float, bucket_mb: float = 25.0) -> Any:
     if stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model)
+        model = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)  # the same bucket size as ours
         opt = ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr, foreach=False
         )
@@ -132,7 +149,7 @@ def _bench_rank(
 
         step.calls = 0  # type: ignore[attr-defined]
     else:
-        step = _torch_step_fn(model, stage, world_size, lr=1e-4)
+        step = _torch_step_fn(model, stage, world_size, lr=1e-4, bucket_mb=bucket_mb)
     times = []
     for _ in range(steps + 1):  # the first step (allocation, state creation) is not timed
         start = time.perf_counter()
@@ -164,9 +181,11 @@ def run_zero_bench(
 ) -> dict:
     """Per stage: tokens/s and peak RSS per rank for ours and PyTorch's, their ratios, and our
     model-state bytes beside the formula. ``speed_ratio`` > 1 and ``memory_ratio`` < 1 favour ours.
-    ``bucket_mb`` sizes our gradient buckets (stages 1-2): about one block, as FSDP2 reduces per block."""
+    ``bucket_mb`` sizes our gradient buckets (stages 1-2; about one block, as FSDP2 reduces per block)
+    and DDP's (``bucket_cap_mb``) in stage 1's counterpart: the same knob gets the same value."""
     shape = shape or {"vocab": 8192, "dim": 384, "layers": 6, "seq_len": 64, "batch": 4}
     runs: dict[tuple[int, str], list[list[dict]]] = {}
+    load_before = os.getloadavg()
     for _ in range(repeats):
         for stage in stages:
             for impl in ("ours", "torch"):
@@ -176,9 +195,11 @@ def run_zero_bench(
     tokens = shape["batch"] * shape["seq_len"] * nproc
     report: dict[str, Any] = {"nproc": nproc, "steps": steps, "repeats": repeats, "shape": shape}
     report["bucket_mb"] = bucket_mb
+    report["load_avg_1m"] = {"before": load_before[0], "after": os.getloadavg()[0]}  # timings are noisy
     report["stages"] = {}
     for stage in stages:
         entry: dict[str, Any] = {"torch_counterpart": TORCH_NAMES[stage]}
+        entry["configured"] = configurations(stage, bucket_mb)
         for impl in ("ours", "torch"):
             entry[impl] = _summarize(runs[(stage, impl)], tokens)
         ours, theirs = entry["ours"], entry["torch"]

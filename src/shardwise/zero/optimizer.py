@@ -2,14 +2,18 @@
 
 Parameters stay whole on every rank, as views into flat buckets (:mod:`shardwise.zero.group`).
 Communication per step, all through ``Comm``: each bucket's gradients are reduce-scattered (sum), so
-each rank receives only the slice of the summed gradient that its optimizer shard needs; after the
-update, each bucket's shards are all-gathered back into the full parameters.
+each rank receives only the slice of the summed gradient that its optimizer shard needs; each
+bucket's shards are all-gathered back into the full parameters as soon as that bucket is updated
+(overlapping the next bucket's update), all waited for at the end of the step. On gloo these take
+faster forms of the same exchange (an in-place all-reduce, per-rank broadcasts: see the group module).
 
 Both reduce-scatter each bucket as soon as its last gradient has accumulated during backward
 (buckets launched strictly in order, so every rank issues the same collectives), overlapping
-communication with the rest of backward. Stage 1 keeps the full gradients in one flat buffer per
-bucket (the summed slice is written back into it) until the step; stage 2 frees the full gradients
-as soon as they are flattened, keeping only its shard. Under ``no_sync`` both accumulate full gradients
+communication with the rest of backward (stage 1 never waits during backward; stage 2 keeps at most
+two reductions in flight). Stage 1 keeps the full gradients in one flat buffer per bucket (the
+parameters' ``.grad`` are views of it, so autograd accumulates there without a copy; the summed
+slice lands in it) until the step; stage 2 frees the full gradients as soon as they are flattened,
+keeping only its shard. Under ``no_sync`` both accumulate full gradients
 locally and communicate on the last micro-batch.
 """
 
@@ -57,6 +61,8 @@ class ZeroEngine(ZeroBase):
             raise ValueError(f"ZeroEngine runs stages 1 and 2; got {stage} (stage 3: ShardedModule)")
         self.stage = stage
         self.name = f"zero{stage}"
+        # stage 1 reduces in place in gradient buffers that live all step: never block backward
+        self.reduce_window = None if stage == 1 else 2
         super().__init__(model, comm, optimizer_factory, config)
         self._sync = True
         self._launched = 0  # buckets whose reduce-scatter has started this step, in order
@@ -105,8 +111,13 @@ class ZeroEngine(ZeroBase):
         self.wait_reduces()
         self._reset_counts()
 
+    def after_group_step(self, index: int) -> None:
+        self.groups[index].gather(async_op=True)  # overlaps the next group's update
+
     def after_step(self) -> None:
+        for group in self.groups:  # (already started unless the step was skipped) all in flight at once
+            group.gather(async_op=True)
         for group in self.groups:
-            group.gather()
             if self.stage == 1:
                 group.attach_grad_buffer()
+            group.wait_gather()

@@ -6,9 +6,14 @@ tied to the embedding) and any parameter shared between units form the root unit
 start of forward and kept until the step's gradients are reduced. Communication, all through ``Comm``:
 
 * forward: all-gather unit ``i`` just before it runs (prefetching unit ``i + 1``), free it after;
-* backward: all-gather unit ``i`` again when the gradient of its output arrives (prefetching ``i - 1``);
-  once every gradient of the unit has accumulated, reduce-scatter (sum) them into this rank's gradient
-  shard and free both the full gradients and the full parameters;
+* backward: all-gather unit ``i`` again when the gradient of its output arrives; when its first
+  parameter gradient arrives, wait for unit ``i + 1``'s reduce-scatter; when half have arrived,
+  prefetch unit ``i - 1``.
+  Each gradient is copied into the unit's flat buffer and freed at once; once the unit's last one has
+  arrived, reduce-scatter (sum) the buffer into this rank's gradient shard (asynchronously, overlapping
+  the next unit's backward) and free the full parameters. So at most one flat gradient buffer and two
+  gathered units are alive at a time. The root's gradients stay as ``.grad`` until its last one
+  (its final norm's arrives first, its embeddings' last), then go out the same way;
 * step: each rank updates its own master shard; nothing is gathered until the next forward.
 
 Limitation: ``no_sync`` does not skip communication here; each micro-batch's gradients are
@@ -33,6 +38,7 @@ class ShardedModule(ZeroBase):
 
     stage = 3
     name = "zero3"
+    reduce_window = 1  # with _first_grad's wait: one flat gradient buffer at a time
 
     def __init__(
         self, model: nn.Module, comm: Comm, optimizer_factory: OptimizerFactory, config: ZeroConfig
@@ -41,6 +47,7 @@ class ShardedModule(ZeroBase):
         super().__init__(model, comm, optimizer_factory, config)
         self._gathering: set[int] = set()  # groups whose gather has started since they were last freed
         self._missing = [len(g.params) for g in self.groups]
+        self._group_unit = {g: u for u, g in enumerate(self._unit_group) if g is not None}
         self._register_hooks()
         self.after_step()
 
@@ -129,18 +136,33 @@ class ShardedModule(ZeroBase):
 
     def _unit_pre_backward(self, unit: int) -> None:
         self._ensure(self._unit_group[unit])  # type: ignore[arg-type]
-        if self.config.prefetch:
-            self._start(self._neighbour(unit, -1))
 
     # -- gradients ----------------------------------------------------------------------------------
     def _on_grad(self, index: int, param_index: int) -> None:
-        self.groups[index].take_grad(param_index)  # the full gradient is freed at once
+        if index != self._root:
+            # a unit's gradients arrive together: flatten each at once and free it. The root's arrive
+            # at both ends of backward (final norm first, embeddings last): they stay as .grad until
+            # the last one, so no flat buffer is held across the whole backward.
+            group = self.groups[index]
+            if not group.collecting:  # the unit's first gradient
+                self.wait_reduces()  # the previous unit's buffer goes before this one's exists
+            group.take_grad(param_index)
         self._missing[index] -= 1
+        if index != self._root and self._missing[index] == len(self.groups[index].params) // 2:
+            self._prefetch_previous(index)
         if self._missing[index] == 0:
             self._missing[index] = len(self.groups[index].params)
             self.launch_reduce(self.groups[index], release=True)
             if index != self._root:
                 self._free(index)
+
+    def _prefetch_previous(self, index: int) -> None:
+        """Half of unit ``index``'s gradients are in (and its activations partly freed): start
+        gathering the unit that runs backward next. It still lands well before it is needed (a
+        gather takes a few ms, half a block's backward tens), and at most one flat gradient buffer
+        and two gathered units are alive at a time (the root aside)."""
+        if self.config.prefetch:
+            self._start(self._neighbour(self._group_unit[index], -1))
 
     def finish_grads(self) -> None:
         for index, group in enumerate(self.groups):
