@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-STRATEGIES = ("ddp", "ps", "single_process", "zero1", "zero2", "zero3")
+STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3")
 ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "naive", "auto")
 
 
@@ -177,9 +177,20 @@ class TrainConfig:
                 "checkpoints of the parameter server need ps.mode = sync (asynchronous servers have no "
                 "common step to save at); drop checkpoint.dir/checkpoint.every or set ps.mode = sync"
             )
+        self._check_applies()
         parallel = self.parallel.resolve(self.data_parallel_world(world_size))
         self._check_batch(parallel.dp)
         return replace(self, parallel=parallel)
+
+    def _check_applies(self) -> None:
+        """Refuse settings the chosen strategy would silently ignore."""
+        zero_only = {
+            "zero.precision": (self.zero.precision, "fp32"),
+            "zero.offload": (self.zero.offload, "none"),
+        }
+        for key, (value, default) in zero_only.items():
+            if value != default and not self.strategy.startswith("zero"):
+                raise ConfigError(f"{key} = {value!r} applies to zero1/zero2/zero3, not to {self.strategy}")
 
     def data_parallel_world(self, world_size: int) -> int:
         """Ranks that train on data: the parameter server's servers take no batch."""
@@ -232,19 +243,20 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     return config
 
 
-def set_key(config: Any, dotted: str, value: Any) -> Any:
+def set_key(config: Any, dotted: str, value: Any, _prefix: str = "") -> Any:
     """Return a copy of ``config`` with the field at ``dotted`` (e.g. ``"ddp.bucket_mb"``) replaced."""
     head, _, rest = dotted.partition(".")
     names = {f.name: f for f in fields(config)}
     if head not in names:
-        raise ConfigError(f"unknown config key {dotted!r}; known here: {', '.join(sorted(names))}")
+        known = ", ".join(sorted(names))
+        raise ConfigError(f"unknown config key {_prefix + dotted!r}; known here: {known}")
     current = getattr(config, head)
     if rest:
         if not dataclasses.is_dataclass(current):
-            raise ConfigError(f"{head!r} has no sub-keys (got {dotted!r})")
-        return replace(config, **{head: set_key(current, rest, value)})
+            raise ConfigError(f"{_prefix + head!r} has no sub-keys (got {_prefix + dotted!r})")
+        return replace(config, **{head: set_key(current, rest, value, f"{_prefix}{head}.")})
     hint = typing.get_type_hints(type(config))[head]
-    return replace(config, **{head: _coerce(dotted, value, hint)})
+    return replace(config, **{head: _coerce(_prefix + dotted, value, hint)})
 
 
 def _merge(config: Any, table: Mapping[str, Any], prefix: str) -> Any:
@@ -252,11 +264,16 @@ def _merge(config: Any, table: Mapping[str, Any], prefix: str) -> Any:
         if isinstance(value, Mapping):
             sub = getattr(config, key, None)
             if not dataclasses.is_dataclass(sub):
-                raise ConfigError(f"unknown config table [{prefix}{key}]")
+                tables = ", ".join(_tables(config))
+                raise ConfigError(f"unknown config table [{prefix}{key}]; known tables: {tables}")
             config = replace(config, **{key: _merge(sub, value, prefix=f"{prefix}{key}.")})
         else:
-            config = set_key(config, key, value)
+            config = set_key(config, key, value, prefix)
     return config
+
+
+def _tables(config: Any) -> list[str]:
+    return [f.name for f in fields(config) if dataclasses.is_dataclass(getattr(config, f.name))]
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:
@@ -280,6 +297,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if hint is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
         return hint(value)
+    except ConfigError:
+        raise  # an item of a tuple, already named
     except (TypeError, ValueError):
         raise ConfigError(f"{name} expects {getattr(hint, '__name__', hint)}, got {value!r}") from None
 

@@ -28,7 +28,19 @@ import torch.distributed as dist
 
 
 class LaunchError(RuntimeError):
-    """A rank failed; the message holds its rank and traceback."""
+    """A rank failed; the message holds its rank and traceback.
+
+    ``user_error`` is set when the rank stopped on a mistake in the input (a config or a checkpoint
+    that does not fit): one line to show instead of a traceback.
+    """
+
+    def __init__(self, message: str, user_error: str | None = None) -> None:
+        super().__init__(message)
+        self.user_error = user_error
+
+
+# exceptions that mean "the input is wrong", shown as their message alone
+USER_ERRORS = ("ConfigError", "StateMismatchError")
 
 
 def running_under_torchrun() -> bool:
@@ -44,12 +56,14 @@ def launch_local(
     fn: Callable[..., Any], args: tuple[Any, ...], nproc: int, max_restarts: int = 0
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks; return each rank's return value by rank."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # The agent logs every failure at length; LaunchError carries the one that matters.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.multiprocessing").setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback only
     config = LaunchConfig(
@@ -69,7 +83,9 @@ def launch_local(
     try:
         return elastic_launch(config, _RankMain(fn))(*args)
     except ChildFailedError as exc:
-        raise LaunchError(_describe_failure(exc)) from None
+        raise LaunchError(_describe_failure(exc), _user_error(exc)) from None
+    except SignalException:  # Ctrl-C or SIGTERM: the agent has already stopped the ranks
+        raise KeyboardInterrupt from None
 
 
 # What a rank says when it only lost a peer: a consequence of another rank's failure, not a cause.
@@ -112,6 +128,16 @@ def _failure_text(failure: Any) -> str:
     if failure.exitcode < 0 and not str(message).strip():
         message = f"killed by signal {-failure.exitcode}"
     return str(message).strip()
+
+
+def _user_error(exc: Any) -> str | None:
+    """The message of a user-input error any rank raised, if that is what stopped the job."""
+    for _, failure in sorted(exc.failures.items()):
+        first = _failure_text(failure).splitlines()[0] if _failure_text(failure) else ""
+        name, sep, message = first.partition(": ")
+        if sep and name.rsplit(".", 1)[-1] in USER_ERRORS:
+            return message
+    return None
 
 
 def _describe_failure(exc: Any) -> str:

@@ -105,6 +105,7 @@ def export(
         raise CheckpointError(f"{step_dir}: no tensor named {prefix!r}... to export")
     tensors = load(step_dir, names, manifest=manifest)
     out = {(n[len(prefix) :] if strip_prefix else n): t.contiguous() for n, t in tensors.items()}
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = f"{out_path}.tmp-{os.getpid()}"
     save_file(out, tmp, metadata={"format": "pt", "source": step_dir, "step": str(manifest.step)})
     with open(tmp, "rb+") as f:

@@ -37,6 +37,9 @@ def train_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
     try:
         results = launch_local(train_worker, (config, True), nproc, config.max_restarts)
     except LaunchError as exc:
+        if exc.user_error:
+            print(f"shardwise train: error: {exc.user_error}", file=sys.stderr)
+            return 2
         print(f"shardwise train: {exc}", file=sys.stderr)
         return 1
     emit(next(r for r in results.values() if r is not None), as_json, render_summary)
@@ -44,14 +47,15 @@ def train_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
 
 
 def render_summary(summary: dict[str, Any]) -> None:
-    console = Console()
+    console = Console(soft_wrap=True)  # long lines stay whole in logs and pipes
     console.print(
         f"[bold]{summary['strategy']}[/] on {summary['world_size']} ranks, {summary['steps']} steps: "
         f"loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
         + (f", held-out {summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else "")
         + f", {summary['tokens_per_s']:,.0f} tokens/s"
     )
-    table = Table("rank", "samples/step", "step s (median)", "sent MB/step", "peak RSS MB")
+    label = "worker rank" if summary["strategy"] == "ps" else "rank"
+    table = Table(label, "samples/step", "step s (median)", "sent MB/step", "peak RSS MB")
     first = summary["world_size"] - summary["training_ranks"]  # parameter servers come first
     for rank, peak in enumerate(summary["peak_rss_mb_by_rank"]):
         table.add_row(

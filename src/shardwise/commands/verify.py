@@ -151,6 +151,9 @@ def verify_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
     try:
         report = run_verify(config, nproc)
     except LaunchError as exc:
+        if exc.user_error:
+            print(f"shardwise verify: error: {exc.user_error}", file=sys.stderr)
+            return 2
         print(f"shardwise verify: {exc}", file=sys.stderr)
         return 1
     emit(report, as_json, _render)

@@ -261,13 +261,24 @@ def _broadcast_json(comm: Comm, value: Any, src: int) -> Any:
 def check_same_run(manifest: Manifest, config: TrainConfig) -> None:
     """A ConfigError naming the keys that differ when the checkpoint comes from another kind of run."""
     saved, mine = manifest.config, json.loads(json.dumps(to_dict(config)))  # tuples as saved: lists
-    differ = [key for key in MUST_MATCH if _get(saved, key) != _get(mine, key)]
+    differ = [leaf for key in MUST_MATCH for leaf in _leaves(key, _get(saved, key), _get(mine, key))]
     if differ:
-        shown = "; ".join(f"{k}: saved {_get(saved, k)!r}, now {_get(mine, k)!r}" for k in differ[:3])
+        shown = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in differ[:3])
         raise ConfigError(
             f"the checkpoint {manifest.step} under {config.checkpoint.dir or config.run_dir} comes from "
             f"another run ({shown}); use another --checkpoint-dir or --set checkpoint.resume=false"
         )
+
+
+def _leaves(key: str, saved: Any, mine: Any) -> list[tuple[str, Any, Any]]:
+    """The innermost keys under ``key`` whose values differ, e.g. ``model.seq_len``."""
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        return [
+            leaf
+            for k in sorted(set(saved) | set(mine))
+            for leaf in _leaves(f"{key}.{k}", saved.get(k), mine.get(k))
+        ]
+    return [] if saved == mine else [(key, saved, mine)]
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:

@@ -131,8 +131,8 @@ class Trainer:
             "step_s": elapsed,
             "comm_s": comm.blocked_s,
             "bytes_sent": comm.bytes_sent,
-            "rss_mb": rss_mb(),
-            "peak_rss_mb": peak_rss_mb(),
+            "rss_mb": (current := rss_mb()),
+            "peak_rss_mb": max(current, peak_rss_mb()),
             "samples": samples,
         }
         record = gather_step(self.metrics_comm, step, values, self.global_tokens)
@@ -227,7 +227,8 @@ def _announce(config: TrainConfig, ckpt: TrainCheckpoints | None, start: int, re
     """One line on stderr for what a user would otherwise miss: a restart, a resume, nothing to do."""
     where = f" from {ckpt.root}/step-{start:08d}" if ckpt and start else ""
     if restarts:
-        log(f"restart {restarts} of {config.max_restarts} after a rank failed; resuming{where or ' from step 0'}")
+        origin = where or " from step 0"
+        log(f"restart {restarts} of {config.max_restarts} after a rank failed; resuming{origin}")
     elif start:
         log(f"resuming at step {start}{where}")
     if start >= config.steps:

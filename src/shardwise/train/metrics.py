@@ -30,6 +30,7 @@ def peak_rss_mb() -> float:
 
 
 def rss_mb() -> float:
+    """Current resident set size (read before the peak, so the peak is never below it)."""
     return psutil.Process().memory_info().rss / 2**20
 
 
