@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint import CheckpointError, export, format_inspect, inspect
+from shardwise.checkpoint.reader import CheckpointWarning
 
 
 def add_ckpt_parser(sub: Any) -> None:
@@ -41,23 +43,36 @@ def _checkpoint_path(given: str) -> str:
     return str(path)
 
 
+def _report_skipped(command: str, caught: list[warnings.WarningMessage]) -> bool:
+    """Newer checkpoints passed over as damaged, one line each on stderr; True when there were any."""
+    for warning in caught:
+        print(f"shardwise ckpt {command}: {warning.message}", file=sys.stderr)
+    return bool(caught)
+
+
 def inspect_command(args: argparse.Namespace) -> int:
-    """Exit code 0 when the checkpoint is whole, 1 when a file is damaged, 2 when none is found."""
+    """Exit 0 when the checkpoint is whole, 1 when a file (or a newer checkpoint) is damaged, 2 if none."""
     try:
-        info = inspect(_checkpoint_path(args.dir), verify=not args.no_verify)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointWarning)
+            info = inspect(_checkpoint_path(args.dir), verify=not args.no_verify)
     except CheckpointError as err:
         print(f"shardwise ckpt inspect: {err}", file=sys.stderr)
         return 2
+    skipped = _report_skipped("inspect", caught)
     print(json.dumps(info) if args.json else format_inspect(info))
-    return 0 if info["ok"] else 1
+    return 0 if info["ok"] and not skipped else 1
 
 
 def export_command(args: argparse.Namespace) -> int:
     try:
-        shapes = export(_checkpoint_path(args.dir), args.out)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointWarning)
+            shapes = export(_checkpoint_path(args.dir), args.out)
     except CheckpointError as err:
         print(f"shardwise ckpt export: {err}", file=sys.stderr)
-        return 1
+        return 2
+    _report_skipped("export", caught)
     if args.json:
         print(json.dumps({"out": args.out, "tensors": shapes}))
     else:
