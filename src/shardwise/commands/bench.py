@@ -17,8 +17,9 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     ddp.add_argument("--nproc", type=int, default=2)
     ddp.add_argument("--steps", type=int, default=20)
     ddp.add_argument("--rounds", type=int, default=3, help="interleaved runs of each implementation")
-    ddp.add_argument("--preset", default="small")
-    ddp.add_argument("--global-batch", type=int, default=16)
+    # the 10.8M-parameter GPT: large enough that gradient traffic matters, as it does where DDP is used
+    ddp.add_argument("--preset", default="base")
+    ddp.add_argument("--global-batch", type=int, default=8)
     ddp.add_argument("--bucket-mb", type=float, default=25.0)
     ddp.add_argument("--json", action="store_true")
     ddp.add_argument("--out", help="also write the JSON result to this file")
