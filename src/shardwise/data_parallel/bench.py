@@ -115,8 +115,8 @@ def run_ddp_bench(
     nproc: int = 2,
     steps: int = 20,
     rounds: int = 3,
-    preset: str = "small",
-    global_batch: int = 16,
+    preset: str = "base",
+    global_batch: int = 8,
     bucket_mb: float = 25.0,
 ) -> dict[str, Any]:
     config = _bench_config(preset, global_batch, bucket_mb, steps)
