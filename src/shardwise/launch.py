@@ -38,6 +38,14 @@ class LaunchError(RuntimeError):
         super().__init__(message)
         self.user_error = user_error
 
+    def report(self, command: str) -> int:
+        """Print the failure for ``shardwise <command>``; the exit code: 2 for bad input, else 1."""
+        if self.user_error:
+            print(f"shardwise {command}: error: {self.user_error}", file=sys.stderr)
+            return 2
+        print(f"shardwise {command}: {self}", file=sys.stderr)
+        return 1
+
 
 # exceptions that mean "the input is wrong", shown as their message alone
 USER_ERRORS = ("ConfigError", "StateMismatchError")

@@ -10,54 +10,46 @@ from typing import Any
 DEFAULT_PROFILE = str(Path.home() / ".cache" / "shardwise" / "comm-profile.json")
 
 
+def _kind(kinds: Any, name: str, help: str, run: Callable[[argparse.Namespace], int], nproc: int) -> Any:
+    """A ``bench`` sub-command with the flags every benchmark has."""
+    parser = kinds.add_parser(name, help=help)
+    parser.add_argument("--nproc", type=int, default=nproc, help=f"ranks (default {nproc})")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
+    parser.add_argument("--out", help="also write the JSON result to this file")
+    parser.set_defaults(run=run)
+    return parser
+
+
 def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None:
     bench = sub.add_parser("bench", help="benchmarks against PyTorch's built-ins")
     kinds = bench.add_subparsers(dest="kind", required=True)
-    ddp = kinds.add_parser("ddp", help="our all-reduce DP against torch DistributedDataParallel")
-    ddp.add_argument("--nproc", type=int, default=2)
+    ddp = _kind(kinds, "ddp", "our all-reduce DP against torch DistributedDataParallel", run, nproc=2)
     ddp.add_argument("--steps", type=int, default=20)
     ddp.add_argument("--rounds", type=int, default=3, help="interleaved runs of each implementation")
     # the 10.8M-parameter GPT: large enough that gradient traffic matters, as it does where DDP is used
     ddp.add_argument("--preset", default="base")
     ddp.add_argument("--global-batch", type=int, default=8)
     ddp.add_argument("--bucket-mb", type=float, default=25.0)
-    ddp.add_argument("--json", action="store_true")
-    ddp.add_argument("--out", help="also write the JSON result to this file")
-    ddp.set_defaults(run=run)
-    comm = kinds.add_parser("comm", help="collectives: native and each algorithm, nccl-tests style")
-    comm.add_argument("--nproc", type=int, default=2)
+    comm = _kind(kinds, "comm", "collectives: native and each algorithm, nccl-tests style", run, nproc=2)
     comm.add_argument("--calibrate", action="store_true", help="measure latency/bandwidth, save a profile")
     comm.add_argument("--profile", default=DEFAULT_PROFILE, help="cost-model profile to save or read")
     comm.add_argument("--ops", help="comma-separated: all_reduce,broadcast,reduce,all_gather,reduce_scatter")
     comm.add_argument("--max-mb", type=float, default=256.0, help="largest message (default 256 MB)")
-    comm.add_argument("--json", action="store_true")
-    comm.add_argument("--out", help="also write the JSON result to this file")
-    comm.set_defaults(run=run)
-    zero = kinds.add_parser("zero", help="ZeRO stages against ZeroRedundancyOptimizer and FSDP2")
-    zero.add_argument("--nproc", type=int, default=2)
+    zero = _kind(kinds, "zero", "ZeRO stages against ZeroRedundancyOptimizer and FSDP2", run, nproc=2)
     zero.add_argument("--steps", type=int, default=5)
     zero.add_argument("--repeats", type=int, default=3, help="interleaved runs of each side; medians")
     zero.add_argument("--stages", default="1,2,3")
     zero.add_argument("--bucket-mb", type=float, default=4.0)
     zero.add_argument("--offload-stage", type=int, help="instead: peak RSS with and without disk offload")
-    zero.add_argument("--json", action="store_true")
-    zero.add_argument("--out", help="also write the JSON result to this file")
-    zero.set_defaults(run=run)
-    compare = kinds.add_parser("dp-compare", help="single-process DP, parameter server, all-reduce DP")
-    compare.add_argument("--nproc", type=int, default=3)
+    compare = _kind(kinds, "dp-compare", "single-process DP, parameter server, all-reduce DP", run, nproc=3)
     compare.add_argument("--steps", type=int, default=5)
     compare.add_argument("--global-batch", type=int, default=16)
-    compare.add_argument("--json", action="store_true")
-    compare.add_argument("--out", help="also write the JSON result to this file")
-    compare.set_defaults(run=run)
-    ckpt = kinds.add_parser("ckpt", help="checkpoint save/load MB/s against torch.distributed.checkpoint")
-    ckpt.add_argument("--nproc", type=int, default=2)
+    ckpt = _kind(
+        kinds, "ckpt", "checkpoint save/load MB/s against torch.distributed.checkpoint", run, nproc=2
+    )
     ckpt.add_argument("--size-mb", type=float, default=64.0, help="total state, split over the ranks")
     ckpt.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians reported")
     ckpt.add_argument("--dir", help="where to write (default: a temporary folder)")
-    ckpt.add_argument("--json", action="store_true")
-    ckpt.add_argument("--out", help="also write the JSON result to this file")
-    ckpt.set_defaults(run=run)
 
 
 def bench_command(args: argparse.Namespace) -> int:

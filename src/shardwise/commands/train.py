@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from rich.console import Console
@@ -37,11 +36,7 @@ def train_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
     try:
         results = launch_local(train_worker, (config, True), nproc, config.max_restarts)
     except LaunchError as exc:
-        if exc.user_error:
-            print(f"shardwise train: error: {exc.user_error}", file=sys.stderr)
-            return 2
-        print(f"shardwise train: {exc}", file=sys.stderr)
-        return 1
+        return exc.report("train")
     emit(next(r for r in results.values() if r is not None), as_json, render_summary)
     return 0
 

@@ -9,7 +9,6 @@ any exceeds the tolerance.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -151,11 +150,7 @@ def verify_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
     try:
         report = run_verify(config, nproc)
     except LaunchError as exc:
-        if exc.user_error:
-            print(f"shardwise verify: error: {exc.user_error}", file=sys.stderr)
-            return 2
-        print(f"shardwise verify: {exc}", file=sys.stderr)
-        return 1
+        return exc.report("verify")
     emit(report, as_json, _render)
     return 0 if report["ok"] else 1
 
