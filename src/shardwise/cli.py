@@ -21,7 +21,7 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--seed": ("seed", {}),
     "--dtype": ("dtype", {"help": "float32 | float64"}),
     "--model": ("model.kind", {"help": "gpt | mlp"}),
-    "--preset": ("model.preset", {"help": "model size: tiny | small | base | medium | large"}),
+    "--preset": ("model.preset", {"help": "model size: tiny | odd | small | base | medium | large"}),
     "--seq-len": ("model.seq_len", {}),
     "--global-batch": ("data.global_batch", {"help": "sequences per step over all ranks"}),
     "--micro-batches": ("data.micro_batches", {"help": "gradient accumulation (no_sync) steps"}),
@@ -51,9 +51,10 @@ class CLIError(Exception):
 def add_train_flags(parser: argparse.ArgumentParser, defaults: dict[str, str] | None = None) -> None:
     parser.add_argument("--config", help="TOML file; flags override it")
     parser.add_argument("--nproc", type=int, default=1, help="local ranks (ignored under torchrun)")
+    base = TrainConfig()
     for flag, (key, kwargs) in TRAIN_FLAGS.items():
-        default = (defaults or {}).get(key)
-        extra = f" (default here: {default})" if default is not None else ""
+        default = (defaults or {}).get(key, _get(base, key))
+        extra = f" (default: {default})" if default not in (None, "", ()) else ""
         parser.add_argument(
             flag, dest=key, default=None, **{**kwargs, "help": kwargs.get("help", key) + extra}
         )
@@ -62,6 +63,12 @@ def add_train_flags(parser: argparse.ArgumentParser, defaults: dict[str, str] | 
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
+
+
+def _get(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
 
 
 def config_from_args(args: argparse.Namespace, defaults: dict[str, str] | None = None) -> TrainConfig:
@@ -104,8 +111,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="shardwise",
+        description="Distributed training on torch.distributed, each strategy verified against one process.",
+    )
+    sub = parser.add_subparsers(dest="command")
     train = sub.add_parser("train", help="train the built-in model on N ranks")
     add_train_flags(train)
     train.set_defaults(run=_cmd_train)
@@ -126,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     try:
         return int(args.run(args) or 0)
     except (ConfigError, CLIError) as exc:
