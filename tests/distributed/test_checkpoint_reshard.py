@@ -125,4 +125,4 @@ def test_zero3_on_4_reloads_as_ddp2_zero2_3_and_one_process(tmp_path: Path) -> N
     assert run_on_ranks(_load_ddp, 2, root, timeout_s=60) == [True, True]
     messages = run_on_ranks(_load_zero2_then_fall_back, 3, root, timeout_s=60)
     assert messages[0] == messages[1] == []  # ranks 0 and 1 of 3 never read the damaged piece
-    assert len(messages[2]) == 1 and "step-00000002/rank3.safetensors: sha256 mismatch" in messages[2][0]
+    assert len(messages[2]) == 1 and "step-00000002/rank3.safetensors: crc32 mismatch" in messages[2][0]

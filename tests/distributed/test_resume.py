@@ -122,7 +122,7 @@ def test_resume_is_exact_and_damaged_checkpoints_fall_back(tmp_path, capfd, dtyp
 
     lines = [x for x in capfd.readouterr().err.splitlines() if "is damaged" in x]
     assert len(lines) == 2, lines  # one line per damaged checkpoint, from one rank
-    assert "step-00000008/rank0.safetensors: sha256 mismatch" in lines[0]
+    assert "step-00000008/rank0.safetensors: crc32 mismatch" in lines[0]
     assert "step-00000008/rank1.safetensors" in lines[1] and "truncated" in lines[1]
 
 

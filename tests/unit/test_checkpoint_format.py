@@ -16,11 +16,14 @@ from safetensors.torch import load_file
 import shardwise.checkpoint as ckpt_pkg
 from shardwise.checkpoint import layout, manager
 from shardwise.checkpoint.format import (
+    CHECKSUM,
+    FORMAT_VERSION,
     CorruptCheckpointError,
     Manifest,
     ManifestError,
     PieceRecord,
     TensorRecord,
+    checksum,
     chunk_span,
     overlap,
     read_manifest,
@@ -85,13 +88,37 @@ def test_manifest_validation_names_the_problem(pieces: list[tuple[int, int]], me
         m.validate()
 
 
+def test_checksum_is_crc32_as_8_hex_digits() -> None:
+    assert CHECKSUM == "crc32"
+    assert checksum(b"123456789") == "cbf43926"  # the standard CRC-32 check value
+    assert checksum(memoryview(b"")) == "00000000"
+    assert checksum(b"\x00\x01") != checksum(b"\x00\x03") and checksum(b"ab") != checksum(b"a")
+
+
+def test_manifest_records_its_checksum_and_refuses_unknown_ones(tmp_path: Path) -> None:
+    m = Manifest(step=1)
+    assert m.to_json()["checksum"] == CHECKSUM
+    write_manifest(str(tmp_path), m)
+    assert read_manifest(str(tmp_path)).checksum == CHECKSUM
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    data["checksum"] = "sha256"
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError) as caught:
+        read_manifest(str(tmp_path))
+    assert "checksum algorithm 'sha256'" in str(caught.value) and "\n" not in str(caught.value)
+    del data["checksum"]
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="missing checksum"):
+        read_manifest(str(tmp_path))
+
+
 def test_manifest_rejects_unknown_version_and_missing_keys(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(
         json.dumps({"format_version": 99, "step": 1, "tensors": {}, "files": {}})
     )
     with pytest.raises(ManifestError, match="format_version 99"):
         read_manifest(str(tmp_path))
-    (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format_version": FORMAT_VERSION}))
     with pytest.raises(ManifestError, match="missing step, tensors, files"):
         read_manifest(str(tmp_path))
     (tmp_path / "manifest.json").write_text("{not json")
@@ -134,13 +161,13 @@ def test_flipped_byte_is_named_and_previous_checkpoint_used(tmp_path: Path) -> N
     raw = bytearray(Path(target).read_bytes())
     raw[_data_offset(target) + 3] ^= 0x01
     Path(target).write_bytes(bytes(raw))
-    with pytest.raises(CorruptCheckpointError, match=r"step-00000002/rank0.safetensors: sha256 mismatch"):
+    with pytest.raises(CorruptCheckpointError, match=r"step-00000002/rank0.safetensors: crc32 mismatch"):
         load(newest, list(_state(2)))
     with pytest.warns(CheckpointWarning) as caught:
         found = find_latest_valid(str(tmp_path), full=True)
     assert found == str(tmp_path / "step-00000001")
     assert len(caught) == 1 and "\n" not in str(caught[0].message)
-    assert "step-00000002/rank0.safetensors: sha256 mismatch" in str(caught[0].message)
+    assert "step-00000002/rank0.safetensors: crc32 mismatch" in str(caught[0].message)
     messages: list[str] = []
     loaded = load_latest(str(tmp_path), list(_state(1)), on_bad=messages.append)
     assert loaded is not None and loaded.manifest.step == 1
@@ -253,7 +280,7 @@ def test_inspect_and_export(tmp_path: Path) -> None:
     raw[-1] ^= 0xFF
     target.write_bytes(bytes(raw))
     bad = inspect(str(step_dir))
-    assert not bad["ok"] and any("rank0.safetensors: sha256 mismatch" in p for p in bad["problems"])
+    assert not bad["ok"] and any("rank0.safetensors: crc32 mismatch" in p for p in bad["problems"])
     assert "PROBLEMS" in format_inspect(bad)
 
 

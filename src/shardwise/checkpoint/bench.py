@@ -114,5 +114,5 @@ def run_ckpt_bench(
         "save_vs_raw": medians["raw_save"] / medians["ours_save"],
         "samples_s": per_rank[0]["times_s"],
         "notes": "medians over interleaved repeats, timed on rank 0 between barriers; loads hit the page "
-        "cache; ours writes sha256 checksums (DCP writes none)",
+        "cache; ours writes crc32 checksums (DCP writes none)",
     }

@@ -3,8 +3,9 @@
 A checkpoint is one folder ``step-<k>`` holding ``manifest.json`` and one safetensors file per writing
 rank. Every tensor is described by its global shape and dtype and by the pieces that hold it: a piece
 is a FLAT range ``[start, stop)`` over the row-major flattening of the global tensor, stored 1-D under
-one key of one file, with a sha256 per ``chunk_bytes`` chunk so that a partial read can be verified
-without reading the whole piece. A ZeRO flat shard is one piece per parameter it touches; a dim-0
+one key of one file, with a CRC32 per ``chunk_bytes`` chunk so that a partial read can be verified
+without reading the whole piece (the checksum catches truncation and flipped bytes; it is not a
+security feature). A ZeRO flat shard is one piece per parameter it touches; a dim-0
 tensor-parallel slice is one contiguous range too. No communication happens here.
 """
 
@@ -13,13 +14,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+CHECKSUM = "crc32"  # the per-chunk checksum algorithm, recorded in every manifest
 MANIFEST_NAME = "manifest.json"
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -52,6 +55,11 @@ class CorruptCheckpointError(CheckpointError):
     def __init__(self, file: str, reason: str) -> None:
         super().__init__(f"{file}: {reason}")
         self.file, self.reason = file, reason
+
+
+def checksum(data: memoryview | bytes) -> str:
+    """The CHECKSUM of ``data`` as 8 hex digits (zlib.crc32 releases the GIL on large buffers)."""
+    return f"{zlib.crc32(data):08x}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -88,7 +96,7 @@ class PieceRecord:
     key: str
     start: int
     stop: int
-    sha256: tuple[str, ...]  # one digest per chunk_bytes of the piece's bytes
+    checksums: tuple[str, ...]  # one CHECKSUM per chunk_bytes of the piece's bytes
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,18 +104,18 @@ class PieceRecord:
             "key": self.key,
             "start": self.start,
             "stop": self.stop,
-            "sha256": list(self.sha256),
+            "checksums": list(self.checksums),
         }
 
     @staticmethod
     def from_json(data: Mapping[str, Any], where: str) -> PieceRecord:
-        _require(data, ("file", "key", "start", "stop", "sha256"), where)
+        _require(data, ("file", "key", "start", "stop", "checksums"), where)
         return PieceRecord(
             str(data["file"]),
             str(data["key"]),
             int(data["start"]),
             int(data["stop"]),
-            tuple(str(d) for d in data["sha256"]),
+            tuple(str(d) for d in data["checksums"]),
         )
 
 
@@ -148,10 +156,12 @@ class Manifest:
     files: dict[str, int] = field(default_factory=dict)  # file name -> size in bytes
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     format_version: int = FORMAT_VERSION
+    checksum: str = CHECKSUM
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format_version": self.format_version,
+            "checksum": self.checksum,
             "step": self.step,
             "strategy": self.strategy,
             "world_size": self.world_size,
@@ -170,6 +180,11 @@ class Manifest:
         if data["format_version"] != FORMAT_VERSION:
             raise ManifestError(
                 f"manifest has format_version {data['format_version']}, this shardwise reads {FORMAT_VERSION}"
+            )
+        _require(data, ("checksum",), "manifest")
+        if data["checksum"] != CHECKSUM:
+            raise ManifestError(
+                f"manifest uses checksum algorithm {data['checksum']!r}, this shardwise reads {CHECKSUM!r}"
             )
         tensors = {n: TensorRecord.from_json(t, f"tensor {n!r}") for n, t in data["tensors"].items()}
         manifest = Manifest(
@@ -209,8 +224,8 @@ class Manifest:
                 if p.stop > rec.numel or (p.stop <= p.start and rec.numel > 0):
                     raise ManifestError(f"{where}: out of bounds for {rec.numel} elements")
                 expected = max(1, chunk_span(0, p.stop - p.start, chunk_elems)[1])
-                if len(p.sha256) != expected:
-                    raise ManifestError(f"{where}: {len(p.sha256)} checksums, expected {expected}")
+                if len(p.checksums) != expected:
+                    raise ManifestError(f"{where}: {len(p.checksums)} checksums, expected {expected}")
                 cursor = p.stop
             if cursor != rec.numel:
                 raise ManifestError(f"tensor {name!r}: elements [{cursor}, {rec.numel}) are in no piece")

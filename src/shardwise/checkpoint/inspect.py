@@ -42,7 +42,7 @@ def inspect(path: str, *, verify: bool = True) -> dict[str, Any]:
             if verify and files[piece.file]["ok"]:
                 ok = _verify_piece(step_dir, piece, rec.dtype, manifest.chunk_bytes, problems)
             shards.append({"file": piece.file, "key": piece.key, "start": piece.start, "stop": piece.stop,
-                           "chunks": len(piece.sha256), "checksum_ok": ok})  # fmt: skip
+                           "chunks": len(piece.checksums), "checksum_ok": ok})  # fmt: skip
         itemsize = torch.empty((), dtype=torch_dtype(rec.dtype)).element_size()
         tensors[name] = {"global_shape": list(rec.global_shape), "dtype": rec.dtype,
                          "bytes": rec.numel * itemsize, "shards": shards}  # fmt: skip
@@ -53,6 +53,7 @@ def inspect(path: str, *, verify: bool = True) -> dict[str, Any]:
         "world_size": manifest.world_size,
         "mesh": manifest.mesh,
         "format_version": manifest.format_version,
+        "checksum": manifest.checksum,
         "total_bytes": sum(manifest.files.values()),
         "files": files,
         "tensors": tensors,

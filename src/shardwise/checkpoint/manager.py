@@ -241,7 +241,7 @@ class CheckpointWriter:
                     "key": k,
                     "start": p.start,
                     "stop": p.stop,
-                    "sha256": list(digests[k]),
+                    "checksums": list(digests[k]),
                 }
                 for k, p in keyed
             ],
@@ -302,7 +302,7 @@ def merge_indexes(tmp_dir: str, world_size: int, header: Mapping[str, Any], chun
                     f"tensor {p['name']!r}: rank {rank} says shape/dtype {kind}, another rank "
                     f"{shapes[p['name']]}"
                 )
-            record = PieceRecord(index["file"], p["key"], p["start"], p["stop"], tuple(p["sha256"]))
+            record = PieceRecord(index["file"], p["key"], p["start"], p["stop"], tuple(p["checksums"]))
             pieces.setdefault(p["name"], []).append(record)
     tensors = {
         name: TensorRecord(shape, dtype, tuple(sorted(pieces[name], key=lambda r: r.start)))

@@ -3,13 +3,12 @@
 A request names a global tensor and a flat range ``[start, stop)`` of it (or the whole tensor). The
 reader finds the pieces that overlap it and reads only those bytes through ``safe_open(...).get_slice``
 (rounded out to whole checksum chunks), checks each file's size before opening it (truncation) and each
-chunk's sha256 before trusting it, and copies the overlap into place. No communication, except in
+chunk's CRC32 before trusting it, and copies the overlap into place. No communication, except in
 :func:`load_latest`, where one all-reduce of a failure flag makes every rank fall back together.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -19,11 +18,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shardwise.checkpoint.format import (
+    CHECKSUM,
     MANIFEST_NAME,
     CheckpointError,
     CorruptCheckpointError,
     Manifest,
     PieceRecord,
+    checksum,
     chunk_span,
     overlap,
     read_manifest,
@@ -145,10 +146,9 @@ def _read_range(
     data = sl[s0:s1]
     raw = memoryview(data.view(torch.uint8).numpy()).cast("B")
     for i, chunk in enumerate(range(first, max(last, first + 1))):
-        digest = hashlib.sha256(raw[i * chunk_bytes : (i + 1) * chunk_bytes]).hexdigest()
-        if digest != piece.sha256[chunk]:
+        if checksum(raw[i * chunk_bytes : (i + 1) * chunk_bytes]) != piece.checksums[chunk]:
             raise CorruptCheckpointError(
-                label, f"sha256 mismatch in {piece.key!r} (chunk {chunk} of {len(piece.sha256)})"
+                label, f"{CHECKSUM} mismatch in {piece.key!r} (chunk {chunk} of {len(piece.checksums)})"
             )
     return data[a - s0 : b - s0]
 

@@ -3,14 +3,13 @@
 The bytes are the standard safetensors layout (8-byte little-endian header length, JSON header padded
 to 8 bytes, then the tensors back to back), so ``safetensors.safe_open`` and any other reader can open
 the file. We write it ourselves rather than through ``save_file`` to avoid building the whole file in
-memory: each tensor's bytes go from its storage to the file through a memoryview, and the sha256 of
+memory: each tensor's bytes go from its storage to the file through a memoryview, and the CRC32 of
 every ``chunk_bytes`` chunk is taken from the same view on a helper thread, overlapping the write.
 Purely local; no communication.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -20,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.checkpoint.format import DTYPES, dtype_name
+from shardwise.checkpoint.format import DTYPES, checksum, dtype_name
 
 
 @dataclass(frozen=True)
 class WrittenFile:
     path: str
     size_bytes: int
-    digests: dict[str, tuple[str, ...]]  # key -> one sha256 per chunk
+    digests: dict[str, tuple[str, ...]]  # key -> one checksum per chunk
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -40,12 +39,10 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def chunk_digests(data: memoryview, chunk_bytes: int) -> tuple[str, ...]:
-    """sha256 of every ``chunk_bytes`` slice of ``data`` (at least one digest, even when empty)."""
+    """The checksum of every ``chunk_bytes`` slice of ``data`` (at least one, even when empty)."""
     if len(data) == 0:
-        return (hashlib.sha256(b"").hexdigest(),)
-    return tuple(
-        hashlib.sha256(data[i : i + chunk_bytes]).hexdigest() for i in range(0, len(data), chunk_bytes)
-    )
+        return (checksum(b""),)
+    return tuple(checksum(data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
 
 
 def write_shard_file(path: str, items: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> WrittenFile:
