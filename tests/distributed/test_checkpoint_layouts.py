@@ -270,26 +270,30 @@ def _assert_spans_partition(spans: list[dict], want: dict[str, torch.Tensor]) ->
 
 
 # -- resume equivalence for ZeRO -------------------------------------------------------------------------
-def _resume_zero2(rank: int, world_size: int, root: str) -> dict:
+def _resume_run(rank: int, world_size: int, root: str, strategy: str) -> dict:
+    """An uninterrupted run, then the same run resumed from step 3 of its checkpoints."""
     import torch.distributed as dist
 
     from shardwise.train.loop import run_training
 
     base = Path(root)
-    zero2 = {"strategy": "zero2"}
-    full = run_training(replace(resume_config(base / "full", "float64"), **zero2), show_progress=False)
+    full = run_training(
+        replace(resume_config(base / "full", "float64"), strategy=strategy), show_progress=False
+    )
     if rank == 0:
         shutil.copytree(base / "full" / "checkpoints", base / "cut" / "checkpoints")
         steps = list_steps(str(base / "cut" / "checkpoints"))
         shutil.rmtree(steps[-1][1])
         shutil.rmtree(steps[-2][1])  # resume from step 3
     dist.barrier()
-    cut = run_training(replace(resume_config(base / "cut", "float64"), **zero2), show_progress=False)
-    return {"full": full, "cut": cut} if rank == 0 else {}
+    cut = run_training(
+        replace(resume_config(base / "cut", "float64"), strategy=strategy), show_progress=False
+    )
+    return {"full": full, "cut": cut}
 
 
 def test_zero2_resume_equals_uninterrupted(tmp_path: Path) -> None:
-    got = run_on_ranks(_resume_zero2, 2, str(tmp_path), timeout_s=240)[0]
+    got = run_on_ranks(_resume_run, 2, str(tmp_path), "zero2", timeout_s=240)[0]
     full, cut = got["full"], got["cut"]
     assert cut["checkpoint"]["resumed_at_step"] == 3 and full["checkpoint"]["resumed_from"] is None
     assert cut["final_param_digest"] == full["final_param_digest"]
@@ -297,27 +301,9 @@ def test_zero2_resume_equals_uninterrupted(tmp_path: Path) -> None:
         assert cut[key] == full[key], key
 
 
-def _resume_ps_run(rank: int, world_size: int, root: str) -> dict:
-    import torch.distributed as dist
-
-    from shardwise.train.loop import run_training
-
-    base = Path(root)
-    ps = {"strategy": "ps"}
-    full = run_training(replace(resume_config(base / "full", "float64"), **ps), show_progress=False)
-    if rank == 0:
-        shutil.copytree(base / "full" / "checkpoints", base / "cut" / "checkpoints")
-        steps = list_steps(str(base / "cut" / "checkpoints"))
-        shutil.rmtree(steps[-1][1])
-        shutil.rmtree(steps[-2][1])  # resume from step 3
-    dist.barrier()
-    cut = run_training(replace(resume_config(base / "cut", "float64"), **ps), show_progress=False)
-    return {"full": full, "cut": cut}
-
-
 def test_parameter_server_resume_equals_uninterrupted(tmp_path: Path) -> None:
     """1 server and 2 workers (sync): servers save with the workers and resume where they stopped."""
-    got = run_on_ranks(_resume_ps_run, 3, str(tmp_path), timeout_s=240)[1]  # rank 1 reports
+    got = run_on_ranks(_resume_run, 3, str(tmp_path), "ps", timeout_s=240)[1]  # rank 1 reports
     full, cut = got["full"], got["cut"]
     assert full["checkpoint"]["saves"] == 3 and cut["checkpoint"]["resumed_at_step"] == 3
     assert cut["final_param_digest"] == full["final_param_digest"]
