@@ -96,7 +96,7 @@ class DDPConfig:
 @dataclass(frozen=True)
 class CommConfig:
     algorithm: str = "native"  # one of ALGORITHMS
-    profile: str = ""  # path of a calibrated cost-model profile for "auto"
+    profile: str = ""  # cost-model profile for "auto"; "": the one `shardwise bench comm` saved, if any
 
 
 @dataclass(frozen=True)

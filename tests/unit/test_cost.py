@@ -45,7 +45,10 @@ def test_tree_and_naive_formulas() -> None:
     assert predict("naive", "all_reduce", n, p, PROFILE) == pytest.approx(
         (p - 1) * (a + n * B1 + n * g) + (p - 1) * (a + n * B1)
     )
-    assert predict("ring", "all_gather", n, p, PROFILE) == pytest.approx((p - 1) * a + (p - 1) / p * n * b)
+    own_block = n / p * g  # the all-gather first copies its own block into the output
+    assert predict("ring", "all_gather", n, p, PROFILE) == pytest.approx(
+        own_block + (p - 1) * a + (p - 1) / p * n * b
+    )
 
 
 def test_large_broadcast_scatters_then_gathers() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -97,9 +98,12 @@ class Comm:
 
     @classmethod
     def from_config(cls, group: dist.ProcessGroup | None, config: object) -> Comm:
-        """A ``Comm`` from a ``CommConfig`` (algorithm, and the profile file for "auto" if any)."""
-        path = getattr(config, "profile", "")
-        profile = cost.CostProfile.load(path) if path else None
+        """A ``Comm`` from a ``CommConfig``: its algorithm, and for "auto" the profile named there, else
+        the one ``shardwise bench comm`` saved on this machine, else the built-in constants."""
+        path = getattr(config, "profile", "") or cost.DEFAULT_PROFILE_PATH
+        profile = cost.CostProfile.load(path) if Path(path).exists() else None
+        if getattr(config, "profile", "") and profile is None:
+            raise FileNotFoundError(f"comm.profile {path} does not exist; `shardwise bench comm` makes one")
         return cls(group, getattr(config, "algorithm", "native"), profile)
 
     @staticmethod

@@ -74,9 +74,14 @@ def broadcast(tensor: torch.Tensor, p2p: P2P, src: int, algorithm: str) -> None:
 
 
 def reduce(tensor: torch.Tensor, p2p: P2P, dst: int, op: str, algorithm: str) -> None:
-    """Only ``dst``'s tensor changes: every other rank reduces in a copy."""
-    flat = _flat(tensor) if p2p.rank == dst else tensor.reshape(-1).clone()
-    if ALGORITHM_FOR["reduce"][algorithm] == "tree":
+    """Only ``dst``'s tensor changes: a tree node with children combines in a scratch copy."""
+    tree_variant = ALGORITHM_FOR["reduce"][algorithm] == "tree"
+    if p2p.rank == dst or not (tree_variant and tree.combines_into(p2p.rank, p2p.world_size, dst)):
+        flat = _flat(tensor)  # dst: the result lands here; a leaf only sends it
+    else:
+        flat = p2p.workspace(4, tensor.numel(), tensor)
+        flat.copy_(tensor.reshape(-1))
+    if tree_variant:
         tree.reduce_binomial(flat, p2p, _reduce_op(op), dst)
     else:
         naive.reduce(flat, p2p, _reduce_op(op), dst)

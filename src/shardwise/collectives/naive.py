@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.collectives.p2p import P2P, combine, split_blocks, wait_all
+from shardwise.collectives.p2p import P2P, combine, combine_into, split_blocks, wait_all
 
 
 def reduce(flat: torch.Tensor, p2p: P2P, op: str = "sum", root: int = 0) -> None:
@@ -50,13 +50,17 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, p2p: P2P) -> None:
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, p2p: P2P, op: str = "sum") -> None:
-    """Reduce a copy of ``full`` on rank 0, which then sends block q to rank q."""
-    work = p2p.workspace(3, full.numel(), full)
-    work.copy_(full)
-    reduce(work, p2p, op, root=0)
-    if p2p.rank == 0:
-        blocks = split_blocks(work, p2p.world_size)
-        wait_all([p2p.isend(blocks[dst], dst) for dst in range(1, p2p.world_size)])
-        shard.copy_(blocks[0])
-    else:
+    """Rank 0 reduces everyone's ``full`` (its own only read) and sends block q to rank q."""
+    if p2p.rank != 0:
+        p2p.send(full, 0)
         p2p.recv(shard, 0)
+        return
+    work, incoming = p2p.workspace(3, full.numel(), full), p2p.workspace(2, full.numel(), full)
+    local = full
+    for src in range(1, p2p.world_size):
+        p2p.recv(incoming, src)
+        combine_into(op, work, local, incoming)
+        local = work
+    blocks = split_blocks(work, p2p.world_size)
+    wait_all([p2p.isend(blocks[dst], dst) for dst in range(1, p2p.world_size)])
+    shard.copy_(blocks[0])

@@ -87,12 +87,17 @@ class P2P:
 
 def combine(op: str, acc: torch.Tensor, incoming: torch.Tensor) -> None:
     """``acc <- acc (op) incoming``, in place and in ``acc``'s own dtype."""
+    combine_into(op, acc, acc, incoming)
+
+
+def combine_into(op: str, out: torch.Tensor, local: torch.Tensor, incoming: torch.Tensor) -> None:
+    """``out <- local (op) incoming``; ``out`` may be ``local`` itself."""
     if op == "sum":
-        acc.add_(incoming)
+        torch.add(local, incoming, out=out)
     elif op == "max":
-        torch.maximum(acc, incoming, out=acc)
+        torch.maximum(local, incoming, out=out)
     elif op == "min":
-        torch.minimum(acc, incoming, out=acc)
+        torch.minimum(local, incoming, out=out)
     else:
         raise ValueError(f"unknown reduce op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
 
