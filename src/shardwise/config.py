@@ -114,6 +114,8 @@ class PSConfig:
     servers: int = 1
     mode: str = "sync"  # sync | async
     max_staleness: int = 4
+    # async: a push s versions behind is applied with lr / (1 + s) (Zhang et al., 2016); false: lr as is
+    staleness_lr: bool = True
 
 
 @dataclass(frozen=True)

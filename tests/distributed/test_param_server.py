@@ -173,6 +173,51 @@ def test_async_two_servers_staleness_bounded_and_final_weights_shared() -> None:
         assert_parity(_tensors(out[0]["params"]), _tensors(r["params"]), 0.0)
 
 
+def _recording_rank(rank: int, world_size: int, staleness_lr: bool) -> dict[str, Any]:
+    """Async, SGD without momentum, a slow worker: each applied push must move the weights by exactly
+    -lr x scale x gradient, with scale = 1 / (1 + staleness) when ``staleness_lr`` (else 1)."""
+    sgd = OptimizerConfig(name="sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
+    config = PSConfig(mode="async", max_staleness=3, staleness_lr=staleness_lr)
+    engine = ParamServerEngine(_model(), Comm(), optimizer_factory(sgd), config, STEPS)
+    if not engine.is_server:
+        for batch in _batches():
+            engine.forward_backward(_share(rank - 1, [3, 3], batch), BATCH * SEQ)
+            if rank == 2:
+                time.sleep(0.1)  # the other worker's pushes land first: this one's arrive stale
+            engine.optimizer_step()
+        return {}
+    applied: list[tuple[float, float]] = []  # (scale, worst |delta + lr x scale x grad|)
+    apply = engine.apply_gradient
+
+    def recording(flat: torch.Tensor, lr_scale: float = 1.0) -> None:
+        before = [p.detach().clone() for p in engine.own]
+        apply(flat, lr_scale)
+        grads, offset = [], 0
+        for p in engine.own:
+            grads.append(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        error = max(
+            (p.detach() - b + sgd.lr * lr_scale * g).abs().max().item()
+            for p, b, g in zip(engine.own, before, grads, strict=True)
+        )
+        applied.append((lr_scale, error))
+
+    engine.apply_gradient = recording  # type: ignore[method-assign]
+    engine.serve()
+    return {"applied": applied, "staleness": list(engine.staleness)}
+
+
+def test_async_applies_stale_pushes_with_a_smaller_learning_rate() -> None:
+    for staleness_lr in (True, False):
+        server = run_on_ranks(_recording_rank, 3, staleness_lr, timeout_s=60)[0]
+        scales = [scale for scale, _ in server["applied"]]
+        expected = [1 / (1 + s) if staleness_lr else 1.0 for s in server["staleness"]]
+        assert scales == expected
+        assert max(error for _, error in server["applied"]) < 1e-6
+        if staleness_lr:
+            assert max(server["staleness"]) >= 1, "no stale push: the test did not exercise the rule"
+
+
 # -- a worker that dies ---------------------------------------------------------------------------------
 def _dying_rank(rank: int, world_size: int) -> dict[str, Any]:
     config = PSConfig(servers=1, mode="async", max_staleness=8)

@@ -45,6 +45,10 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     compare = _kind(kinds, "dp-compare", "single-process DP, parameter server, all-reduce DP", run, nproc=3)
     compare.add_argument("--steps", type=int, default=5)
     compare.add_argument("--global-batch", type=int, default=16)
+    ps_async = _kind(kinds, "ps-async", "asynchronous against synchronous parameter server", run, nproc=3)
+    ps_async.add_argument("--steps", type=int, default=150)
+    ps_async.add_argument("--seeds", type=int, default=3, help="runs per mode; means are compared")
+    ps_async.add_argument("--preset", default="small")
     ckpt = _kind(
         kinds, "ckpt", "checkpoint save/load MB/s against torch.distributed.checkpoint", run, nproc=2
     )
@@ -92,6 +96,11 @@ def bench_command(args: argparse.Namespace) -> int:
 
         result = run_dp_compare(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch)
         render = render_compare
+    elif args.kind == "ps-async":
+        from shardwise.data_parallel.ps_convergence import bench_async_vs_sync, render_ps_async
+
+        result = bench_async_vs_sync(args.nproc, args.steps, args.seeds, args.preset)
+        render = render_ps_async
     elif args.kind == "ckpt":
         from shardwise.checkpoint.bench import run_ckpt_bench
 

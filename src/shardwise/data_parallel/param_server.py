@@ -284,13 +284,21 @@ class ParamServerEngine(Engine):
             self.comm.send(reply, w)
         self.step_comm.append(self.comm.stats.since(start))
 
-    def apply_gradient(self, flat: torch.Tensor) -> None:
-        """Set the served parameters' gradients from ``flat`` and step the optimizer."""
+    def apply_gradient(self, flat: torch.Tensor, lr_scale: float = 1.0) -> None:
+        """Set the served parameters' gradients from ``flat`` and step the optimizer at lr x lr_scale."""
         for p in self.own:
             p.grad = torch.empty_like(p)
         unflatten_into(flat, [p.grad for p in self.own])
         if self.optimizer is not None:
-            self.optimizer.step()
+            groups = self.optimizer.param_groups
+            rates = [group["lr"] for group in groups]
+            for group, lr in zip(groups, rates, strict=True):
+                group["lr"] = lr * lr_scale
+            try:
+                self.optimizer.step()
+            finally:
+                for group, lr in zip(groups, rates, strict=True):
+                    group["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 

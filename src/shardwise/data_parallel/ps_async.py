@@ -13,8 +13,10 @@ gradient (and loss) by ``global_tokens / local_tokens`` before pushing: each upd
 gradient over the worker's own tokens, an unbiased estimate of the global-batch mean gradient, applied
 with the same learning rate as a synchronous step. Workers with uneven shares take equally sized steps.
 
-Staleness: a push tagged with version v reaching a server at version V has staleness V - v. A push more
-than ``max_staleness`` versions behind is refused: the worker is held back, takes the fresh weights that
+Staleness: a push tagged with version v reaching a server at version V has staleness V - v. It is
+applied with the learning rate divided by 1 + (V - v) (staleness-aware ASGD, Zhang et al., 2016;
+``ps.staleness_lr``): a gradient computed on old weights takes a smaller step. A push more than
+``max_staleness`` versions behind is refused: the worker is held back, takes the fresh weights that
 come with the refusal and recomputes the gradient of the same batch, then pushes again; after
 ``MAX_ATTEMPTS`` refusals it gives the batch up (``dropped_batches``). Every applied gradient thus has
 staleness <= max_staleness. A worker whose process is gone (its receive or our reply raises) is logged in
@@ -102,7 +104,7 @@ def _answer(engine: ParamServerEngine, worker: int, message: torch.Tensor) -> bo
     staleness = engine.version - int(message[-2])
     accepted = staleness <= engine.config.max_staleness
     if accepted:
-        engine.apply_gradient(message)
+        engine.apply_gradient(message, 1 / (1 + staleness) if engine.config.staleness_lr else 1.0)
         engine.staleness.append(staleness)
         engine.last_staleness = staleness
         engine.max_staleness_seen = max(engine.max_staleness_seen, staleness)

@@ -1,5 +1,9 @@
 """Asynchronous against synchronous parameter server: held-out loss after the same number of samples.
 
+Two forms: ``compare_async_sync`` trains a tiny model on a Markov chain inside one ``run_on_ranks`` call
+(fast, for tests); ``bench_async_vs_sync`` runs the real ``shardwise train --strategy ps`` job for several
+seeds in each mode (``shardwise bench ps-async``).
+
 Both runs see the same global batches (each worker its share of each). Synchronous mode makes one
 update per global batch; asynchronous mode one per worker share (scaled to a mean gradient, see
 ps_async), so it makes ``workers`` times more, noisier and possibly stale updates. The claim checked here
@@ -9,12 +13,14 @@ Communication: whatever the parameter server does (run_on_ranks, one server, ``w
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from shardwise.collectives.api import Comm
-from shardwise.config import OptimizerConfig, PSConfig
+from shardwise.config import OptimizerConfig, PSConfig, TrainConfig
 from shardwise.data_parallel.compare import drive_ps, markov_batches, tiny_model
 from shardwise.data_parallel.param_server import ParamServerEngine
 from shardwise.testing.harness import run_on_ranks
@@ -75,3 +81,78 @@ def compare_async_sync(
         "relative_gap": gap,
         "within_5_percent": gap <= 0.05,
     }
+
+
+# -- the same comparison on the real job: `shardwise bench ps-async` ------------------------------------
+
+MODES = {  # label -> (ps.mode, ps.staleness_lr)
+    "sync": ("sync", True),
+    "async": ("async", True),
+    "async_constant_lr": ("async", False),
+}
+
+
+def _train_summary(config: TrainConfig, nproc: int) -> dict[str, Any]:
+    from shardwise.commands.train import train_worker
+    from shardwise.launch import launch_local
+
+    results = launch_local(train_worker, (config, False), nproc, 0)
+    return next(r for r in results.values() if r is not None)
+
+
+def bench_async_vs_sync(
+    nproc: int = 3,
+    steps: int = 150,
+    seeds: int = 3,
+    preset: str = "small",
+    run_dir: str = "runs/bench-ps-async",
+) -> dict[str, Any]:
+    """``shardwise train --strategy ps`` in each of ``MODES`` for ``seeds`` seeds; held-out losses.
+
+    The runs take turns (seed 0: sync, async, async_constant_lr; seed 1: ...), each a fresh launch of
+    ``nproc`` ranks (one server). On the same seed every mode sees the same samples. Held-out loss varies
+    by several percent from seed to seed at this length even in synchronous mode, so the verdict compares
+    the means over seeds, and the per-seed pairs are reported beside them.
+    """
+    default = TrainConfig()
+    base = replace(default, strategy="ps", steps=steps, model=replace(default.model, preset=preset))
+    losses: dict[str, list[float]] = {label: [] for label in MODES}
+    staleness: dict[str, list[int]] = {label: [] for label in MODES}
+    for seed in range(seeds):
+        for label, (mode, staleness_lr) in MODES.items():
+            ps = replace(base.ps, mode=mode, staleness_lr=staleness_lr)
+            config = replace(base, seed=seed, ps=ps, run_dir=f"{run_dir}/{label}-{seed}").validate(nproc)
+            summary = _train_summary(config, nproc)
+            losses[label].append(summary["eval_loss"])
+            staleness[label].append(summary.get("max_staleness_seen", 0))
+    means = {label: statistics.fmean(values) for label, values in losses.items()}
+    gaps = {label: (means[label] - means["sync"]) / means["sync"] for label in MODES if label != "sync"}
+    return {
+        "nproc": nproc,
+        "workers": nproc - 1,
+        "steps": steps,
+        "samples": steps * base.data.global_batch,
+        "preset": preset,
+        "optimizer": base.optim.name,
+        "seeds": seeds,
+        "heldout_loss": losses,
+        "heldout_loss_mean": means,
+        "heldout_loss_sd": {k: statistics.stdev(v) if len(v) > 1 else 0.0 for k, v in losses.items()},
+        "max_staleness_seen": staleness,
+        "relative_gap_vs_sync": gaps,
+        "async_within_5_percent": abs(gaps["async"]) <= 0.05,
+    }
+
+
+def render_ps_async(result: dict[str, Any]) -> None:
+    print(
+        f"parameter server, {result['workers']} workers, {result['steps']} steps "
+        f"({result['samples']} samples), {result['preset']} GPT, {result['optimizer']}; "
+        f"held-out loss over {result['seeds']} seeds"
+    )
+    for label, values in result["heldout_loss"].items():
+        gap = result["relative_gap_vs_sync"].get(label)
+        tail = f"  ({gap:+.1%} vs sync)" if gap is not None else ""
+        mean, sd = result["heldout_loss_mean"][label], result["heldout_loss_sd"][label]
+        print(f"  {label:>18}: {mean:.3f} +- {sd:.3f}  [{', '.join(f'{v:.3f}' for v in values)}]{tail}")
+    print(f"async within 5% of sync: {result['async_within_5_percent']}")
