@@ -8,24 +8,27 @@ report. For native calls the bytes are those of the ring algorithm the backends 
 messages (an estimate; the explicit algorithms count exactly: every message they really send).
 
 Explicit algorithms (``algorithm=`` per call, else ``Comm.algorithm``; "auto" asks the cost model):
-they always run synchronously, also with ``async_op=True``, which then returns finished work. That
-keeps the order of collectives identical on every rank without a communication thread, at the price of
-no overlap. An algorithm without a variant of its own for an op runs the one in ``explicit.ALGORITHM_FOR``.
+with ``async_op=True`` they run on the Comm's communication thread (``comm_thread``), in issue order,
+and the call returns at once, so they overlap the caller's work as native collectives do; a
+synchronous call runs on the caller's thread when nothing is queued, else after what is. An algorithm
+without a variant of its own for an op runs the one in ``explicit.ALGORITHM_FOR``.
 ``avg`` is a sum followed by a division (floor division for integer tensors). bf16 and fp16 are reduced
 in their own dtype, so their sums may differ from the backend's by rounding.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from shardwise.collectives import cost, explicit
+from shardwise.collectives.comm_thread import CommThread
 from shardwise.collectives.explicit import EXPLICIT, divide
 from shardwise.collectives.p2p import P2P, Done, Work
 
@@ -57,6 +60,17 @@ class CommStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     blocked_s: float = 0.0  # time spent inside synchronous calls and waits
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, sent: int = 0, received: int = 0, blocked_s: float = 0.0) -> None:
+        """Count from any thread (the communication thread counts its messages here too)."""
+        with self._lock:
+            if sent:
+                self.bytes_sent += sent
+            if received:
+                self.bytes_received += received
+            if blocked_s:
+                self.blocked_s += blocked_s
 
     def snapshot(self) -> CommStats:
         return CommStats(self.calls, self.bytes_sent, self.bytes_received, self.blocked_s)
@@ -95,6 +109,7 @@ class Comm:
         self.profile = profile or cost.CostProfile()
         self.stats = CommStats()
         self._p2p = P2P(group, self.stats)
+        self._thread = CommThread()
 
     @classmethod
     def from_config(cls, group: dist.ProcessGroup | None, config: object) -> Comm:
@@ -122,8 +137,7 @@ class Comm:
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, sent: float, received: float) -> None:
         self.stats.calls += 1
-        self.stats.bytes_sent += int(sent)
-        self.stats.bytes_received += int(received)
+        self.stats.add(int(sent), int(received))
 
     def _finish(self, work: dist.Work | None, async_op: bool, after: Callable[[], None] | None) -> Work:
         if work is None:
@@ -133,15 +147,23 @@ class Comm:
             return _Timed(result, self.stats)
         start = time.perf_counter()
         result.wait()
-        self.stats.blocked_s += time.perf_counter() - start
+        self.stats.add(blocked_s=time.perf_counter() - start)
         return Done()
 
-    def _explicit(self, run: Callable[[], None]) -> Work:
-        """Run an explicit algorithm to completion; its P2P has counted the bytes."""
+    def _explicit(self, run: Callable[[], None], async_op: bool) -> Work:
+        """Run an explicit algorithm (its P2P counts the bytes): queued when asked to be asynchronous
+        or when others are still queued, else here and now."""
         self.stats.calls += 1
+        charge = lambda seconds: self.stats.add(blocked_s=seconds)  # noqa: E731
+        if async_op or not self._thread.idle():
+            pending = self._thread.submit(run, charge)
+            if async_op:
+                return pending
+            pending.wait()
+            return Done()
         start = time.perf_counter()
         run()
-        self.stats.blocked_s += time.perf_counter() - start
+        charge(time.perf_counter() - start)
         return Done()
 
     def global_rank(self, group_rank: int) -> int:
@@ -158,7 +180,7 @@ class Comm:
             self.stats.calls += 1
             return Done()
         if name != "native":
-            return self._explicit(lambda: explicit.all_reduce(tensor, self._p2p, op, name))
+            return self._explicit(lambda: explicit.all_reduce(tensor, self._p2p, op, name), async_op)
         self._count(2 * (n - 1) / n * size, 2 * (n - 1) / n * size)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
         after = (lambda: divide(tensor, n)) if op == "avg" else None
@@ -174,7 +196,7 @@ class Comm:
             self.stats.calls += 1
             return Done()
         if name != "native":
-            return self._explicit(lambda: explicit.broadcast(tensor, self._p2p, src, name))
+            return self._explicit(lambda: explicit.broadcast(tensor, self._p2p, src, name), async_op)
         self._count(size if self.rank == src else 0, 0 if self.rank == src else size)
         work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
         return self._finish(work, async_op, None)
@@ -194,7 +216,7 @@ class Comm:
             self.stats.calls += 1
             return Done()
         if name != "native":
-            return self._explicit(lambda: explicit.reduce(tensor, self._p2p, dst, op, name))
+            return self._explicit(lambda: explicit.reduce(tensor, self._p2p, dst, op, name), async_op)
         self._count(0 if self.rank == dst else size, (n - 1) * size if self.rank == dst else 0)
         target = tensor if self.rank == dst else tensor.clone()
         work = dist.reduce(target, dst=self.global_rank(dst), op=_OPS[op], group=self.group, async_op=True)
@@ -212,7 +234,7 @@ class Comm:
             output.copy_(shard.reshape(output.shape))
             return Done()
         if name != "native":
-            return self._explicit(lambda: explicit.all_gather(output, shard, self._p2p, name))
+            return self._explicit(lambda: explicit.all_gather(output, shard, self._p2p, name), async_op)
         self._count((n - 1) * size, (n - 1) * size)
         work = dist.all_gather_single(output, shard, group=self.group, async_op=True)
         return self._finish(work, async_op, None)
@@ -233,7 +255,7 @@ class Comm:
             shard.copy_(full.reshape(shard.shape))
             return Done()
         if name != "native":
-            return self._explicit(lambda: explicit.reduce_scatter(shard, full, self._p2p, op, name))
+            return self._explicit(lambda: explicit.reduce_scatter(shard, full, self._p2p, op, name), async_op)
         self._count((n - 1) * size, (n - 1) * size)
         work = dist.reduce_scatter_single(shard, full, op=_OPS[op], group=self.group, async_op=True)
         after = (lambda: divide(shard, n)) if op == "avg" else None
@@ -261,7 +283,7 @@ class Comm:
         if self.world_size > 1:
             start = time.perf_counter()
             dist.barrier(group=self.group)
-            self.stats.blocked_s += time.perf_counter() - start
+            self.stats.add(blocked_s=time.perf_counter() - start)
 
 
 class _Timed:
@@ -275,4 +297,4 @@ class _Timed:
         try:
             return self._work.wait()
         finally:
-            self._stats.blocked_s += time.perf_counter() - start
+            self._stats.add(blocked_s=time.perf_counter() - start)

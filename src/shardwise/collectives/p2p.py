@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 
 REDUCE_OPS = ("sum", "max", "min")  # "avg" is "sum" then a division, done by the caller
+# Added to every tag an algorithm uses, so its messages never pair with a caller's own send/recv on the
+# same group (those use tag 0 unless told otherwise), even while it runs on the communication thread.
+TAG_BASE = 1 << 20
 
 
 class Work(Protocol):
@@ -38,7 +41,7 @@ class P2P:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.stats = stats  # anything with bytes_sent / bytes_received attributes (a CommStats)
+        self.stats = stats  # anything with add(sent=..., received=...) (a CommStats)
         self._workspace: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def workspace(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -62,15 +65,15 @@ class P2P:
         if tensor.numel() == 0:
             return Done()
         if self.stats is not None:
-            self.stats.bytes_sent += tensor.numel() * tensor.element_size()
-        return dist.isend(tensor, self._global(dst), group=self.group, tag=tag)
+            self.stats.add(sent=tensor.numel() * tensor.element_size())
+        return dist.isend(tensor, self._global(dst), group=self.group, tag=TAG_BASE + tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         if tensor.numel() == 0:
             return Done()
         if self.stats is not None:
-            self.stats.bytes_received += tensor.numel() * tensor.element_size()
-        return dist.irecv(tensor, self._global(src), group=self.group, tag=tag)
+            self.stats.add(received=tensor.numel() * tensor.element_size())
+        return dist.irecv(tensor, self._global(src), group=self.group, tag=TAG_BASE + tag)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()
