@@ -13,10 +13,12 @@ timed at message sizes from 4 bytes to 64 MB:
 The two kinds of message step are timed as two steps back to back, halved (for the one-way step, the
 classic ping-pong): a collective is a chain of steps, and on a shared machine a chain's typical time is
 more than one step's times its length, because each step can be the one that waits for the scheduler.
-All sizes and kinds take turns, so a disturbance of a few seconds spreads over all of them instead of
-spoiling one point. The profile keeps the measured points (``cost`` interpolates them) and, for
-reading, the straight lines ``alpha + beta m`` fitted through them by least squares on the relative
-error. Every figure uses the statistic of ``timing``, the same as the benchmark it is compared with.
+Sizes go from small to large and the kinds take turns at each size, as the benchmark runs its
+algorithms: the kernel tunes its socket buffers to recent traffic, so a message costs a little less
+among others of its size than among much larger ones. The profile keeps the measured points (``cost``
+interpolates them) and, for reading, the straight lines ``alpha + beta m`` fitted through them by least
+squares on the relative error. Every figure uses the statistic of ``timing``, the same as the benchmark
+it is compared with.
 """
 
 from __future__ import annotations
@@ -94,13 +96,13 @@ def _idle() -> None:
 
 def _calibrate_worker(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
     partner = rank ^ 1 if rank ^ 1 < world_size else None
-    calls = {}
-    for nbytes in SIZES:
-        for kind, fn in _step_calls(rank, partner, nbytes).items():
-            calls[f"{kind}/{nbytes}"] = fn
-    times = interleaved_times(calls, SAMPLES)
     halve = {"exchange": 2, "one_way": 2, "reduce": 1, "copy": 1}  # message steps: timed two in a row
-    return {kind: [(m, quantile(times[f"{kind}/{m}"]) / halve[kind]) for m in SIZES] for kind in KINDS}
+    points: dict[str, list[tuple[int, float]]] = {kind: [] for kind in KINDS}
+    for nbytes in SIZES:  # size by size, small to large, as the benchmark runs
+        times = interleaved_times(_step_calls(rank, partner, nbytes), SAMPLES)
+        for kind in KINDS:
+            points[kind].append((nbytes, quantile(times[kind]) / halve[kind]))
+    return points
 
 
 def calibrate(nproc: int = 2, timeout_s: float = 300.0) -> tuple[cost.CostProfile, dict[str, list]]:
