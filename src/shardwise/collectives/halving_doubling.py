@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.collectives.p2p import P2P, combine
+from shardwise.collectives.p2p import P2P, Work, combine, wait_all
 
 
 def _fold_in(flat: torch.Tensor, p2p: P2P, op: str, rem: int) -> int:
@@ -45,9 +45,12 @@ def all_reduce(flat: torch.Tensor, p2p: P2P, op: str = "sum") -> None:
     rem = p - pof2
     new_rank = _fold_in(flat, p2p, op, rem)
     if new_rank >= 0:
-        exchanges = _halve(flat, p2p, op, new_rank, pof2, rem)
+        exchanges, posted = _halve(flat, p2p, op, new_rank, pof2, rem)
         for give, keep, partner in reversed(exchanges):  # recursive doubling: gather back
-            p2p.exchange(flat[keep], flat[give], partner)
+            incoming = posted if posted is not None else p2p.irecv(flat[give], partner)
+            sent = p2p.isend(flat[keep], partner)
+            wait_all([incoming, sent])
+            posted = None
     if p2p.rank < 2 * rem:  # unfold: odd ranks return the result to the even rank they absorbed
         if p2p.rank % 2:
             p2p.send(flat, p2p.rank - 1)
@@ -57,8 +60,10 @@ def all_reduce(flat: torch.Tensor, p2p: P2P, op: str = "sum") -> None:
 
 def _halve(
     flat: torch.Tensor, p2p: P2P, op: str, new_rank: int, pof2: int, rem: int
-) -> list[tuple[slice, slice, int]]:
-    """Reduce-scatter by recursive halving; return the (given, kept, partner) of each round.
+) -> tuple[list[tuple[slice, slice, int]], Work | None]:
+    """Reduce-scatter by recursive halving; return the (given, kept, partner) of each round, and the
+    receive of the first doubling round, posted before the last reduction so the partner's reply
+    lands in place as soon as it is sent (the region was given away, and that send is complete).
 
     Partners always share the same range (they agree on every higher bit), so both compute the same
     midpoint; the lower rank keeps the lower half.
@@ -66,6 +71,7 @@ def _halve(
     lo, hi = 0, flat.numel()
     incoming = p2p.workspace(2, flat.numel(), flat)
     exchanges = []
+    posted: Work | None = None
     distance = pof2 // 2
     while distance:
         partner = _real_rank(new_rank ^ distance, rem)
@@ -76,8 +82,10 @@ def _halve(
             give, keep = slice(mid, hi), slice(lo, mid)
         buffer = incoming[: keep.stop - keep.start]
         p2p.exchange(flat[give], buffer, partner)
+        if distance == 1:
+            posted = p2p.irecv(flat[give], partner)
         combine(op, flat[keep], buffer)
         exchanges.append((give, keep, partner))
         lo, hi = keep.start, keep.stop
         distance //= 2
-    return exchanges
+    return exchanges, posted
