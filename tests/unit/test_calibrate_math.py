@@ -62,7 +62,9 @@ def test_measured_points_replace_the_lines_in_every_formula() -> None:
 
 
 def test_profile_with_points_round_trips(tmp_path: Path) -> None:
-    profile = CostProfile(exchange_points=POINTS, one_way_points=POINTS[:2], source="t")
+    profile = CostProfile(
+        exchange_points=POINTS, one_way_points=POINTS[:2], source="t", call_overheads=(("reduce/tree", 1e-4),)
+    )
     profile.save(tmp_path / "p.json")
     assert CostProfile.load(tmp_path / "p.json") == profile
 
@@ -74,3 +76,16 @@ def test_quantile_is_the_nearest_rank() -> None:
     assert quantile(values, 1.0) == 9.0
     with pytest.raises(ValueError):
         quantile([])
+
+
+def test_a_call_overhead_is_added_to_its_own_pair_only() -> None:
+    plain = CostProfile(exchange_points=POINTS, source="t")
+    with_overhead = CostProfile(
+        exchange_points=POINTS, source="t", call_overheads=(("all_reduce/ring", 2e-4),)
+    )
+    n = 4_000_000
+    ring_plain = predict("ring", "all_reduce", n, 2, plain)
+    assert predict("ring", "all_reduce", n, 2, with_overhead) == pytest.approx(ring_plain + 2e-4)
+    assert predict("halving_doubling", "all_reduce", n, 2, with_overhead) == pytest.approx(
+        predict("halving_doubling", "all_reduce", n, 2, plain)
+    )

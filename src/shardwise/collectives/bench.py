@@ -6,20 +6,28 @@ its per-call times (slowest rank): see ``timing`` for why. Bandwidths follow ncc
 time, busbw = algbw x (2(p-1)/p for all-reduce, (p-1)/p for all-gather and reduce-scatter, 1 for
 broadcast and reduce), where bytes is the whole tensor (all-gather: the gathered output).
 
-``calibrate=True`` first measures the cost model's constants on the same ranks (``calibrate``), and
-the measured points go into the result beside the fitted profile.
+The cost model's step costs are measured in the same turns as the algorithms they predict (see
+``run_comm_bench``); ``shardwise bench comm --calibrate`` measures them alone, over fixed sizes.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 
 from shardwise.collectives import cost
 from shardwise.collectives.api import Comm
-from shardwise.collectives.calibrate import calibrate as measure_profile
+from shardwise.collectives.calibrate import (
+    HALVE,
+    KINDS,
+    calibrate,
+    partner_of,
+    profile_from_points,
+    step_calls,
+)
 from shardwise.collectives.timing import STATISTIC, interleaved_times, quantile
 from shardwise.testing import run_on_ranks
 
@@ -66,19 +74,62 @@ def _call(comm: Comm, op: str, algorithm: str, nbytes: int) -> Callable[[], obje
     return lambda: comm.reduce_scatter(shard, full, "sum", algorithm=algorithm)
 
 
-def _bench_worker(
-    rank: int, world_size: int, sizes: list[int], ops: list[str]
-) -> list[tuple[str, str, int, float]]:
+Rows = list[tuple[str, str, int, float]]  # (op, algorithm, bytes, seconds)
+StepTimes = dict[str, dict[int, list[float]]]  # step kind -> message bytes -> one figure per turn
+
+
+def _bench_worker(rank: int, world_size: int, sizes: list[int], ops: list[str]) -> tuple[Rows, StepTimes]:
+    """Time every algorithm of every op at every size, and the model's steps in the same turns."""
     comm = Comm()
-    rows = []
+    partner = partner_of(rank, world_size)
+    rows: Rows = []
+    steps: StepTimes = {kind: {} for kind in KINDS}
     for op in ops:
         for nbytes in sizes:
-            calls = {algorithm: _call(comm, op, algorithm, nbytes) for algorithm in ALGORITHMS[op]}
             numel = max(world_size, nbytes // 4 // world_size * world_size)
+            calls = {algorithm: _call(comm, op, algorithm, nbytes) for algorithm in ALGORITHMS[op]}
+            messages = sorted({numel * 4 // world_size, numel * 4})  # what the formulas ask for
+            for m in messages:
+                calls.update({f"{kind}@{m}": fn for kind, fn in step_calls(rank, partner, m).items()})
             times = interleaved_times(calls, _samples(nbytes))
-            rows.extend((op, algorithm, numel * 4, quantile(times[algorithm])) for algorithm in calls)
+            rows.extend((op, a, numel * 4, quantile(times[a])) for a in ALGORITHMS[op])
+            for m in messages:
+                for kind in KINDS:
+                    steps[kind].setdefault(m, []).append(quantile(times[f"{kind}@{m}"]) / HALVE[kind])
             del calls  # free this size's tensors before the next
-    return rows
+    return rows, steps
+
+
+def _call_overheads(measured: Rows, p: int, profile: cost.CostProfile) -> tuple[tuple[str, float], ...]:
+    """Per op and algorithm: measured minus predicted steps at the smallest size, if below 1 MB."""
+    smallest = min(n for _, _, n, _ in measured)
+    if smallest >= 1 << 20:
+        return ()
+    return tuple(
+        (f"{op}/{algorithm}", max(0.0, seconds - cost.predict(algorithm, op, n, p, profile)))
+        for op, algorithm, n, seconds in measured
+        if n == smallest
+    )
+
+
+def _profile_summary(profile: cost.CostProfile) -> dict[str, object]:
+    return {
+        "alpha_s": profile.alpha_s,
+        "beta_s_per_byte": profile.beta_s_per_byte,
+        "alpha_one_way_s": profile.one_way_alpha,
+        "beta_one_way_s_per_byte": profile.one_way_beta,
+        "gamma_s_per_byte": profile.gamma_s_per_byte,
+        "call_overheads_us": {key: seconds * 1e6 for key, seconds in profile.call_overheads},
+        "source": profile.source,
+    }
+
+
+def _step_points(steps: StepTimes) -> dict[str, list[tuple[int, float]]]:
+    """One figure per step kind and size: the median over the turns that measured it."""
+    return {
+        kind: [(m, statistics.median(v)) for m, v in sorted(by_size.items())]
+        for kind, by_size in steps.items()
+    }
 
 
 def _row(op: str, algorithm: str, nbytes: int, seconds: float, p: int, profile: cost.CostProfile) -> dict:
@@ -128,38 +179,29 @@ def _summaries(rows: list[dict]) -> dict[str, object]:
 def run_comm_bench(
     nproc: int = 2,
     sizes: list[int] | None = None,
-    calibrate: bool = False,
     profile_path: str | None = None,
     ops: list[str] | None = None,
     timeout_s: float = 1200.0,
 ) -> dict[str, object]:
     """Benchmark every algorithm of ``ops`` over ``sizes`` on ``nproc`` ranks; JSON-ready result.
 
-    The profile is read from ``profile_path``, unless ``calibrate`` is set or there is no such file:
-    then it is measured first (and saved to ``profile_path`` when given).
+    The cost model's steps (exchange, one-way, reduce, copy at the message sizes the formulas use) are
+    timed in the same turns as the algorithms, so both see the same machine; the profile they make
+    predicts every row and is saved to ``profile_path`` when given (where ``auto`` finds it).
     """
     sizes = sizes or DEFAULT_SIZES
     ops = ops or list(ALGORITHMS)
-    points: dict[str, list] | None = None
-    if calibrate or not (profile_path and Path(profile_path).exists()):
-        profile, points = measure_profile(nproc)
-        if profile_path:
-            profile.save(profile_path)
-    else:
-        profile = cost.CostProfile.load(profile_path)
-    measured = run_on_ranks(_bench_worker, nproc, sizes, ops, timeout_s=timeout_s)[0]
+    measured, steps = run_on_ranks(_bench_worker, nproc, sizes, ops, timeout_s=timeout_s)[0]
+    points = _step_points(steps)
+    profile = profile_from_points(points, f"measured beside the algorithms on {nproc} local gloo ranks")
+    profile = replace(profile, call_overheads=_call_overheads(measured, nproc, profile))
+    if profile_path:
+        profile.save(profile_path)
     rows = [_row(op, algorithm, n, t, nproc, profile) for op, algorithm, n, t in measured]
     return {
         "nproc": nproc,
         "backend": "gloo",
-        "profile": {
-            "alpha_s": profile.alpha_s,
-            "beta_s_per_byte": profile.beta_s_per_byte,
-            "alpha_one_way_s": profile.one_way_alpha,
-            "beta_one_way_s_per_byte": profile.one_way_beta,
-            "gamma_s_per_byte": profile.gamma_s_per_byte,
-            "source": profile.source,
-        },
+        "profile": _profile_summary(profile),
         "calibration_points_s": points,
         "timing": f"{STATISTIC}; float32 tensors",
         "rows": rows,
@@ -167,8 +209,33 @@ def run_comm_bench(
     }
 
 
+def run_calibration(nproc: int = 2, profile_path: str | None = None) -> dict[str, object]:
+    """``--calibrate``: the step costs alone, over ``calibrate.SIZES``; saved to ``profile_path``."""
+    profile, points = calibrate(nproc)
+    if profile_path:
+        profile.save(profile_path)
+    return {
+        "nproc": nproc,
+        "backend": "gloo",
+        "profile": _profile_summary(profile),
+        "calibration_points_s": points,
+    }
+
+
+def format_calibration(result: dict) -> str:
+    """The measured step costs, one line per message size."""
+    points = result["calibration_points_s"]
+    lines = [f"# step costs on {result['nproc']} ranks, us; {result['profile']['source']}"]
+    lines.append(f"{'bytes':>12}" + "".join(f"{kind:>12}" for kind in points))
+    for i, (nbytes, _) in enumerate(next(iter(points.values()))):
+        lines.append(f"{nbytes:>12}" + "".join(f"{points[kind][i][1] * 1e6:>12.1f}" for kind in points))
+    return "\n".join(lines)
+
+
 def format_table(result: dict) -> str:
     """An nccl-tests style table: one line per op, size and algorithm."""
+    if "rows" not in result:
+        return format_calibration(result)
     header = (
         f"{'op':>15} {'algorithm':>17} {'size(B)':>12} {'time(us)':>11} {'algbw(GB/s)':>12} "
         f"{'busbw(GB/s)':>12} {'pred(us)':>11} {'err':>6}"

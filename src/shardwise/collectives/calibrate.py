@@ -61,8 +61,11 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
     return alpha, beta
 
 
-def _step_calls(rank: int, partner: int | None, nbytes: int) -> dict[str, Callable[[], None]]:
-    """The three timed steps at ``nbytes`` (message steps as two in a row; no-ops without a partner)."""
+HALVE = {"exchange": 2, "one_way": 2, "reduce": 1, "copy": 1}  # message steps are timed two in a row
+
+
+def step_calls(rank: int, partner: int | None, nbytes: int) -> dict[str, Callable[[], None]]:
+    """The timed steps at ``nbytes`` (divide their times by ``HALVE``); no messages without a partner."""
     numel = max(1, nbytes // 4)
     data, into = torch.ones(numel), torch.zeros(numel)
 
@@ -94,14 +97,17 @@ def _idle() -> None:
     return None
 
 
+def partner_of(rank: int, world_size: int) -> int | None:
+    return rank ^ 1 if rank ^ 1 < world_size else None
+
+
 def _calibrate_worker(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
-    partner = rank ^ 1 if rank ^ 1 < world_size else None
-    halve = {"exchange": 2, "one_way": 2, "reduce": 1, "copy": 1}  # message steps: timed two in a row
+    partner = partner_of(rank, world_size)
     points: dict[str, list[tuple[int, float]]] = {kind: [] for kind in KINDS}
     for nbytes in SIZES:  # size by size, small to large, as the benchmark runs
-        times = interleaved_times(_step_calls(rank, partner, nbytes), SAMPLES)
+        times = interleaved_times(step_calls(rank, partner, nbytes), SAMPLES)
         for kind in KINDS:
-            points[kind].append((nbytes, quantile(times[kind]) / halve[kind]))
+            points[kind].append((nbytes, quantile(times[kind]) / HALVE[kind]))
     return points
 
 
@@ -110,14 +116,19 @@ def calibrate(nproc: int = 2, timeout_s: float = 300.0) -> tuple[cost.CostProfil
     if nproc < 2:
         raise ValueError(f"calibration needs at least 2 ranks, got {nproc}")
     points = run_on_ranks(_calibrate_worker, nproc, timeout_s=timeout_s)[0]  # samples are max-reduced
+    return profile_from_points(points, f"calibrated on {nproc} local gloo ranks"), points
+
+
+def profile_from_points(points: dict[str, list[tuple[int, float]]], what: str) -> cost.CostProfile:
+    """A profile from measured step costs (every kind at two sizes or more), with fitted lines."""
     alpha, beta = fit_alpha_beta(points["exchange"])
     alpha_one_way, beta_one_way = fit_alpha_beta(points["one_way"])
     _, gamma = fit_alpha_beta(points["reduce"])
-    profile = cost.CostProfile(
+    return cost.CostProfile(
         alpha_s=alpha,
         beta_s_per_byte=beta,
         gamma_s_per_byte=gamma,
-        source=f"calibrated on {nproc} local gloo ranks at {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        source=f"{what} at {time.strftime('%Y-%m-%d %H:%M:%S')}",
         beta_one_way_s_per_byte=beta_one_way,
         alpha_one_way_s=alpha_one_way,
         exchange_points=_as_points(points["exchange"]),
@@ -125,7 +136,6 @@ def calibrate(nproc: int = 2, timeout_s: float = 300.0) -> tuple[cost.CostProfil
         reduce_points=_as_points(points["reduce"]),
         copy_points=_as_points(points["copy"]),
     )
-    return profile, points
 
 
 def _as_points(points: list[tuple[int, float]]) -> cost.Points:

@@ -19,6 +19,11 @@ et al., 2000): per-byte costs on a real machine change with size, as messages ou
 On a full-duplex link X = O; on loopback both directions share the same cores and memory, so an
 exchange costs more per byte than a one-way send, and its latency is that of two messages crossing.
 
+A measured profile may also carry each algorithm's fixed cost per call beyond its steps (the
+bookkeeping of our Python algorithms, about 0.1-0.3 ms here), found at the smallest benchmarked size
+and added to every prediction of that algorithm (as NCCL's tuning model adds a base latency per
+algorithm).
+
 ``n`` is the size of the whole tensor in bytes (for all-gather the gathered output, for reduce-scatter
 the full input), ``p`` the world size and ``L = ceil(log2 p)``. ``native`` is modelled as what gloo
 runs: a ring for all-reduce, all-gather and reduce-scatter, a binomial tree for broadcast and reduce
@@ -55,6 +60,9 @@ class CostProfile:
     one_way_points: Points = ()
     reduce_points: Points = ()
     copy_points: Points = ()
+    # ("op/algorithm", seconds): the fixed software cost of one call beyond its steps (bookkeeping,
+    # Python), measured at the smallest benchmarked size; added to every prediction of that pair
+    call_overheads: tuple[tuple[str, float], ...] = ()
 
     @property
     def one_way_beta(self) -> float:
@@ -98,6 +106,7 @@ class CostProfile:
         values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
         for key in ("exchange_points", "one_way_points", "reduce_points", "copy_points"):
             values[key] = tuple((float(m), float(t)) for m, t in values.get(key, ()))
+        values["call_overheads"] = tuple((str(k), float(t)) for k, t in values.get("call_overheads", ()))
         return cls(**values)
 
 
@@ -230,7 +239,9 @@ def predict(algorithm: str, op: str, nbytes: int, world_size: int, profile: Cost
         raise ValueError(f"no cost formula for algorithm {algorithm!r} and op {op!r}") from None
     if world_size == 1:
         return 0.0
-    return formula(float(nbytes), world_size, profile)
+    return formula(float(nbytes), world_size, profile) + dict(profile.call_overheads).get(
+        f"{op}/{algorithm}", 0.0
+    )
 
 
 def choose(

@@ -30,10 +30,13 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     ddp.add_argument("--bucket-mb", type=float, default=25.0)
     comm = _kind(kinds, "comm", "collectives: native and each algorithm, nccl-tests style", run, nproc=2)
     comm.add_argument(
-        "--profile",
-        help="use this saved cost-model profile (default: measure one first and save it where `auto` looks)",
+        "--profile", help="where to save the measured cost-model profile (default: where `auto` looks)"
     )
-    comm.add_argument("--calibrate", action="store_true", help="with --profile: measure it again and save it")
+    comm.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="only measure the cost model's step costs, save and show them",
+    )
     comm.add_argument("--ops", help="comma-separated: all_reduce,broadcast,reduce,all_gather,reduce_scatter")
     comm.add_argument("--max-mb", type=float, default=256.0, help="largest message (default 256 MB)")
     zero = _kind(kinds, "zero", "ZeRO stages against ZeroRedundancyOptimizer and FSDP2", run, nproc=2)
@@ -74,13 +77,16 @@ def bench_command(args: argparse.Namespace) -> int:
             bucket_mb=args.bucket_mb,
         )
     elif args.kind == "comm":
-        from shardwise.collectives.bench import format_table, run_comm_bench
+        from shardwise.collectives.bench import format_table, run_calibration, run_comm_bench
         from shardwise.collectives.cost import DEFAULT_PROFILE_PATH
 
-        sizes = [4096 * 4**i for i in range(12) if 4096 * 4**i <= args.max_mb * 2**20]
-        ops = args.ops.split(",") if args.ops else None
-        calibrate = args.calibrate or not args.profile
-        result = run_comm_bench(args.nproc, sizes, calibrate, args.profile or str(DEFAULT_PROFILE_PATH), ops)
+        profile = args.profile or str(DEFAULT_PROFILE_PATH)
+        if args.calibrate:
+            result = run_calibration(args.nproc, profile)
+        else:
+            sizes = [4096 * 4**i for i in range(12) if 4096 * 4**i <= args.max_mb * 2**20]
+            ops = args.ops.split(",") if args.ops else None
+            result = run_comm_bench(args.nproc, sizes, profile, ops)
         render = lambda r: print(format_table(r))  # noqa: E731
     elif args.kind == "zero":
         from shardwise.zero.bench import render_zero, run_offload_bench, run_zero_bench
