@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.collectives.bench import ALGORITHMS, format_table, run_calibration, run_comm_bench
+from shardwise.collectives.bench import (
+    ALGORITHMS,
+    format_calibration,
+    format_table,
+    run_calibration,
+    run_comm_bench,
+)
 from shardwise.collectives.calibrate import SIZES
 from shardwise.collectives.cost import CostProfile
 
@@ -40,4 +46,4 @@ def test_calibration_alone_saves_a_profile(tmp_path: Path) -> None:
     result = run_calibration(2, str(tmp_path / "p.json"))
     profile = CostProfile.load(tmp_path / "p.json")
     assert [m for m, _ in profile.one_way_points] == list(SIZES)
-    assert "exchange" in format_table(result)
+    assert "exchange" in format_calibration(result)

@@ -156,21 +156,20 @@ def _summaries(rows: list[dict]) -> dict[str, object]:
         for r in rows
         if r["op"] == "all_reduce" and r["algorithm"] == "ring" and r["bytes"] >= 16 << 20
     ]
-    large = [r for r in rows if r["bytes"] >= 1 << 20]
     by_algorithm: dict[str, float] = {}
-    for r in large:
-        key = f"{r['op']}/{r['algorithm']}"
-        by_algorithm[key] = max(by_algorithm.get(key, 0.0), r["model_error"])
-    ours = [r["model_error"] for r in large if r["algorithm"] != "native"]
-    by_op: dict[str, float] = {}
-    for r in large:
+    by_op: dict[str, float] = {}  # our algorithms only
+    for r in rows:
+        if r["bytes"] < 1 << 20:
+            continue
+        key, error = f"{r['op']}/{r['algorithm']}", r["model_error"]
+        by_algorithm[key] = max(by_algorithm.get(key, 0.0), error)
         if r["algorithm"] != "native":
-            by_op[r["op"]] = max(by_op.get(r["op"], 0.0), r["model_error"])
-    native_errors = [r["model_error"] for r in large if r["algorithm"] == "native"]
+            by_op[r["op"]] = max(by_op.get(r["op"], 0.0), error)
+    native = [e for key, e in by_algorithm.items() if key.endswith("/native")]
     return {
         "ring_vs_native_busbw_16mb_plus": min(ratios) if ratios else None,
-        "model_error_1mb_plus": max(ours, default=None),
-        "model_error_1mb_plus_native": max(native_errors, default=None),
+        "model_error_1mb_plus": max(by_op.values(), default=None),
+        "model_error_1mb_plus_native": max(native, default=None),
         "model_error_1mb_plus_by_op": by_op,
         "model_error_1mb_plus_by_algorithm": by_algorithm,
     }
@@ -234,8 +233,6 @@ def format_calibration(result: dict) -> str:
 
 def format_table(result: dict) -> str:
     """An nccl-tests style table: one line per op, size and algorithm."""
-    if "rows" not in result:
-        return format_calibration(result)
     header = (
         f"{'op':>15} {'algorithm':>17} {'size(B)':>12} {'time(us)':>11} {'algbw(GB/s)':>12} "
         f"{'busbw(GB/s)':>12} {'pred(us)':>11} {'err':>6}"

@@ -1,8 +1,9 @@
-"""``shardwise bench comm --calibrate``: measure the cost model's step costs on this machine.
+"""The cost model's step costs, measured on this machine: the steps themselves (``step_calls``, which
+``shardwise bench comm`` times beside the algorithms) and ``--calibrate``, which times them alone.
 
 Communication pattern: ranks in pairs (rank xor 1), all pairs at the same time, so the figures include
-the contention the real collectives see; an unpaired last rank only reduces. Three step costs are
-timed at message sizes from 4 bytes to 64 MB:
+the contention the real collectives see; an unpaired last rank only reduces and copies. Four step
+costs are timed (``--calibrate``: at message sizes from 4 bytes to 64 MB):
 
 - an *exchange*: both ranks of a pair send m bytes to each other at once (a ring or halving-doubling
   step);

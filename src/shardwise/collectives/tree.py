@@ -65,7 +65,7 @@ def reduce_binomial(flat: torch.Tensor, p2p: P2P, op: str = "sum", root: int = 0
 def combines_into(rank: int, p: int, root: int) -> bool:
     """Whether ``reduce_binomial`` writes into this rank's tensor (it has a child to combine)."""
     v = (rank - root) % p
-    return (v == 0 or v % 2 == 0) and v + 1 < p
+    return v % 2 == 0 and v + 1 < p
 
 
 def all_reduce(flat: torch.Tensor, p2p: P2P, op: str = "sum") -> None:

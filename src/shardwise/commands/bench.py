@@ -77,17 +77,23 @@ def bench_command(args: argparse.Namespace) -> int:
             bucket_mb=args.bucket_mb,
         )
     elif args.kind == "comm":
-        from shardwise.collectives.bench import format_table, run_calibration, run_comm_bench
+        from shardwise.collectives.bench import (
+            format_calibration,
+            format_table,
+            run_calibration,
+            run_comm_bench,
+        )
         from shardwise.collectives.cost import DEFAULT_PROFILE_PATH
 
         profile = args.profile or str(DEFAULT_PROFILE_PATH)
         if args.calibrate:
             result = run_calibration(args.nproc, profile)
+            render = lambda r: print(format_calibration(r))  # noqa: E731
         else:
             sizes = [4096 * 4**i for i in range(12) if 4096 * 4**i <= args.max_mb * 2**20]
             ops = args.ops.split(",") if args.ops else None
             result = run_comm_bench(args.nproc, sizes, profile, ops)
-        render = lambda r: print(format_table(r))  # noqa: E731
+            render = lambda r: print(format_table(r))  # noqa: E731
     elif args.kind == "zero":
         from shardwise.zero.bench import render_zero, run_offload_bench, run_zero_bench
 
