@@ -10,7 +10,7 @@ script. Run it from the repository root in a throwaway virtual environment:
     DS_BUILD_OPS=0 /tmp/dsvenv/bin/pip install --no-build-isolation --no-deps deepspeed==0.19.8
     OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONPATH=src /tmp/dsvenv/bin/python benchmarks/deepspeed_zero.py
 
-Both sides train the same ``BenchGPT`` (shardwise.zero.bench) on the same data, fp32, with
+Both sides train the same ``BenchGPT`` (shardwise.bench.zero) on the same data, fp32, with
 ``torch.optim.AdamW(lr=1e-4, foreach=False)`` (a client optimizer for DeepSpeed, not its fused CPU
 Adam), the same micro-batch and number of steps, on 2 gloo ranks (``run_on_ranks``). Ours and
 DeepSpeed's runs alternate, each a fresh spawn, so peak RSS (``ru_maxrss``) belongs to that run; each
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from shardwise.testing.harness import run_on_ranks
-from shardwise.train.engine import loss_sum
-from shardwise.zero.bench import BenchGPT, _bench_rank, _return_freed_memory, _summarize
+from shardwise.engine.base import loss_sum
+from shardwise.bench.zero import BenchGPT, _bench_rank, _return_freed_memory, _summarize
 
 SHAPE = {"vocab": 8192, "dim": 384, "layers": 6, "seq_len": 64, "batch": 4}  # as `shardwise bench zero`
 LR = 1e-4

@@ -7,9 +7,8 @@ any other key. A config that does not add up is reported in one line, without a 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from shardwise.config import ConfigError, TrainConfig, load_config
@@ -83,13 +82,6 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, str] | None =
             raise CLIError(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value.strip()
     return load_config(args.config, overrides)
-
-
-def emit(result: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], None]) -> None:
-    if as_json:
-        print(json.dumps(result), flush=True)
-    else:
-        render(result)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -42,29 +42,75 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    dp: int = -1  # -1: whatever the world leaves after pp and tp
+    dp: int = -1  # -1: whatever the world leaves after pp and tp (and the parameter servers)
     pp: int = 1
     tp: int = 1
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
-    def resolve(self, world_size: int) -> ParallelConfig:
-        """Fill in dp and check that the degrees multiply to the world size."""
+    def resolve(self, world_size: int, servers: int = 0) -> ParallelConfig:
+        """Fill in dp and check that the degrees multiply to the world size (see ``ParallelDims``)."""
+        return replace(self, dp=ParallelDims.build(self, world_size, servers).dp)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The validated degrees of a job: ``servers + dp x pp x tp`` ranks.
+
+    The ranks that train form the mesh (dp x pp x tp, row-major, tp fastest); parameter servers, when
+    there are any, are the first ``servers`` global ranks and stand outside it. Pure arithmetic, so the
+    planner and the launcher can use it without processes.
+    """
+
+    dp: int
+    pp: int = 1
+    tp: int = 1
+    servers: int = 0
+
+    @classmethod
+    def build(cls, parallel: ParallelConfig, world_size: int, servers: int = 0) -> ParallelDims:
+        """Resolve ``parallel.dp`` (-1) and check the arithmetic against a world of ``world_size``."""
         for name in ("pp", "tp"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        dp = self.dp
-        if dp == -1:
-            if world_size % (self.pp * self.tp):
-                raise ConfigError(
-                    f"pp({self.pp}) x tp({self.tp}) = {self.pp * self.tp} does not divide the world "
-                    f"of {world_size} ranks"
-                )
-            dp = world_size // (self.pp * self.tp)
-        total = dp * self.pp * self.tp
-        if total != world_size:
+            if getattr(parallel, name) < 1:
+                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(parallel, name)}")
+        if parallel.dp < 1 and parallel.dp != -1:
+            raise ConfigError(f"parallel.dp must be >= 1, or -1 for what the world leaves; got {parallel.dp}")
+        trainers = world_size - servers
+        if servers < 0 or trainers < 1:
             raise ConfigError(
-                f"dp({dp}) x pp({self.pp}) x tp({self.tp}) = {total}, but the world has {world_size} ranks"
+                f"the parameter server needs at least one server and one worker: {world_size} ranks - "
+                f"{servers} servers = {trainers} workers"
             )
-        return replace(self, dp=dp)
+        model_ranks = parallel.pp * parallel.tp
+        dp = parallel.dp
+        if dp == -1:
+            if trainers % model_ranks:
+                raise ConfigError(
+                    f"pp({parallel.pp}) x tp({parallel.tp}) = {model_ranks} does not divide the world "
+                    f"of {_ranks(trainers, servers)}"
+                )
+            dp = trainers // model_ranks
+        total = dp * model_ranks
+        if total != trainers:
+            raise ConfigError(
+                f"dp({dp}) x pp({parallel.pp}) x tp({parallel.tp}) = {total}, but the world has "
+                f"{_ranks(trainers, servers)}"
+            )
+        return cls(dp, parallel.pp, parallel.tp, servers)
+
+    @property
+    def world_size(self) -> int:
+        return self.servers + self.dp * self.pp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The mesh's shape over the ranks that train: (dp, pp, tp)."""
+        return (self.dp, self.pp, self.tp)
+
+
+def _ranks(trainers: int, servers: int) -> str:
+    if servers:
+        return f"{trainers} ranks that train ({trainers + servers} ranks - {servers} servers)"
+    return f"{trainers} ranks"
 
 
 @dataclass(frozen=True)
@@ -159,13 +205,6 @@ class TrainConfig:
         _check_choice("zero.offload", self.zero.offload, ("none", "cpu", "disk"))
         _check_choice("zero.precision", self.zero.precision, ("fp32", "bf16", "fp16"))
         _check_choice("ps.mode", self.ps.mode, ("sync", "async"))
-        from shardwise.models import PRESETS
-
-        if self.model.preset not in PRESETS[self.model.kind]:
-            known = ", ".join(PRESETS[self.model.kind])
-            raise ConfigError(
-                f"unknown {self.model.kind} preset {self.model.preset!r}; known presets: {known}"
-            )
         if self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if world_size < 1:
@@ -180,9 +219,13 @@ class TrainConfig:
                 "common step to save at); drop checkpoint.dir/checkpoint.every or set ps.mode = sync"
             )
         self._check_applies()
-        parallel = self.parallel.resolve(self.data_parallel_world(world_size))
-        self._check_batch(parallel.dp)
-        return replace(self, parallel=parallel)
+        dims = self.dims(world_size)
+        self._check_batch(dims.dp)
+        return replace(self, parallel=replace(self.parallel, dp=dims.dp))
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """The job's validated degrees in a world of ``world_size`` ranks."""
+        return ParallelDims.build(self.parallel, world_size, self.ps.servers if self.strategy == "ps" else 0)
 
     def _check_applies(self) -> None:
         """Refuse settings the chosen strategy would silently ignore."""
@@ -193,18 +236,6 @@ class TrainConfig:
         for key, (value, default) in zero_only.items():
             if value != default and not self.strategy.startswith("zero"):
                 raise ConfigError(f"{key} = {value!r} applies to zero1/zero2/zero3, not to {self.strategy}")
-
-    def data_parallel_world(self, world_size: int) -> int:
-        """Ranks that train on data: the parameter server's servers take no batch."""
-        if self.strategy != "ps":
-            return world_size
-        workers = world_size - self.ps.servers
-        if self.ps.servers < 1 or workers < 1:
-            raise ConfigError(
-                f"the parameter server needs at least one server and one worker: {world_size} ranks - "
-                f"{self.ps.servers} servers = {workers} workers"
-            )
-        return workers
 
     def _check_batch(self, dp: int) -> None:
         data = self.data

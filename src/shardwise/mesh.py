@@ -1,41 +1,64 @@
-"""The device mesh: named axes dp, pp and tp over ``torch.distributed.DeviceMesh``.
+"""The device mesh: named axes dp, pp and tp over ``torch.distributed.DeviceMesh``, one ``Comm`` per axis.
 
-Rank layout is row-major over (dp, pp, tp): tp varies fastest, so tensor-parallel peers are
-neighbours (on one machine when there are several). Each axis gets its own process group, created
-once by DeviceMesh; strategies receive a ``Comm`` for the axis they communicate over.
+Rank layout: parameter servers, when a job has any, are the first ``servers`` global ranks and stand
+outside the mesh; the ranks that train form the mesh, row-major over (dp, pp, tp) with tp varying
+fastest, so tensor-parallel peers are neighbours (on one machine when there are several). Each axis
+gets its own process group, created once by DeviceMesh, and one ``Comm`` built once over it, from the
+run's ``CommConfig`` (its algorithm and, for ``auto``, the saved cost profile). Besides the axes: the
+world ``Comm`` (checkpoints, agreement on restarts), the trainers' ``Comm`` (per-step metrics over the
+ranks that train) and the servers' ``Comm``.
+
+Every rank builds the same groups and ``Comm``s in the same order (process groups and message tag
+slots are agreed by order), which is why this module is the one place that builds them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.collectives.api import Comm
-from shardwise.config import ConfigError, ParallelConfig
+from shardwise.collectives.api import Comm, CommSettings
+from shardwise.config import CommConfig, ParallelDims
 
 AXES = ("dp", "pp", "tp")
 
 
 @dataclass
 class Mesh:
-    """A DeviceMesh with shardwise's axis names and one ``Comm`` per axis."""
+    """The job's communicators. ``comm(axis)`` is only defined on ranks inside the mesh."""
 
+    dims: ParallelDims
+    world: Comm
+    trainers: Comm | None  # the ranks that train; None on a parameter server
+    servers: Comm | None  # the parameter servers; None elsewhere and when there are none
     device_mesh: DeviceMesh
-    parallel: ParallelConfig
-    algorithm: str = "native"
+    comms: dict[str, Comm] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def in_mesh(self) -> bool:
+        """Whether this rank trains (a parameter server does not)."""
+        return bool(self.comms)
 
     def comm(self, axis: str) -> Comm:
-        """The communication layer over ``axis`` (``dp``, ``pp`` or ``tp``) for this rank."""
+        """The ``Comm`` over ``axis`` (``dp``, ``pp`` or ``tp``) for this rank, built once."""
         if axis not in AXES:
             raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
-        if getattr(self.parallel, axis) == dist.get_world_size():
-            return Comm(None, self.algorithm)  # the whole world: the default group
-        return Comm(self.device_mesh.get_group(axis), self.algorithm)
+        if not self.comms:
+            raise RuntimeError(
+                f"rank {self.rank} is a parameter server, outside the mesh: it has no {axis} axis"
+            )
+        return self.comms[axis]
 
     def axis_rank(self, axis: str) -> int:
-        return self.device_mesh.get_local_rank(axis)
+        """This rank's index along ``axis`` (-1 on a rank outside the mesh)."""
+        return self.comm(axis).rank if self.comms else -1
 
     @property
     def dp_rank(self) -> int:
@@ -49,16 +72,32 @@ class Mesh:
     def tp_rank(self) -> int:
         return self.axis_rank("tp")
 
+    def describe(self) -> dict[str, int]:
+        """The degrees, as checkpoints record them."""
+        return {"dp": self.dims.dp, "pp": self.dims.pp, "tp": self.dims.tp, "servers": self.dims.servers}
 
-def build_mesh(parallel: ParallelConfig, device_type: str = "cpu", algorithm: str = "native") -> Mesh:
-    """Build the mesh over the initialised default process group; degrees must multiply to its size."""
+
+def build_mesh(dims: ParallelDims, comm_config: CommSettings | None = None, device_type: str = "cpu") -> Mesh:
+    """Build the mesh over the initialised default process group; ``dims`` must match its size."""
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialised process group (see shardwise.launch)")
     world_size = dist.get_world_size()
-    try:
-        parallel = parallel.resolve(world_size)
-    except ConfigError:
-        raise
-    shape = (parallel.dp, parallel.pp, parallel.tp)
-    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-    return Mesh(device_mesh, parallel, algorithm)
+    if dims.world_size != world_size:
+        raise ValueError(f"the mesh describes {dims.world_size} ranks, but the world has {world_size}")
+    settings = comm_config or CommConfig()
+    world = Comm.from_config(None, settings, "world")
+    first = dims.servers
+    ranks = torch.arange(first, world_size).view(dims.shape)
+    device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=AXES)  # every rank builds every group
+    trainer_group = dist.new_group(list(range(first, world_size))) if first else None
+    server_group = dist.new_group(list(range(first))) if first else None
+    rank = dist.get_rank()
+    trains = rank >= first
+    trainers = (Comm.from_config(trainer_group, settings, "trainers") if first else world) if trains else None
+    servers = Comm.from_config(server_group, settings, "servers") if first and not trains else None
+    comms = (
+        {axis: Comm.from_config(device_mesh.get_group(axis), settings, axis) for axis in AXES}
+        if trains
+        else {}
+    )
+    return Mesh(dims, world, trainers, servers, device_mesh, comms)

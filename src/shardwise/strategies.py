@@ -1,30 +1,57 @@
-"""Strategy registry: turn a config and a plain model into an ``Engine`` (one place for all)."""
+"""The data-parallel registry: ``config.strategy`` -> the engine that applies it over the mesh (one place).
+
+Each builder applies one strategy to a plain model in place, over the mesh's ``dp`` axis (the parameter
+server over the world: its servers stand outside the mesh), and returns the ``Engine`` with its role
+set, without optimizers: ``parallelize`` builds those over what the rank holds. Communication: what each
+engine does at construction (rank 0's initial weights are broadcast, or the servers' sent).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
-from shardwise.collectives.api import Comm
 from shardwise.config import TrainConfig
-from shardwise.train.engine import Engine
-from shardwise.train.optim import optimizer_factory
+from shardwise.data_parallel.ddp import DDPEngine
+from shardwise.data_parallel.param_server import ParamServerEngine
+from shardwise.engine.base import Engine, Role
+from shardwise.mesh import Mesh
+from shardwise.zero import build_zero_engine
+
+Builder = Callable[[TrainConfig, nn.Module, Mesh, bool], Engine]
 
 
-def build_engine(
-    config: TrainConfig, model: nn.Module, dp_comm: Comm, world_comm: Comm, share_gradients: bool = False
+def _ddp(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool) -> Engine:
+    return DDPEngine(model, mesh.comm("dp"), config.ddp, Role.trainer(mesh.rank))
+
+
+def _zero(stage: int) -> Builder:
+    def build(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool) -> Engine:
+        return build_zero_engine(model, mesh.comm("dp"), stage, config.zero, Role.trainer(mesh.rank))
+
+    return build
+
+
+def _ps(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool) -> Engine:
+    return ParamServerEngine(model, mesh.world, config.ps, config.steps, share_gradients, mesh.servers)
+
+
+STRATEGIES: dict[str, Builder] = {
+    "ddp": _ddp,
+    "zero1": _zero(1),
+    "zero2": _zero(2),
+    "zero3": _zero(3),
+    "ps": _ps,
+}
+
+
+def build_data_parallel(
+    config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool = False
 ) -> Engine:
-    """Apply ``config.strategy`` to ``model`` in place and return the engine that trains it."""
-    factory = optimizer_factory(config.optim)
-    if config.strategy == "ddp":
-        from shardwise.data_parallel.ddp import DDPEngine
-
-        return DDPEngine(model, dp_comm, factory, config.ddp)
-    if config.strategy in ("zero1", "zero2", "zero3"):
-        from shardwise.zero import build_zero_engine
-
-        return build_zero_engine(model, dp_comm, factory, int(config.strategy[-1]), config.zero)
-    if config.strategy == "ps":
-        from shardwise.data_parallel.param_server import ParamServerEngine
-
-        return ParamServerEngine(model, world_comm, factory, config.ps, config.steps, share_gradients)
-    raise ValueError(f"strategy {config.strategy!r} cannot run under the distributed train loop")
+    """Apply ``config.strategy`` to ``model`` over ``mesh``; ``share_gradients``: make global gradients
+    visible where a strategy keeps them elsewhere (the parameter server's workers), for ``verify``."""
+    builder = STRATEGIES.get(config.strategy)
+    if builder is None:
+        raise ValueError(f"unknown strategy {config.strategy!r}; known: {', '.join(STRATEGIES)}")
+    return builder(config, model, mesh, share_gradients)

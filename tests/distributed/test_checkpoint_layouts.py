@@ -22,10 +22,10 @@ from shardwise.checkpoint import CheckpointWriter, load
 from shardwise.checkpoint.layout import list_steps
 from shardwise.collectives.api import Comm
 from shardwise.config import DDPConfig, OptimizerConfig, TrainConfig, ZeroConfig
+from shardwise.engine.full_state import FolderReader, full_state_tensors, load_checkpoint
+from shardwise.engine.optim import attach_optimizers, build_optimizer, named, optimizer_factory
 from shardwise.models import build_model
 from shardwise.testing import run_on_ranks
-from shardwise.train.full_state import FolderReader, full_state_tensors, load_checkpoint
-from shardwise.train.optim import build_optimizer, optimizer_factory
 from tests.distributed.test_resume import _config as resume_config
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def _loop_config(root: Path, strategy: str, **extra: str) -> TrainConfig:
 def _full_state(engine) -> dict[str, torch.Tensor]:
     if hasattr(engine, "full_state"):
         return engine.full_state()
-    return {n: t.clone() for n, t in full_state_tensors(engine.model, engine.optimizer).items()}
+    return {n: t.clone() for n, t in full_state_tensors(engine.model, engine.optimizers[0]).items()}
 
 
 def _train_and_save(root: Path, rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -109,8 +109,8 @@ def _zero(case: str, saving: bool, comm: Comm, seed: int):
     if "bf16" in case:
         model = model.float()
     if saving:
-        return build_zero_engine(model, comm, factory, stage, config)
-    return build_zero_engine(model, comm, factory, load_stage, load_config)
+        return attach_optimizers(build_zero_engine(model, comm, stage, config), factory)
+    return attach_optimizers(build_zero_engine(model, comm, load_stage, load_config), factory)
 
 
 def _train_tiny(engine, rank: int, world_size: int) -> None:
@@ -191,7 +191,7 @@ def _load_cases_ddp(rank: int, world_size: int, root: str) -> dict:
     comm = Comm()
     for case in ("adamw-disk", "sgd"):
         factory = optimizer_factory(OptimizerConfig(name=CASES[case][0], weight_decay=0.1))
-        engine = DDPEngine(_tiny(seed=1), comm, factory, DDPConfig())
+        engine = attach_optimizers(DDPEngine(_tiny(seed=1), comm, DDPConfig()), factory)
         engine.load_state(FolderReader(list_steps(str(Path(root) / case))[-1][1]))
         out[case] = _full_state(engine)
         engine.close()
@@ -209,7 +209,7 @@ def _one_process(root: Path) -> dict[str, torch.Tensor]:
     config = _loop_config(root, "single_process", **{"model.dropout": "0.0"})
     torch.manual_seed(1)
     model = build_model(config.model, torch.float64)
-    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], config.optim)
+    optimizer = build_optimizer(named(model), config.optim)
     assert load_checkpoint(str(root / "ckpt"), model, optimizer) == SAVED_STEPS
     return {n: t.clone() for n, t in full_state_tensors(model, optimizer).items()}
 

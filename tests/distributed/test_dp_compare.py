@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.data_parallel.compare import run_dp_compare
+from shardwise.bench.dp_compare import run_dp_compare
 from shardwise.data_parallel.param_server import PUSH_EXTRA, REPLY_EXTRA
 
 

@@ -17,10 +17,10 @@ from torch import nn
 from shardwise.collectives.api import Comm
 from shardwise.config import OptimizerConfig, PSConfig
 from shardwise.data_parallel.param_server import ParamServerEngine
+from shardwise.engine.base import loss_sum
+from shardwise.engine.optim import attach_optimizers, named, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
 from shardwise.testing.parity import assert_parity
-from shardwise.train.engine import loss_sum
-from shardwise.train.optim import optimizer_factory
 
 VOCAB, DIM, SEQ, BATCH, STEPS = 11, 8, 5, 6, 4
 OPTIM = OptimizerConfig(name="adamw", lr=0.05, weight_decay=0.01)
@@ -61,7 +61,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _reference() -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     model = _model()
-    opt = optimizer_factory(OPTIM)(model.parameters())
+    opt = optimizer_factory(OPTIM)(named(model))
     losses, grads = [], []
     for inputs, targets in _batches():
         loss = loss_sum(model(inputs), targets) / targets.numel()
@@ -81,9 +81,8 @@ def _share(worker: int, shares: list[int], batch: tuple[torch.Tensor, torch.Tens
 
 def _sync_rank(rank: int, world_size: int, servers: int, shares: list[int]) -> dict[str, float]:
     ref_losses, ref_grads, ref_params = _reference()
-    engine = ParamServerEngine(
-        _model(), Comm(), optimizer_factory(OPTIM), PSConfig(servers=servers), STEPS, share_gradients=True
-    )
+    engine = ParamServerEngine(_model(), Comm(), PSConfig(servers=servers), STEPS, share_gradients=True)
+    attach_optimizers(engine, optimizer_factory(OPTIM))
     grad_diff, losses = 0.0, []
     if engine.is_server:
         engine.serve()
@@ -115,7 +114,7 @@ def test_sync_two_servers_uneven_workers_matches_one_process() -> None:
 
 def _async_rank(rank: int, world_size: int, servers: int, max_staleness: int, slow: int) -> dict[str, Any]:
     config = PSConfig(servers=servers, mode="async", max_staleness=max_staleness)
-    engine = ParamServerEngine(_model(), Comm(), optimizer_factory(OPTIM), config, STEPS)
+    engine = attach_optimizers(ParamServerEngine(_model(), Comm(), config, STEPS), optimizer_factory(OPTIM))
     if engine.is_server:
         engine.serve()
     else:
@@ -145,9 +144,8 @@ def test_async_one_worker_is_plain_sequential_training() -> None:
 
 
 def _async_rank_whole(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    engine = ParamServerEngine(
-        _model(), Comm(), optimizer_factory(OPTIM), PSConfig(mode="async", max_staleness=0), STEPS
-    )
+    engine = ParamServerEngine(_model(), Comm(), PSConfig(mode="async", max_staleness=0), STEPS)
+    attach_optimizers(engine, optimizer_factory(OPTIM))
     if engine.is_server:
         engine.serve()
         assert engine.staleness == [0] * STEPS
@@ -178,7 +176,7 @@ def _recording_rank(rank: int, world_size: int, staleness_lr: bool) -> dict[str,
     -lr x scale x gradient, with scale = 1 / (1 + staleness) when ``staleness_lr`` (else 1)."""
     sgd = OptimizerConfig(name="sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
     config = PSConfig(mode="async", max_staleness=3, staleness_lr=staleness_lr)
-    engine = ParamServerEngine(_model(), Comm(), optimizer_factory(sgd), config, STEPS)
+    engine = attach_optimizers(ParamServerEngine(_model(), Comm(), config, STEPS), optimizer_factory(sgd))
     if not engine.is_server:
         for batch in _batches():
             engine.forward_backward(_share(rank - 1, [3, 3], batch), BATCH * SEQ)
@@ -221,7 +219,7 @@ def test_async_applies_stale_pushes_with_a_smaller_learning_rate() -> None:
 # -- a worker that dies ---------------------------------------------------------------------------------
 def _dying_rank(rank: int, world_size: int) -> dict[str, Any]:
     config = PSConfig(servers=1, mode="async", max_staleness=8)
-    engine = ParamServerEngine(_model(), Comm(), optimizer_factory(OPTIM), config, STEPS)
+    engine = attach_optimizers(ParamServerEngine(_model(), Comm(), config, STEPS), optimizer_factory(OPTIM))
     if engine.is_server:
         engine.serve()
         return {

@@ -11,10 +11,10 @@ from shardwise.collectives.api import Comm
 from shardwise.commands.verify import VERIFY_DEFAULTS, collect_run, compare_runs, reference_run
 from shardwise.config import DDPConfig, OptimizerConfig, TrainConfig, load_config
 from shardwise.data_parallel.ddp import DDPEngine
+from shardwise.engine.optim import attach_optimizers, build_optimizer, named, optimizer_factory
 from shardwise.models import build_model
 from shardwise.testing import RankFailure, assert_parity, run_on_ranks
 from shardwise.train.loop import seed_everything
-from shardwise.train.optim import build_optimizer, optimizer_factory
 
 TOL = 1e-10
 
@@ -71,12 +71,8 @@ class _TwoHeads(nn.Module):
 def _unused_worker(rank: int, world_size: int, find_unused: bool) -> dict[str, torch.Tensor]:
     torch.manual_seed(rank)  # different starting weights: the engine must broadcast rank 0's
     model = _TwoHeads()
-    engine = DDPEngine(
-        model,
-        Comm(),
-        optimizer_factory(OptimizerConfig(name="adamw")),
-        DDPConfig(find_unused_parameters=find_unused),
-    )
+    engine = DDPEngine(model, Comm(), DDPConfig(find_unused_parameters=find_unused))
+    attach_optimizers(engine, optimizer_factory(OptimizerConfig(name="adamw")))
     x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     # step 0 uses b on rank 0 only; step 1 uses b nowhere
     for step, use_b in enumerate([rank == 0, False]):
@@ -97,7 +93,7 @@ def test_find_unused_parameters_matches_one_process() -> None:
     got = run_on_ranks(_unused_worker, 2, True, timeout_s=60)
     torch.manual_seed(0)
     model = _TwoHeads()
-    optimizer = build_optimizer(model.parameters(), OptimizerConfig(name="adamw"))
+    optimizer = build_optimizer(named(model), OptimizerConfig(name="adamw"))
     xs = [
         torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(2)
     ]
@@ -116,7 +112,7 @@ def _views_worker(rank: int, world_size: int) -> bool:
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     with torch.no_grad():
         model[1].running_mean.fill_(float(rank))  # rank 0's buffers must win
-    engine = DDPEngine(model, Comm(), optimizer_factory(OptimizerConfig()), DDPConfig())
+    engine = attach_optimizers(DDPEngine(model, Comm(), DDPConfig()), optimizer_factory(OptimizerConfig()))
     everyone = [torch.zeros(3) for _ in range(world_size)]
     dist.all_gather(everyone, model[1].running_mean)
     buffers_from_rank_0 = bool(torch.all(torch.stack(everyone) == 0.0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.data_parallel.ps_convergence import compare_async_sync
+from shardwise.bench.ps_async import compare_async_sync
 
 
 @pytest.mark.slow

@@ -16,10 +16,10 @@ from torch import nn
 
 from shardwise.collectives.api import Comm
 from shardwise.config import OptimizerConfig, ZeroConfig
+from shardwise.engine.base import loss_sum
+from shardwise.engine.optim import attach_optimizers, named, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
 from shardwise.testing.parity import compare_tensors
-from shardwise.train.engine import loss_sum
-from shardwise.train.optim import optimizer_factory
 from shardwise.zero import build_zero_engine, unique_parameters
 from shardwise.zero.memory import model_state_bytes, zero_formula
 
@@ -75,9 +75,7 @@ def reference(
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process, the whole global batch: losses, step-1 gradients, final parameters."""
     model = make_model(0, dtype)
-    opt = optimizer_factory(OptimizerConfig(name=optim, weight_decay=0.1))(
-        [p for p in model.parameters() if p.requires_grad]
-    )
+    opt = optimizer_factory(OptimizerConfig(name=optim, weight_decay=0.1))(named(model))
     losses, grads = [], {}
     for step in range(STEPS):
         x, y = batches(step)
@@ -101,7 +99,7 @@ def _formula(engine: object, stage: int, world_size: int, optim: str) -> float:
 def _run_case(rank: int, world_size: int, comm: Comm, stage: int, optim: str, config: ZeroConfig) -> dict:
     model = make_model(seed=rank)  # different on purpose: the engine must broadcast rank 0's weights
     factory = optimizer_factory(OptimizerConfig(name=optim, weight_decay=0.1))
-    engine = build_zero_engine(model, comm, factory, stage, config)
+    engine = attach_optimizers(build_zero_engine(model, comm, stage, config), factory)
     resident: list[int] = []  # stage 3: full buffers held while each block runs forward
 
     def count(*_: object) -> None:
@@ -180,7 +178,8 @@ def _precision_worker(rank: int, world_size: int, cases: list) -> dict:
     for stage, precision in cases:
         model = make_model(0, torch.float32)
         factory = optimizer_factory(OptimizerConfig(name="adamw", weight_decay=0.1))
-        engine = build_zero_engine(model, comm, factory, stage, ZeroConfig(precision=precision))
+        engine = build_zero_engine(model, comm, stage, ZeroConfig(precision=precision))
+        attach_optimizers(engine, factory)
         losses = []
         for step in range(STEPS):
             x, y = batches(step)

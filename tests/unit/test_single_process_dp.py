@@ -10,9 +10,9 @@ from torch import nn
 
 from shardwise.config import OptimizerConfig
 from shardwise.data_parallel.single_process import SingleProcessDPEngine
+from shardwise.engine.base import loss_sum
+from shardwise.engine.optim import attach_optimizers, named, optimizer_factory
 from shardwise.testing.parity import assert_parity
-from shardwise.train.engine import loss_sum
-from shardwise.train.optim import optimizer_factory
 
 VOCAB, DIM, SEQ, BATCH, STEPS = 13, 6, 4, 7, 4
 FACTORY = optimizer_factory(OptimizerConfig(name="adamw", lr=0.05, weight_decay=0.01))
@@ -32,8 +32,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("replicas", [1, 3, 4])
 def test_matches_plain_training(replicas: int) -> None:
     plain = _model()
-    opt = FACTORY(plain.parameters())
-    engine = SingleProcessDPEngine(copy.deepcopy(plain), replicas, FACTORY)
+    opt = FACTORY(named(plain))
+    engine = attach_optimizers(SingleProcessDPEngine(copy.deepcopy(plain), replicas), FACTORY)
     tokens = BATCH * SEQ
     for inputs, targets in _batches():
         loss = loss_sum(plain(inputs), targets) / tokens
@@ -51,7 +51,7 @@ def test_matches_plain_training(replicas: int) -> None:
 
 def test_counts_replicate_and_reduce_bytes() -> None:
     model = _model()
-    engine = SingleProcessDPEngine(model, 3, FACTORY)
+    engine = attach_optimizers(SingleProcessDPEngine(model, 3), FACTORY)
     inputs, targets = _batches()[0]
     engine.forward_backward([(inputs, targets)], BATCH * SEQ)
     params = sum(p.numel() * 8 for p in model.parameters())

@@ -14,6 +14,12 @@ synchronous call runs on the caller's thread when nothing is queued, else after 
 without a variant of its own for an op runs the one in ``explicit.ALGORITHM_FOR``.
 ``avg`` is a sum followed by a division (floor division for integer tensors). bf16 and fp16 are reduced
 in their own dtype, so their sums may differ from the backend's by rounding.
+
+Message tags: a caller's own ``send``/``recv`` use tags below ``p2p.TAG_BASE``; each ``Comm`` built on a
+process group takes the next tag slot of that group (``tag_slot``), and its algorithms' messages carry
+tags inside it, so two ``Comm``s on one group (the world and a data-parallel axis as wide as the world,
+say) never pair each other's messages. Slots are handed out in construction order, so every rank of a
+group must build its ``Comm``s on that group in the same order: the mesh builds them all, once.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,7 +37,7 @@ import torch.distributed as dist
 from shardwise.collectives import cost, explicit
 from shardwise.collectives.comm_thread import CommThread
 from shardwise.collectives.explicit import EXPLICIT, divide
-from shardwise.collectives.p2p import P2P, Done, Work
+from shardwise.collectives.p2p import MAX_SLOTS, P2P, TAG_BASE, Done, Work
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -88,6 +95,46 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+_SLOTS: dict[tuple[int, ...], int] = {}  # a group's global ranks -> Comms built on it so far
+
+
+def next_tag_slot(group: dist.ProcessGroup | None) -> int:
+    """The tag slot of the next ``Comm`` on ``group`` (the same on every rank that builds them in order)."""
+    key = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    count = _SLOTS.get(key, 0)
+    _SLOTS[key] = count + 1
+    return count % MAX_SLOTS
+
+
+def _caller_tag(tag: int) -> int:
+    if not 0 <= tag < TAG_BASE:
+        raise ValueError(f"send/recv tags must be in [0, {TAG_BASE}); higher ones belong to the algorithms")
+    return tag
+
+
+class CommSettings(Protocol):
+    """What a ``Comm`` reads from the config (``config.CommConfig``)."""
+
+    @property
+    def algorithm(self) -> str: ...
+
+    @property
+    def profile(self) -> str: ...
+
+
+def load_profile(path: str) -> cost.CostProfile | None:
+    """The cost-model profile at ``path``; with no path, the one ``shardwise bench comm`` saved here, if any.
+
+    A path that was named but does not exist is an error (a ``FileNotFoundError`` naming it).
+    """
+    where = Path(path or cost.DEFAULT_PROFILE_PATH)
+    if where.exists():
+        return cost.CostProfile.load(str(where))
+    if path:
+        raise FileNotFoundError(f"comm.profile {path} does not exist; `shardwise bench comm` makes one")
+    return None
+
+
 class Comm:
     """Collectives over one process group, with byte and time accounting.
 
@@ -101,25 +148,24 @@ class Comm:
         group: dist.ProcessGroup | None = None,
         algorithm: str = "native",
         profile: cost.CostProfile | None = None,
+        name: str = "",
     ) -> None:
         self.group = group
+        self.name = name or "world"  # the mesh axis, for messages
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.algorithm = self._check(algorithm)
         self.profile = profile or cost.CostProfile()
         self.stats = CommStats()
-        self._p2p = P2P(group, self.stats)
+        self.tag_slot = next_tag_slot(group)
+        self._p2p = P2P(group, self.stats, self.tag_slot)
         self._thread = CommThread()
 
     @classmethod
-    def from_config(cls, group: dist.ProcessGroup | None, config: object) -> Comm:
+    def from_config(cls, group: dist.ProcessGroup | None, config: CommSettings, name: str = "") -> Comm:
         """A ``Comm`` from a ``CommConfig``: its algorithm, and for "auto" the profile named there, else
         the one ``shardwise bench comm`` saved on this machine, else the built-in constants."""
-        path = getattr(config, "profile", "") or cost.DEFAULT_PROFILE_PATH
-        profile = cost.CostProfile.load(path) if Path(path).exists() else None
-        if getattr(config, "profile", "") and profile is None:
-            raise FileNotFoundError(f"comm.profile {path} does not exist; `shardwise bench comm` makes one")
-        return cls(group, getattr(config, "algorithm", "native"), profile)
+        return cls(group, config.algorithm, load_profile(config.profile), name)
 
     @staticmethod
     def _check(algorithm: str) -> str:
@@ -261,29 +307,35 @@ class Comm:
         after = (lambda: divide(shard, n)) if op == "avg" else None
         return self._finish(work, async_op, after)
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self._count(_nbytes(tensor), 0)
-        self._finish(dist.isend(tensor, self.global_rank(dst), group=self.group), False, None)
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(tensor, dst, tag).wait()
 
-    def recv(self, tensor: torch.Tensor, src: int) -> None:
-        self._count(0, _nbytes(tensor))
-        self._finish(dist.irecv(tensor, self.global_rank(src), group=self.group), False, None)
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self.irecv(tensor, src, tag).wait()
 
-    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Non-blocking send; bytes are counted when posted. ``wait()`` raises if the peer is gone."""
         self._count(_nbytes(tensor), 0)
-        return _Timed(dist.isend(tensor, self.global_rank(dst), group=self.group), self.stats)
+        work = dist.isend(tensor, self.global_rank(dst), group=self.group, tag=_caller_tag(tag))
+        return _Timed(_required(work), self.stats)
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         """Non-blocking receive from group rank ``src``; bytes are counted when posted."""
         self._count(0, _nbytes(tensor))
-        return _Timed(dist.irecv(tensor, self.global_rank(src), group=self.group), self.stats)
+        work = dist.irecv(tensor, self.global_rank(src), group=self.group, tag=_caller_tag(tag))
+        return _Timed(_required(work), self.stats)
 
     def barrier(self) -> None:
         if self.world_size > 1:
             start = time.perf_counter()
             dist.barrier(group=self.group)
             self.stats.add(blocked_s=time.perf_counter() - start)
+
+
+def _required(work: dist.Work | None) -> Work:
+    if work is None:
+        raise RuntimeError("a point-to-point call returned no work: this rank is not in the group")
+    return work
 
 
 class _Timed:

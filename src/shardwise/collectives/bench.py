@@ -150,9 +150,9 @@ def _row(op: str, algorithm: str, nbytes: int, seconds: float, p: int, profile: 
 def _summaries(rows: list[dict]) -> dict[str, object]:
     """The ring-vs-native ratio at 16 MB+; the model's worst error at 1 MB+, for our algorithms and for
     native (whose algorithm gloo chooses internally, so its formula is an estimate)."""
-    native = {(r["op"], r["bytes"]): r["busbw_gbps"] for r in rows if r["algorithm"] == "native"}
+    native_busbw = {(r["op"], r["bytes"]): r["busbw_gbps"] for r in rows if r["algorithm"] == "native"}
     ratios = [
-        r["busbw_gbps"] / native[(r["op"], r["bytes"])]
+        r["busbw_gbps"] / native_busbw[(r["op"], r["bytes"])]
         for r in rows
         if r["op"] == "all_reduce" and r["algorithm"] == "ring" and r["bytes"] >= 16 << 20
     ]

@@ -25,7 +25,7 @@ it is compared with.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ SAMPLES = 40
 KINDS = ("exchange", "one_way", "reduce", "copy")
 
 
-def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
+def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """``(alpha, beta)`` of ``t = alpha + beta * m`` through ``(m, t)`` points, both kept >= 0.
 
     Minimises the sum of ``((alpha + beta * m) / t - 1) ** 2``: a weighted least-squares line, where
@@ -73,6 +73,7 @@ def step_calls(rank: int, partner: int | None, nbytes: int) -> dict[str, Callabl
     def exchange() -> None:
         for _ in range(2):
             for request in [dist.irecv(into, partner), dist.isend(data, partner)]:
+                assert request is not None  # the default group: every rank is in it
                 request.wait()
 
     def ping_pong() -> None:

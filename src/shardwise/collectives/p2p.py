@@ -16,15 +16,25 @@ import torch
 import torch.distributed as dist
 
 REDUCE_OPS = ("sum", "max", "min")  # "avg" is "sum" then a division, done by the caller
-# Added to every tag an algorithm uses, so its messages never pair with a caller's own send/recv on the
-# same group (those use tag 0 unless told otherwise), even while it runs on the communication thread.
+# Tags below TAG_BASE belong to callers' own send/recv. Every ``Comm`` on a process group gets its own
+# slot of SLOT_TAGS tags above it (``tag_slot``), and its algorithms' tags are offset into that slot,
+# so they never pair with a caller's messages nor with another ``Comm``'s on the same group, even
+# while both run on their communication threads. gloo tags are 32-bit: 2047 slots fit.
 TAG_BASE = 1 << 20
+SLOT_TAGS = 1 << 20
+MAX_SLOTS = (2**31 - TAG_BASE) // SLOT_TAGS
 
 
 class Work(Protocol):
     """Something under way that can be waited for (backend work, a message in flight)."""
 
     def wait(self) -> object: ...
+
+
+class Counter(Protocol):
+    """Where message bytes are counted (a ``CommStats``)."""
+
+    def add(self, sent: int = 0, received: int = 0, blocked_s: float = 0.0) -> None: ...
 
 
 class Done:
@@ -37,11 +47,16 @@ class Done:
 class P2P:
     """isend/irecv to group ranks of one process group, counting bytes into ``stats`` (if given)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, stats: object | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, stats: Counter | None = None, tag_slot: int = 0
+    ) -> None:
+        if not 0 <= tag_slot < MAX_SLOTS:
+            raise ValueError(f"tag_slot must be in [0, {MAX_SLOTS}), got {tag_slot}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.stats = stats  # anything with add(sent=..., received=...) (a CommStats)
+        self.stats = stats
+        self.tag_base = TAG_BASE + tag_slot * SLOT_TAGS
         self._workspace: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def workspace(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -66,14 +81,19 @@ class P2P:
             return Done()
         if self.stats is not None:
             self.stats.add(sent=tensor.numel() * tensor.element_size())
-        return dist.isend(tensor, self._global(dst), group=self.group, tag=TAG_BASE + tag)
+        return _work(dist.isend(tensor, self._global(dst), group=self.group, tag=self._tag(tag)))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         if tensor.numel() == 0:
             return Done()
         if self.stats is not None:
             self.stats.add(received=tensor.numel() * tensor.element_size())
-        return dist.irecv(tensor, self._global(src), group=self.group, tag=TAG_BASE + tag)
+        return _work(dist.irecv(tensor, self._global(src), group=self.group, tag=self._tag(tag)))
+
+    def _tag(self, tag: int) -> int:
+        if not 0 <= tag < SLOT_TAGS:
+            raise ValueError(f"an algorithm's tag must be in [0, {SLOT_TAGS}), got {tag}")
+        return self.tag_base + tag
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()
@@ -86,6 +106,13 @@ class P2P:
         requests = [self.irecv(recv, peer, tag), self.isend(send, peer, tag)]
         for request in requests:
             request.wait()
+
+
+def _work(work: dist.Work | None) -> Work:
+    """Point-to-point calls return work unless the rank is outside the group (never, here)."""
+    if work is None:
+        raise RuntimeError("a point-to-point call returned no work: this rank is not in the group")
+    return work
 
 
 def combine(op: str, acc: torch.Tensor, incoming: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ QUANTILE = 0.25
 STATISTIC = "lower quartile of per-call times (slowest rank), the compared calls taking turns"
 
 
-def interleaved_times(calls: dict[str, Callable[[], object]], samples: int) -> dict[str, list[float]]:
+def interleaved_times(calls: Mapping[str, Callable[[], object]], samples: int) -> dict[str, list[float]]:
     """Seconds of ``samples`` calls of each closure (taking turns), each the slowest rank's.
 
     Every rank of the default group must call this with the same names and ``samples``.

@@ -63,10 +63,12 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
 def bench_command(args: argparse.Namespace) -> int:
     import json
 
-    from shardwise.cli import emit
+    from shardwise.commands.output import emit
 
     if args.kind == "ddp":
-        from shardwise.data_parallel.bench import render, run_ddp_bench
+        from shardwise.bench.ddp import render_ddp, run_ddp_bench
+
+        render: Callable[[dict[str, Any]], None] = render_ddp
 
         result = run_ddp_bench(
             nproc=args.nproc,
@@ -95,7 +97,7 @@ def bench_command(args: argparse.Namespace) -> int:
             result = run_comm_bench(args.nproc, sizes, profile, ops)
             render = lambda r: print(format_table(r))  # noqa: E731
     elif args.kind == "zero":
-        from shardwise.zero.bench import render_zero, run_offload_bench, run_zero_bench
+        from shardwise.bench.zero import render_zero, run_offload_bench, run_zero_bench
 
         if args.offload_stage:
             result = run_offload_bench(args.nproc, args.offload_stage)
@@ -104,12 +106,12 @@ def bench_command(args: argparse.Namespace) -> int:
             result = run_zero_bench(args.nproc, args.steps, args.repeats, stages, bucket_mb=args.bucket_mb)
         render = render_zero
     elif args.kind == "dp-compare":
-        from shardwise.data_parallel.compare import render_compare, run_dp_compare
+        from shardwise.bench.dp_compare import render_compare, run_dp_compare
 
         result = run_dp_compare(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch)
         render = render_compare
     elif args.kind == "ps-async":
-        from shardwise.data_parallel.ps_convergence import bench_async_vs_sync, render_ps_async
+        from shardwise.bench.ps_async import bench_async_vs_sync, render_ps_async
 
         result = bench_async_vs_sync(args.nproc, args.steps, args.seeds, args.preset)
         render = render_ps_async

@@ -7,32 +7,20 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from shardwise.commands.output import emit
 from shardwise.config import TrainConfig
-from shardwise.launch import LaunchError, init_distributed, launch_local, running_under_torchrun
-
-
-def train_worker(config: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
-    """What every rank runs (top-level so the agent can start it in a fresh process)."""
-    import torch.distributed as dist
-
-    from shardwise.train.loop import run_training
-
-    init_distributed(config.timeout_s)
-    try:
-        return run_training(config, show_progress=show_progress)
-    finally:
-        dist.destroy_process_group()
+from shardwise.launch import LaunchError, launch_local, running_under_torchrun
+from shardwise.preflight import preflight
+from shardwise.train.loop import train_worker
 
 
 def train_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
-    from shardwise.cli import emit
-
     if running_under_torchrun():
         summary = train_worker(config, show_progress=True)
         if summary is not None:
             emit(summary, as_json, render_summary)
         return 0
-    config.validate(nproc)  # a bad config fails here in one line, before any process starts
+    preflight(config, nproc)  # a bad config fails here in one line, before any process starts
     try:
         results = launch_local(train_worker, (config, True), nproc, config.max_restarts)
     except LaunchError as exc:

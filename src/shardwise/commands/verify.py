@@ -15,6 +15,7 @@ import torch
 
 from shardwise.config import TrainConfig
 from shardwise.launch import LaunchError, init_distributed, launch_local
+from shardwise.preflight import preflight
 from shardwise.testing.parity import compare_tensors
 
 TOLERANCE = 1e-10
@@ -38,9 +39,9 @@ def collect_run(config: TrainConfig) -> dict[str, Any] | None:
     from shardwise.train.loop import Trainer
 
     trainer = Trainer.build(config, share_gradients=True)
-    if trainer.serves:
+    if trainer.engine.role.serves:
         try:
-            trainer.engine.serve()  # type: ignore[attr-defined]
+            trainer.engine.serve()
         finally:
             trainer.engine.close()
         return None
@@ -55,7 +56,7 @@ def collect_run(config: TrainConfig) -> dict[str, Any] | None:
         params = trainer.engine.full_parameters()
     finally:
         trainer.engine.close()
-    if not trainer.reports:
+    if not trainer.engine.role.reports:
         return None
     return {"losses": losses, "grads": grads, "params": params}
 
@@ -75,15 +76,14 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
     """Plain single-process PyTorch on the whole global batch: the answer every strategy must give."""
     from shardwise.data.corpus import load_corpus
     from shardwise.data.sampler import DataSampler
+    from shardwise.engine.base import loss_sum, predicted_tokens
+    from shardwise.engine.optim import build_optimizer, named
     from shardwise.models import build_model
-    from shardwise.train.engine import loss_sum, predicted_tokens
     from shardwise.train.loop import seed_everything, torch_dtype
-    from shardwise.train.optim import build_optimizer
 
     seed_everything(config.seed)
     model = build_model(config.model, torch_dtype(config.dtype))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(trainable, config.optim)
+    optimizer = build_optimizer(named(model), config.optim)
     corpus = load_corpus(config.data.corpus_bytes)
     sampler = DataSampler(
         corpus.train,
@@ -131,7 +131,7 @@ def compare_runs(reference: dict[str, Any], candidate: dict[str, Any], tolerance
 
 
 def run_verify(config: TrainConfig, nproc: int) -> dict[str, Any]:
-    config = config.validate(nproc)
+    config = preflight(config, nproc)
     results = launch_local(verify_worker, (config,), nproc)
     candidate = next(r for r in results.values() if r is not None)
     report = compare_runs(reference_run(config), candidate, TOLERANCE)
@@ -145,7 +145,7 @@ def run_verify(config: TrainConfig, nproc: int) -> dict[str, Any]:
 
 
 def verify_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
-    from shardwise.cli import emit
+    from shardwise.commands.output import emit
 
     try:
         report = run_verify(config, nproc)

@@ -35,9 +35,8 @@ from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm, Work
 from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.config import DDPConfig
-from shardwise.train.engine import Batch, Engine, StateReader
-from shardwise.train.full_state import full_state_tensors, load_full_state, replicated_pieces
-from shardwise.train.optim import OptimizerFactory
+from shardwise.engine.base import Batch, Engine, NamedTensors, Role, StateReader, grad_sq_sum
+from shardwise.engine.full_state import full_state_tensors, load_full_state, replicated_pieces
 
 
 @dataclass
@@ -63,13 +62,11 @@ def plan_buckets(
     size, cap = 0, first_bucket_bytes
     for param in reversed(params):
         nbytes = param.numel() * param.element_size()
-        current = groups[-1] if groups else None
-        fits = current is not None and size + nbytes <= cap and current[0].dtype == param.dtype
-        if fits:
-            current.append(param)
+        if groups and size + nbytes <= cap and groups[-1][0].dtype == param.dtype:
+            groups[-1].append(param)
             size += nbytes
         else:
-            if current is not None:
+            if groups:
                 cap = bucket_bytes
             groups.append([param])
             size = nbytes
@@ -80,11 +77,10 @@ class DDPEngine(Engine):
     """Our all-reduce data parallelism over ``comm`` (the dp axis)."""
 
     name = "ddp"
+    comm: Comm
 
-    def __init__(
-        self, model: nn.Module, comm: Comm, optimizer_factory: OptimizerFactory, config: DDPConfig
-    ) -> None:
-        super().__init__(model)
+    def __init__(self, model: nn.Module, comm: Comm, config: DDPConfig, role: Role | None = None) -> None:
+        super().__init__(model, role)
         self.comm, self.config = comm, config
         named = list(model.named_parameters())  # tied weights appear once
         self._names = {id(p): n for n, p in named}
@@ -97,7 +93,6 @@ class DDPEngine(Engine):
         self._next = 0  # index of the next bucket to launch
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        self.optimizer = optimizer_factory(self.params)
         self._start_step()
 
     def _make_bucket(self, params: list[nn.Parameter]) -> Bucket:
@@ -187,8 +182,14 @@ class DDPEngine(Engine):
             if not flag:
                 p.grad = None
 
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
+    # -- the update (Engine.optimizer_step) ---------------------------------------------------------
+    def optimizer_units(self) -> list[NamedTensors]:
+        return [[(self._names[id(p)], p) for p in self.params]]  # every rank: the whole model
+
+    def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+        return grad_sq_sum(self.params), None  # every rank holds the whole, reduced gradient
+
+    def after_update(self) -> None:
         for bucket in self.buckets:
             bucket.buffer.zero_()
         self._start_step()
@@ -205,10 +206,10 @@ class DDPEngine(Engine):
 
     # -- checkpoints (every rank holds everything; ranks split the writing by bytes) ------------------
     def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
-        return replicated_pieces(full_state_tensors(self.model, self.optimizer), rank, world_size)
+        return replicated_pieces(full_state_tensors(self.model, self.optimizers[0]), rank, world_size)
 
     def load_state(self, read: StateReader) -> None:
-        load_full_state(self.model, self.optimizer, read)
+        load_full_state(self.model, self.optimizers[0], read)
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -14,8 +14,9 @@ global batch), steps its optimizer and sends the new weights back. Asynchronous 
 :mod:`shardwise.data_parallel.ps_async`. At the end every server sends its shard to every live rank, so
 ``full_parameters()`` gives the same, final weights on every rank.
 
-Message layout (flat tensors in the parameters' dtype): a push is ``[grad shard..., loss, version, kind]``
-(kind 0 = gradient, 1 = done); a reply is ``[weights..., version, staleness, accepted, loss_total]``.
+Message layout: :mod:`shardwise.data_parallel.ps_messages`. Roles: servers serve (``serve``), the first
+worker reports, the optimizer runs on the servers (``optimizer_runs``) through the same
+``Engine.run_optimizers`` every strategy uses.
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ from torch import nn
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm, CommStats
 from shardwise.config import ConfigError, PSConfig
-from shardwise.train.engine import Batch, Engine, StateReader, loss_sum
-from shardwise.train.optim import OptimizerFactory
-
-PUSH_EXTRA = 3  # loss, version, kind
-REPLY_EXTRA = 4  # version, staleness, accepted, loss_total
-KIND_GRAD, KIND_DONE = 0.0, 1.0
-MAX_ATTEMPTS = 3  # async: pushes of one batch before a worker gives it up (see ps_async)
+from shardwise.data_parallel.ps_async import push_until_accepted, serve_async
+from shardwise.data_parallel.ps_messages import (
+    KIND_DONE,
+    KIND_GRAD,
+    PUSH_EXTRA,
+    REPLY_EXTRA,
+    flatten,
+    unflatten_into,
+)
+from shardwise.data_parallel.ps_state import load_ps_state, ps_state_pieces
+from shardwise.engine.base import Batch, Engine, NamedTensors, Role, StateReader, grad_sq_sum, loss_sum
 
 
 def assign_to_servers(sizes: Mapping[str, int], servers: int) -> list[list[str]]:
@@ -55,21 +60,6 @@ def assign_to_servers(sizes: Mapping[str, int], servers: int) -> list[list[str]]
     return [sorted(names, key=order.__getitem__) for names in chosen]
 
 
-def flatten(tensors: Sequence[torch.Tensor], extra: int) -> torch.Tensor:
-    """One flat buffer holding ``tensors`` followed by ``extra`` header slots (left zero)."""
-    parts = [t.detach().reshape(-1) for t in tensors]
-    dtype = tensors[0].dtype if tensors else torch.float64
-    return torch.cat([*parts, torch.zeros(extra, dtype=dtype)])
-
-
-def unflatten_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
-    """Copy the leading part of ``flat`` into ``targets`` in order."""
-    offset = 0
-    for t in targets:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
 class ParamServerEngine(Engine):
     """Parameter-server training; ``is_server`` ranks call :meth:`serve`, workers step as usual.
 
@@ -81,16 +71,23 @@ class ParamServerEngine(Engine):
 
     name = "ps"
 
+    comm: Comm
+    optimizer_runs = "servers"
+
     def __init__(
         self,
         model: nn.Module,
         comm: Comm,
-        optimizer_factory: OptimizerFactory,
         config: PSConfig,
         steps: int,
         share_gradients: bool = False,
+        server_comm: Comm | None = None,
     ) -> None:
-        super().__init__(model)
+        serves = comm.rank < config.servers
+        role = Role(
+            steps=not serves, serves=serves, reports=comm.rank == config.servers, reporter=config.servers
+        )
+        super().__init__(model, role)
         if config.mode not in ("sync", "async"):
             raise ConfigError(f"ps.mode must be sync or async, got {config.mode!r}")
         if comm.world_size - config.servers < 1 or config.servers < 1:
@@ -99,6 +96,7 @@ class ParamServerEngine(Engine):
                 f"{config.servers} servers = {comm.world_size - config.servers} workers"
             )
         self.comm, self.config, self.steps = comm, config, steps
+        self.server_comm = server_comm  # the servers among themselves (the gradient norm's group)
         self.share_gradients = share_gradients and config.mode == "sync"
         self.servers = list(range(config.servers))
         self.workers = list(range(config.servers, comm.world_size))
@@ -107,8 +105,7 @@ class ParamServerEngine(Engine):
         sizes = {n: p.numel() * p.element_size() for n, p in named.items()}
         self.assignment = assign_to_servers(sizes, config.servers)
         self.shards: list[list[nn.Parameter]] = [[named[n] for n in names] for names in self.assignment]
-        # a server left without parameters (more servers than tensors) only counts versions
-        self.optimizer = optimizer_factory(self.own) if self.own else None
+        self._names = {id(p): n for n, p in named.items()}
         # metrics
         self.version = 0  # server: updates applied; worker: the newest version pulled from any server
         self.server_versions = [0] * config.servers  # worker: the version of each server's weights it holds
@@ -164,11 +161,22 @@ class ParamServerEngine(Engine):
                 for s in self.servers:
                     self._recv_gradients(s)
         else:
-            from shardwise.data_parallel.ps_async import push_until_accepted
-
             push_until_accepted(self)
 
-    def optimizer_step(self) -> None:
+    # -- the update: on the servers (workers pull the result in after_update) -----------------------
+    def optimizer_units(self) -> list[NamedTensors]:
+        # a server left without parameters (more servers than tensors) only counts versions
+        return [[(self._names[id(p)], p) for p in self.own]] if self.own else []
+
+    def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+        """On a server, between receiving the summed gradient and stepping: its parameters' share."""
+        if not self.is_server:
+            raise RuntimeError("the parameter server's gradient norm is taken on the servers, not workers")
+        if len(self.servers) > 1 and self.server_comm is None:
+            raise RuntimeError("with several parameter servers, build the engine with server_comm")
+        return grad_sq_sum(self.own), self.server_comm
+
+    def after_update(self) -> None:
         self._require_worker()
         if self.config.mode == "sync":
             self._replies = []
@@ -212,9 +220,10 @@ class ParamServerEngine(Engine):
     def _recv_gradients(self, s: int) -> None:
         buf = torch.zeros(sum(p.numel() for p in self.shards[s]), dtype=self._dtype())
         self.comm.recv(buf, s)
-        for p in self.shards[s]:
-            p.grad = torch.empty_like(p)
-        unflatten_into(buf, [p.grad for p in self.shards[s]])
+        grads = [torch.empty_like(p) for p in self.shards[s]]
+        unflatten_into(buf, grads)
+        for p, grad in zip(self.shards[s], grads, strict=True):
+            p.grad = grad
 
     def finish(self) -> None:
         """Tell the servers this worker is done (async) and receive the final weights. Idempotent."""
@@ -253,8 +262,6 @@ class ParamServerEngine(Engine):
                     after_step(done)
             dead: Sequence[int] = ()
         else:
-            from shardwise.data_parallel.ps_async import serve_async
-
             dead = serve_async(self)
         self.dead_workers = sorted(dead)
         self._finished = True
@@ -286,20 +293,13 @@ class ParamServerEngine(Engine):
 
     def apply_gradient(self, flat: torch.Tensor, lr_scale: float = 1.0) -> None:
         """Set the served parameters' gradients from ``flat`` and step the optimizer at lr x lr_scale."""
+        grads = [torch.empty_like(p) for p in self.own]
+        unflatten_into(flat, grads)
+        for p, grad in zip(self.own, grads, strict=True):
+            p.grad = grad
+        self.run_optimizers(lr_scale)
         for p in self.own:
-            p.grad = torch.empty_like(p)
-        unflatten_into(flat, [p.grad for p in self.own])
-        if self.optimizer is not None:
-            groups = self.optimizer.param_groups
-            rates = [group["lr"] for group in groups]
-            for group, lr in zip(groups, rates, strict=True):
-                group["lr"] = lr * lr_scale
-            try:
-                self.optimizer.step()
-            finally:
-                for group, lr in zip(groups, rates, strict=True):
-                    group["lr"] = lr
-            self.optimizer.zero_grad(set_to_none=True)
+            p.grad = None
         self.version += 1
 
     def reply_message(self, staleness: int, accepted: bool, loss_total: float = 0.0) -> torch.Tensor:
@@ -341,13 +341,9 @@ class ParamServerEngine(Engine):
 
     # -- checkpoints (see shardwise.data_parallel.ps_state) ----------------------------------------------
     def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
-        from shardwise.data_parallel.ps_state import ps_state_pieces
-
         return ps_state_pieces(self)
 
     def load_state(self, read: StateReader) -> None:
-        from shardwise.data_parallel.ps_state import load_ps_state
-
         load_ps_state(self, read)
 
     def resume_at(self, step: int) -> None:

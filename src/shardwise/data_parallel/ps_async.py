@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardwise.data_parallel.param_server import KIND_DONE, MAX_ATTEMPTS, PUSH_EXTRA
+from shardwise.data_parallel.ps_messages import KIND_DONE, MAX_ATTEMPTS, PUSH_EXTRA
 
 if TYPE_CHECKING:
     from shardwise.data_parallel.param_server import ParamServerEngine

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardwise.checkpoint.manager import Piece
-from shardwise.train.engine import StateReader
-from shardwise.train.full_state import load_named_state
+from shardwise.engine.base import StateReader
+from shardwise.engine.full_state import load_named_state
 
 if TYPE_CHECKING:
     from shardwise.data_parallel.param_server import ParamServerEngine
@@ -42,9 +42,9 @@ def ps_state_pieces(engine: ParamServerEngine) -> list[Piece]:
         return [Piece.full(n, t) for n, t in _worker_tensors(engine).items()] if first_worker else []
     served = _served(engine)
     out = [Piece.full(f"model/{n}", p.detach()) for n, p in served.items()]
-    if engine.optimizer is not None:
+    for optimizer in engine.optimizers:
         for name, param in served.items():
-            for key, value in engine.optimizer.state.get(param, {}).items():
+            for key, value in optimizer.state.get(param, {}).items():
                 if torch.is_tensor(value):
                     out.append(Piece.full(f"optim/{key}/{name}", value.detach()))
     return out
@@ -54,8 +54,9 @@ def load_ps_state(engine: ParamServerEngine, read: StateReader) -> None:
     """A server reads what it serves (with optimizer state); a worker reads the whole model."""
     if engine.is_server:
         served = _served(engine)
-        load_named_state({f"model/{n}": p for n, p in served.items()}, served, engine.optimizer, read)
+        optimizer = engine.optimizers[0] if engine.optimizers else None
+        load_named_state({f"model/{n}": p for n, p in served.items()}, served, optimizer, read)
         return
-    local = {f"model/{n}": p for n, p in engine.model.named_parameters()}
+    local: dict[str, torch.Tensor] = {f"model/{n}": p for n, p in engine.model.named_parameters()}
     local.update({f"model/{n}": b for n, b in engine.model.named_buffers()})
     load_named_state(local, {}, None, read)

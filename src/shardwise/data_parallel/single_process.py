@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from shardwise.train.engine import Batch, Engine, loss_sum
-from shardwise.train.optim import OptimizerFactory
+from shardwise.collectives.api import Comm
+from shardwise.engine.base import Batch, Engine, NamedTensors, grad_sq_sum, loss_sum, trainable
 
 
 class SingleProcessDPEngine(Engine):
@@ -31,7 +31,6 @@ class SingleProcessDPEngine(Engine):
         self,
         model: nn.Module,
         replicas: int,
-        optimizer_factory: OptimizerFactory,
         devices: Sequence[torch.device] | None = None,
     ) -> None:
         super().__init__(model)
@@ -42,7 +41,6 @@ class SingleProcessDPEngine(Engine):
         if len(self.devices) != replicas:
             raise ValueError(f"{replicas} replicas but {len(self.devices)} devices were given")
         self.replicas = replicas
-        self.optimizer = optimizer_factory(p for p in model.parameters() if p.requires_grad)
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.bytes_copied = 0  # device-to-device bytes this step: replicate, scatter, gather, reduce
         self.copies = 0  # copy operations this step
@@ -87,9 +85,14 @@ class SingleProcessDPEngine(Engine):
                 grad = self._move(local.grad, master.device)
                 master.grad = grad if master.grad is None else master.grad.add_(grad)
 
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def optimizer_units(self) -> list[NamedTensors]:
+        return [trainable(self.model)]  # the master's optimizer
+
+    def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+        return grad_sq_sum([p for _, p in trainable(self.model)]), None
+
+    def after_update(self) -> None:
+        self.model.zero_grad(set_to_none=True)
         self._copies = []
 
     def full_parameters(self) -> dict[str, torch.Tensor]:

@@ -18,7 +18,16 @@ from shardwise.config import ConfigError, ModelConfig
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.mlp import MLP, MLPConfig
 
-__all__ = ["GPT", "MLP", "PRESETS", "GPTConfig", "MLPConfig", "build_model", "count_parameters"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "PRESETS",
+    "GPTConfig",
+    "MLPConfig",
+    "build_model",
+    "check_model_config",
+    "count_parameters",
+]
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "gpt": {
@@ -40,18 +49,23 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def check_model_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The preset's sizes, or a ``ConfigError`` naming the known kinds and presets."""
+    presets = PRESETS.get(cfg.kind)
+    if presets is None:
+        raise ConfigError(f"model.kind must be one of {', '.join(PRESETS)}; got {cfg.kind!r}")
+    if cfg.preset not in presets:
+        raise ConfigError(f"unknown {cfg.kind} preset {cfg.preset!r}; known presets: {', '.join(presets)}")
+    return presets[cfg.preset]
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Build the model ``cfg`` describes, under the caller's torch seed, then apply ``cfg.freeze``.
 
     Parameters are drawn in float32 and then cast, so a float64 model holds exactly the float32
     model's initial values.
     """
-    presets = PRESETS.get(cfg.kind)
-    if presets is None:
-        raise ConfigError(f"model.kind must be one of {', '.join(PRESETS)}; got {cfg.kind!r}")
-    if cfg.preset not in presets:
-        raise ConfigError(f"unknown {cfg.kind} preset {cfg.preset!r}; known presets: {', '.join(presets)}")
-    sizes = presets[cfg.preset]
+    sizes = check_model_config(cfg)
     model: nn.Module
     if cfg.kind == "gpt":
         model = GPT(GPTConfig(**sizes, seq_len=cfg.seq_len, dropout=cfg.dropout, tie_weights=cfg.tie_weights))

@@ -72,8 +72,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.d_model, config.d_ff)
-        self.proj = nn.Linear(config.d_ff, config.d_model)
+        width = config.d_ff or 4 * config.d_model  # d_ff is set by __post_init__; this tells the type
+        self.fc = nn.Linear(config.d_model, width)
+        self.proj = nn.Linear(width, config.d_model)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -71,8 +71,9 @@ class MLP(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Embedding, nn.Linear)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    nn.init.zeros_(bias)
             elif isinstance(module, nn.BatchNorm1d):
                 module.reset_parameters()
 

@@ -51,10 +51,10 @@ def assert_parity(
     if isinstance(reference, Mapping) and isinstance(candidate, Mapping):
         report = compare_tensors(reference, candidate)
     else:
-        ref, got = list(reference), list(candidate)  # type: ignore[arg-type]
+        ref, got = list(reference), list(candidate)
         if len(ref) != len(got):
             raise AssertionError(f"{what}: {len(got)} values against {len(ref)} in the reference")
-        diffs = [abs(float(a) - float(b)) for a, b in zip(ref, got, strict=True)]
+        diffs = [abs(float(a) - float(b)) for a, b in zip(ref, got, strict=True)]  # type: ignore[arg-type]
         worst = max(range(len(diffs)), key=diffs.__getitem__) if diffs else 0
         report = ParityReport(max(diffs, default=0.0), f"step {worst}")
     if not report.max_diff <= atol:

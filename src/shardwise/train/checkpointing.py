@@ -25,15 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardwise.checkpoint import CheckpointError, CheckpointWriter, SaveReport, capture_rng, load, restore_rng
+from shardwise.checkpoint import CheckpointError, CheckpointWriter, SaveReport, capture_rng, restore_rng
 from shardwise.checkpoint.format import Manifest
 from shardwise.checkpoint.layout import clean_tmp, list_steps, step_dir_name
 from shardwise.checkpoint.reader import verify_checkpoint
 from shardwise.checkpoint.rng import torch_rng_name
 from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, TrainConfig, to_dict
+from shardwise.engine.full_state import FolderReader
 from shardwise.launch import restart_count
-from shardwise.train.engine import Span
 from shardwise.train.metrics import StepRecord
 
 # Config keys a resumed run must share with the run that saved (anything else may change: the
@@ -88,17 +88,6 @@ class Resumed:
     initial_loss: float | None
     eval_losses: list[tuple[int, float]]
     last_record: StepRecord | None
-
-
-class _Reader:
-    """``StateReader`` over one checkpoint folder."""
-
-    def __init__(self, step_dir: str, manifest: Manifest) -> None:
-        self.step_dir, self.manifest = step_dir, manifest
-        self.shapes = {name: tuple(rec.global_shape) for name, rec in manifest.tensors.items()}
-
-    def __call__(self, requests: dict[str, Span]) -> dict[str, torch.Tensor]:
-        return load(self.step_dir, requests, manifest=self.manifest)
 
 
 @dataclass
@@ -160,7 +149,7 @@ class TrainCheckpoints:
         try:
             manifest = verify_checkpoint(step_dir)  # readable manifest, every file at its size
             check_same_run(manifest, self.trainer.config)
-            reader = _Reader(step_dir, manifest)
+            reader = FolderReader(step_dir, manifest)
             rng_name = torch_rng_name(self.rank)
             rng_tensors = reader({rng_name: None}) if rng_name in reader.shapes else {}
             self.trainer.engine.load_state(reader)
@@ -211,8 +200,9 @@ class TrainCheckpoints:
 
     def _write(self, step: int, meta: dict[str, Any] | None) -> SaveReport:
         trainer, config = self.trainer, self.trainer.config
-        if config.strategy == "ps":  # rank 0 (a server) publishes the workers' meta
-            meta = _broadcast_json(trainer.world_comm, meta, src=config.ps.servers)
+        reporter = trainer.engine.role.reporter
+        if reporter != 0:  # rank 0 publishes the manifest: it needs the reporting rank's meta
+            meta = _broadcast_json(trainer.world_comm, meta, src=reporter)
         rng_state, rng_pieces = capture_rng(self.rank)
         report = self.writer.save(
             step,
@@ -220,7 +210,7 @@ class TrainCheckpoints:
             meta=meta,
             rank_meta={"rng": rng_state},
             strategy=config.strategy,
-            mesh={"dp": config.parallel.dp, "pp": config.parallel.pp, "tp": config.parallel.tp},
+            mesh=trainer.mesh.describe(),
             config=to_dict(config),
         )
         self.reports.append(report)

@@ -25,17 +25,17 @@ from shardwise.collectives.api import Comm
 from shardwise.config import TrainConfig, to_dict
 from shardwise.data.corpus import load_corpus
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
-from shardwise.launch import restart_count
-from shardwise.mesh import build_mesh
+from shardwise.engine.base import Engine, loss_sum, predicted_tokens
+from shardwise.launch import init_distributed, restart_count
+from shardwise.mesh import Mesh, build_mesh
 from shardwise.models import build_model
-from shardwise.strategies import build_engine
+from shardwise.parallelism import parallelize
 from shardwise.train.checkpointing import (
     TrainCheckpoints,
     agreed_restart_count,
     truncate_metrics,
     write_pid_file,
 )
-from shardwise.train.engine import Engine, loss_sum, predicted_tokens
 from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step, peak_rss_mb, rss_mb
 from shardwise.train.progress import Progress
 
@@ -61,70 +61,61 @@ def param_digest(params: dict[str, torch.Tensor]) -> str:
 
 @dataclass
 class Trainer:
-    """Everything one rank needs to train: the engine, its data share and its communicators."""
+    """Everything one rank needs to train: the engine, its data share and the mesh's communicators."""
 
     config: TrainConfig
     engine: Engine
     sampler: DataSampler
-    world_comm: Comm  # every rank: checkpoints and agreement on restarts
-    engine_comm: Comm  # what the strategy communicates over: its bytes and waits are the step's
-    metrics_comm: Comm | None  # the ranks that train (None on a parameter server)
+    mesh: Mesh
     global_tokens: int
     history: list[StepRecord] = field(default_factory=list)
 
     @property
-    def serves(self) -> bool:
-        """A parameter-server rank: it runs ``engine.serve()`` instead of steps."""
-        return self.metrics_comm is None
-
-    @property
-    def reports(self) -> bool:
-        """The rank that writes metrics and returns the summary: the first rank that trains."""
-        first = self.config.ps.servers if self.config.strategy == "ps" else 0
-        return dist.get_rank() == first
+    def world_comm(self) -> Comm:
+        """Every rank: checkpoints and agreement on restarts."""
+        return self.mesh.world
 
     @classmethod
     def build(cls, config: TrainConfig, share_gradients: bool = False) -> Trainer:
-        """Validate against the live world, build the model under the seed and apply the strategy.
+        """Validate against the live world, build the model under the seed, parallelize it.
 
         ``share_gradients``: make global gradients visible where a strategy keeps them elsewhere
         (the parameter server's workers), for ``verify``.
         """
         config = config.validate(dist.get_world_size())
+        mesh = build_mesh(config.dims(dist.get_world_size()), config.comm)
         seed_everything(config.seed)
         model = build_model(config.model, torch_dtype(config.dtype))
-        world_comm = Comm(None, config.comm.algorithm)
-        metrics_comm: Comm | None = world_comm
-        if config.strategy == "ps":
-            servers = config.ps.servers
-            workers = dist.new_group(list(range(servers, dist.get_world_size())))  # every rank joins
-            dp_comm, dp_rank = world_comm, dist.get_rank() - servers
-            metrics_comm = Comm(workers) if dp_rank >= 0 else None
-        else:
-            mesh = build_mesh(config.parallel, algorithm=config.comm.algorithm)
-            dp_comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
-        engine = build_engine(config, model, dp_comm, world_comm, share_gradients)
+        engine = parallelize(model, mesh, config, share_gradients=share_gradients)
         corpus = load_corpus(config.data.corpus_bytes)
         counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)
         sampler = DataSampler(
-            corpus.train, config.model.seq_len, config.data.global_batch, config.seed, counts, max(dp_rank, 0)
+            corpus.train,
+            config.model.seq_len,
+            config.data.global_batch,
+            config.seed,
+            counts,
+            max(mesh.dp_rank, 0),
         )
         tokens = predicted_tokens(config.model.kind, config.data.global_batch, config.model.seq_len)
-        return cls(config, engine, sampler, world_comm, dp_comm, metrics_comm, tokens)
+        return cls(config, engine, sampler, mesh, tokens)
 
     def step(self, step: int, after_backward: Callable[[int], None] | None = None) -> StepRecord:
         """One optimizer step; ``after_backward(step)`` sees the global gradients before the update."""
         # every rank runs the same number of passes, empty ones included (see local_micro_batches)
         micro = self.sampler.local_micro_batches(step, self.config.data.micro_batches, keep_empty=True)
-        assert self.metrics_comm is not None, "a parameter-server rank serves; it does not step"
-        before = self.engine_comm.stats.snapshot()
+        trainers = self.mesh.trainers
+        if trainers is None or not self.engine.role.steps:
+            raise RuntimeError(f"rank {self.mesh.rank} serves; it does not step")
+        engine_comm = self.engine.comm or trainers
+        before = engine_comm.stats.snapshot()
         start = time.perf_counter()
         share = self.engine.forward_backward(micro, self.global_tokens)
         if after_backward is not None:
             after_backward(step)
         self.engine.optimizer_step()
         elapsed = time.perf_counter() - start
-        comm = self.engine_comm.stats.since(before)
+        comm = engine_comm.stats.since(before)
         samples = sum(x.size(0) for x, _ in micro)
         values = {
             "loss_share": share,
@@ -135,7 +126,7 @@ class Trainer:
             "peak_rss_mb": max(current, peak_rss_mb()),
             "samples": samples,
         }
-        record = gather_step(self.metrics_comm, step, values, self.global_tokens)
+        record = gather_step(trainers, step, values, self.global_tokens)
         record.extra = self.engine.metrics() or None
         self.history.append(record)
         return record
@@ -161,6 +152,15 @@ class Trainer:
         return total / max(1, tokens)
 
 
+def train_worker(config: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
+    """What every rank runs (top-level so the agent can start it in a fresh process)."""
+    init_distributed(config.timeout_s)
+    try:
+        return run_training(config, show_progress=show_progress)
+    finally:
+        dist.destroy_process_group()
+
+
 def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, Any] | None:
     """Train on the already-initialised process group; rank 0 returns the summary, others None.
 
@@ -176,18 +176,20 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
     ckpt = TrainCheckpoints.create(trainer, rank, dist.get_world_size())
     resumed = ckpt.resume() if ckpt else None
     start = resumed.next_step if resumed else 0
-    if resumed and hasattr(trainer.engine, "resume_at"):  # the parameter server counts its steps
+    role = trainer.engine.role
+    if resumed:
         trainer.engine.resume_at(start)
-    if trainer.serves:
-        return _serve(trainer, ckpt)
-    if trainer.reports:
+    if role.serves:
+        _serve(trainer, ckpt)
+        return None
+    if role.reports:
         run_dir.mkdir(parents=True, exist_ok=True)
         # a fresh run starts its own metrics file; a resumed one keeps the rows before its step
         truncate_metrics(run_dir / "metrics.jsonl", start)
         (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
         _announce(config, ckpt, start, restarts)
-    writer = MetricsWriter(run_dir, enabled=trainer.reports)
-    progress = Progress(config.steps, enabled=trainer.reports and show_progress, completed=start)
+    writer = MetricsWriter(run_dir, enabled=role.reports)
+    progress = Progress(config.steps, enabled=role.reports and show_progress, completed=start)
     eval_losses: list[tuple[int, float]] = list(resumed.eval_losses) if resumed else []
     try:
         for step in range(start, config.steps):
@@ -200,8 +202,7 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
             progress.update(record)
             if ckpt:
                 ckpt.after_step(record, eval_losses)
-        if hasattr(trainer.engine, "finish"):  # resumed after the last step: still take the final weights
-            trainer.engine.finish()
+        trainer.engine.finish()  # owed to other ranks even when resumed after the last step
         if ckpt:
             ckpt.close()
         params = trainer.engine.full_parameters()
@@ -209,7 +210,7 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
         progress.close()
         writer.close()
         trainer.engine.close()
-    if not trainer.reports:
+    if not role.reports:
         return None
     if not trainer.history and resumed and resumed.last_record:  # resumed after the last step
         trainer.history.append(resumed.last_record)
@@ -245,7 +246,7 @@ def log(message: str) -> None:
 def _serve(trainer: Trainer, ckpt: TrainCheckpoints | None) -> None:
     """A parameter-server rank: serve the workers until they are done, saving with them."""
     try:
-        trainer.engine.serve(ckpt.serve_step if ckpt else None)  # type: ignore[attr-defined]
+        trainer.engine.serve(ckpt.serve_step if ckpt else None)
         if ckpt:
             ckpt.close()
         trainer.engine.full_parameters()

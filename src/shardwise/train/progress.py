@@ -56,7 +56,7 @@ class Progress:
         self._done += 1
         fields = _fields(record)
         if self._bar is not None:
-            self._bar.update(self._task, advance=1, **fields)
+            self._bar.update(self._task, advance=1, **fields)  # type: ignore[arg-type]  # task fields
         elif self._plain:
             self._eval = fields.get("eval", self._eval)
             every = max(1, self._total // 10)

@@ -6,13 +6,16 @@ from torch import nn
 
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
-from shardwise.zero.base import OptimizerFactory, ZeroBase
+from shardwise.engine.base import Role
+from shardwise.zero.base import ZeroBase
 from shardwise.zero.flat_param import FlatLayout, Piece, build_layout, layout_of, unique_parameters
 from shardwise.zero.optimizer import ZeroEngine
+from shardwise.zero.sharded_module import ShardedModule
 
 __all__ = [
     "FlatLayout",
     "Piece",
+    "ShardedModule",
     "ZeroBase",
     "ZeroEngine",
     "build_layout",
@@ -23,11 +26,10 @@ __all__ = [
 
 
 def build_zero_engine(
-    model: nn.Module, comm: Comm, optimizer_factory: OptimizerFactory, stage: int, config: ZeroConfig
+    model: nn.Module, comm: Comm, stage: int, config: ZeroConfig, role: Role | None = None
 ) -> ZeroBase:
-    """The ZeRO engine of ``stage`` (1, 2 or 3) over the data-parallel group ``comm``."""
+    """The ZeRO engine of ``stage`` (1, 2 or 3) over the data-parallel group ``comm`` (no optimizers
+    yet: ``engine.optim.attach_optimizers`` builds them over its shards)."""
     if stage == 3:
-        from shardwise.zero.sharded_module import ShardedModule
-
-        return ShardedModule(model, comm, optimizer_factory, config)
-    return ZeroEngine(model, comm, optimizer_factory, stage, config)
+        return ShardedModule(model, comm, config, role)
+    return ZeroEngine(model, comm, stage, config, role)

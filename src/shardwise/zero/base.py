@@ -10,8 +10,8 @@ Models" (SC 2020).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -20,13 +20,13 @@ from torch.optim import Optimizer
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
-from shardwise.train.engine import Batch, Engine, StateReader, loss_sum
+from shardwise.engine.base import Batch, Engine, NamedTensors, Role, StateReader, loss_sum
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
-from shardwise.zero.offload import build_offload
+from shardwise.zero.memory import memory_report
+from shardwise.zero.offload import CpuOffload, NoOffload, Offload, build_offload
 from shardwise.zero.precision import LossScaler, resolve_precision
-
-OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer]
+from shardwise.zero.state import gathered_state, load_zero_state, zero_state_pieces
 
 
 def broadcast_initial_state(model: nn.Module, comm: Comm) -> None:
@@ -41,13 +41,12 @@ def broadcast_initial_state(model: nn.Module, comm: Comm) -> None:
 class ZeroBase(Engine):
     """Sharded master weights and optimizer state over ``comm``; subclasses decide the groups."""
 
+    comm: Comm
     stage: int = 0
     reduce_window: int | None = 2  # reduce-scatters in flight at most; None: no limit
 
-    def __init__(
-        self, model: nn.Module, comm: Comm, optimizer_factory: OptimizerFactory, config: ZeroConfig
-    ) -> None:
-        super().__init__(model)
+    def __init__(self, model: nn.Module, comm: Comm, config: ZeroConfig, role: Role | None = None) -> None:
+        super().__init__(model, role)
         self.comm, self.config = comm, config
         broadcast_initial_state(model, comm)
         self.trainable = unique_parameters(model.named_parameters())
@@ -59,8 +58,14 @@ class ZeroBase(Engine):
         self._in_flight: list[FlatGroup] = []  # groups whose gradient reduce-scatter has started
         self.groups: list[FlatGroup] = self.build_groups()
         self._cast_frozen()
-        self.optimizers = [optimizer_factory([g.master]) for g in self.groups]
-        self.offload = build_offload(config, self.groups, self.optimizers)
+        if config.offload == "cpu":  # before any optimizer exists, so its state is made in host memory
+            CpuOffload(self.groups)
+        self.offload: Offload = NoOffload()  # disk offload needs the optimizers: see attach_optimizers
+        self._memory: dict[str, float] = {}
+
+    def attach_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        super().attach_optimizers(optimizers)
+        self.offload = build_offload(self.config, self.groups, self.optimizers)
 
     def build_groups(self) -> list[FlatGroup]:
         raise NotImplementedError
@@ -113,19 +118,36 @@ class ZeroBase(Engine):
         self.scaler.update(found)
         return found
 
-    def optimizer_step(self) -> None:
-        from shardwise.zero.memory import memory_report
+    # -- the update (Engine.optimizer_step) ---------------------------------------------------------
+    def optimizer_units(self) -> list[NamedTensors]:
+        """One optimizer per flat group, over this rank's master shard of it."""
+        return [[(f"flat{i}", group.master)] for i, group in enumerate(self.groups)]
 
+    def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+        """Squares of this rank's gradient shards (padding is zero): each element lives in one shard."""
+        total = torch.zeros((), dtype=torch.float64)
+        for group in self.groups:
+            if group.grad_shard is not None:
+                total += group.grad_shard.detach().double().pow(2).sum().cpu()
+        return total / self.scaler.scale**2, self.comm
+
+    def prepare_update(self) -> bool:
         self._memory = memory_report(self)  # gradients are live now: the moment the formula describes
-        if not self._overflowed():
-            for i, (group, optimizer) in enumerate(zip(self.groups, self.optimizers, strict=True)):
-                with self.offload.resident(i):
-                    shard = group.grad_shard
-                    master = group.master
-                    master.grad = torch.zeros_like(master) if shard is None else shard.to(master.device)
-                    optimizer.step()
-                    group.master.grad = None
-                    self.after_group_step(i)
+        return not self._overflowed()
+
+    @contextmanager
+    def unit_update(self, index: int) -> Iterator[None]:
+        group = self.groups[index]
+        with self.offload.resident(index):
+            shard, master = group.grad_shard, group.master
+            master.grad = torch.zeros_like(master) if shard is None else shard.to(master.device)
+            try:
+                yield
+            finally:
+                master.grad = None
+            self.after_group_step(index)
+
+    def after_update(self) -> None:
         for group in self.groups:
             group.grad_shard = None
         for p in self.model.parameters():
@@ -158,23 +180,17 @@ class ZeroBase(Engine):
 
     def metrics(self) -> dict[str, float]:
         """Model-state bytes by component beside the ZeRO formula, taken just before the last update."""
-        return dict(getattr(self, "_memory", {}))
+        return dict(self._memory)
 
     # -- checkpoints (see shardwise.zero.state) ----------------------------------------------------
     def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
-        from shardwise.zero.state import zero_state_pieces
-
         return zero_state_pieces(self, rank, world_size)
 
     def load_state(self, read: StateReader) -> None:
-        from shardwise.zero.state import load_zero_state
-
         load_zero_state(self, read)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every checkpoint tensor at its global shape, by checkpoint name, on every rank (all-gathers)."""
-        from shardwise.zero.state import gathered_state
-
         return gathered_state(self)
 
     def close(self) -> None:

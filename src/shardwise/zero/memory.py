@@ -20,10 +20,12 @@ from __future__ import annotations
 import resource
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
-from shardwise.zero.base import ZeroBase
+if TYPE_CHECKING:
+    from shardwise.zero.base import ZeroBase
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
@@ -40,8 +42,9 @@ def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
 def model_state_bytes(engine: ZeroBase) -> dict[str, int]:
     """Bytes this rank holds now, by component: params, grads, optimizer_state, buffers."""
     seen: set[int] = set()
-    frozen = [p for p in engine.model.parameters() if not p.requires_grad]
-    params = _unique_bytes([g.full for g in engine.groups] + [g.master for g in engine.groups] + frozen, seen)
+    frozen: list[torch.Tensor] = [p for p in engine.model.parameters() if not p.requires_grad]
+    held = [g.full for g in engine.groups] + [g.master for g in engine.groups] + frozen
+    params = _unique_bytes(held, seen)
     grads = [g.flat_grad for g in engine.groups if g.flat_grad is not None]
     grads += [g.grad_shard for g in engine.groups if g.grad_shard is not None]
     grads += [p.grad for p in engine.model.parameters() if p.grad is not None]
@@ -113,7 +116,7 @@ def memory_report(engine: ZeroBase) -> dict[str, float]:
     psi = sum(p.numel() for _, p in engine.trainable)
     mixed = engine.precision.compute != engine.precision.master
     param_bytes = torch.empty((), dtype=engine.precision.master).element_size()
-    first_state = next((s for opt in engine.optimizers for s in opt.state.values()), {})
+    first_state: dict[str, object] = next((s for opt in engine.optimizers for s in opt.state.values()), {})
     states_per_param = sum(1 for t in first_state.values() if torch.is_tensor(t) and t.dim() > 0)
     frozen = sum(p.numel() * p.element_size() for p in engine.model.parameters() if not p.requires_grad)
     precision = "bf16" if mixed else "fp32"  # the formula treats bf16 and fp16 alike (2 bytes)

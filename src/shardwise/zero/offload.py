@@ -11,6 +11,7 @@ shards, so disk offload covers them too.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -58,7 +59,7 @@ class DiskOffload:
         self._depth = [0] * len(groups)
         self._files: list[dict[str, Path]] = [{} for _ in groups]
         for i, group in enumerate(groups):
-            group.resident = lambda i=i: self.resident(i)
+            group.resident = functools.partial(self.resident, i)
             self._evict(i)
 
     def _tensors(self, i: int) -> dict[str, torch.Tensor]:
@@ -119,9 +120,10 @@ class DiskOffload:
             shutil.rmtree(self.dir.parent, ignore_errors=True)
 
 
-def build_offload(
-    config: ZeroConfig, groups: list[FlatGroup], optimizers: list[Optimizer]
-) -> NoOffload | CpuOffload | DiskOffload:
+Offload = NoOffload | DiskOffload  # CpuOffload is a NoOffload once the masters are in host memory
+
+
+def build_offload(config: ZeroConfig, groups: list[FlatGroup], optimizers: list[Optimizer]) -> Offload:
     if config.offload == "none":
         return NoOffload()
     if config.offload == "cpu":

@@ -27,7 +27,8 @@ from torch import nn
 
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
-from shardwise.zero.base import OptimizerFactory, ZeroBase
+from shardwise.engine.base import Role
+from shardwise.zero.base import ZeroBase
 from shardwise.zero.group import FlatGroup
 
 
@@ -53,9 +54,9 @@ class ZeroEngine(ZeroBase):
         self,
         model: nn.Module,
         comm: Comm,
-        optimizer_factory: OptimizerFactory,
         stage: int,
         config: ZeroConfig,
+        role: Role | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroEngine runs stages 1 and 2; got {stage} (stage 3: ShardedModule)")
@@ -63,7 +64,7 @@ class ZeroEngine(ZeroBase):
         self.name = f"zero{stage}"
         # stage 1 reduces in place in gradient buffers that live all step: never block backward
         self.reduce_window = None if stage == 1 else 2
-        super().__init__(model, comm, optimizer_factory, config)
+        super().__init__(model, comm, config, role)
         self._sync = True
         self._launched = 0  # buckets whose reduce-scatter has started this step, in order
         self._missing: list[int] = []  # per bucket: gradients not yet accumulated

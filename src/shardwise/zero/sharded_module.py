@@ -29,7 +29,8 @@ from torch import nn
 
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
-from shardwise.zero.base import OptimizerFactory, ZeroBase
+from shardwise.engine.base import Role
+from shardwise.zero.base import ZeroBase
 from shardwise.zero.group import FlatGroup
 
 
@@ -40,11 +41,9 @@ class ShardedModule(ZeroBase):
     name = "zero3"
     reduce_window = 1  # with _first_grad's wait: one flat gradient buffer at a time
 
-    def __init__(
-        self, model: nn.Module, comm: Comm, optimizer_factory: OptimizerFactory, config: ZeroConfig
-    ) -> None:
+    def __init__(self, model: nn.Module, comm: Comm, config: ZeroConfig, role: Role | None = None) -> None:
         self._unit_group: list[int | None] = []  # unit index -> group index (None: nothing to shard)
-        super().__init__(model, comm, optimizer_factory, config)
+        super().__init__(model, comm, config, role)
         self._gathering: set[int] = set()  # groups whose gather has started since they were last freed
         self._missing = [len(g.params) for g in self.groups]
         self._group_unit = {g: u for u, g in enumerate(self._unit_group) if g is not None}
@@ -52,7 +51,7 @@ class ShardedModule(ZeroBase):
         self.after_step()
 
     # -- units --------------------------------------------------------------------------------------
-    def _units(self) -> nn.ModuleList:
+    def _units(self) -> nn.ModuleList | nn.Sequential:
         units = getattr(self.model, self.config.unit, None)
         if not isinstance(units, nn.ModuleList | nn.Sequential):
             raise ValueError(

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardwise.checkpoint.manager import Piece as SavedPiece
-from shardwise.train.engine import Span, StateReader
-from shardwise.train.full_state import StateMismatchError, replicated_pieces
+from shardwise.engine.base import Span, StateReader
+from shardwise.engine.full_state import StateMismatchError, replicated_pieces
 from shardwise.zero.flat_param import FlatLayout
 from shardwise.zero.group import FlatGroup
 
@@ -85,7 +85,8 @@ def _group_keys(group: FlatGroup, shapes: dict) -> tuple[list[str], list[str]]:
         if name.startswith("optim/"):
             _, key, pname = name.split("/", 2)
             found.setdefault(key, set()).add(pname)
-    elements, scalars = [], []
+    elements: list[str] = []
+    scalars: list[str] = []
     for key, names in sorted(found.items()):
         mine = names & set(group.names)
         if not mine:

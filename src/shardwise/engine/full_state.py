@@ -10,13 +10,15 @@ checkpoint into a plain model and ``torch.optim`` optimizer in one process (no p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
 from shardwise.checkpoint.format import Manifest
 from shardwise.checkpoint.manager import Piece, spread_replicated
 from shardwise.checkpoint.reader import load, resolve, verify_checkpoint
-from shardwise.train.engine import Span, StateReader
+from shardwise.engine.base import Span, StateReader
 
 
 class StateMismatchError(ValueError):
@@ -43,7 +45,7 @@ def replicated_pieces(tensors: dict[str, torch.Tensor], rank: int, world_size: i
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, read: StateReader) -> None:
     """Read whole tensors, then copy them into ``model`` and replace ``optimizer``'s state."""
-    local = {f"model/{n}": p for n, p in model.named_parameters()}
+    local: dict[str, torch.Tensor] = {f"model/{n}": p for n, p in model.named_parameters()}
     local.update({f"model/{n}": b for n, b in model.named_buffers()})
     load_named_state(local, dict(model.named_parameters()), optimizer, read)
 
@@ -82,7 +84,7 @@ class FolderReader:
         self.manifest = manifest or verify_checkpoint(step_dir)
         self.shapes = {name: tuple(rec.global_shape) for name, rec in self.manifest.tensors.items()}
 
-    def __call__(self, requests: dict[str, Span]) -> dict[str, torch.Tensor]:
+    def __call__(self, requests: Mapping[str, Span]) -> dict[str, torch.Tensor]:
         return load(self.step_dir, requests, manifest=self.manifest)
 
 
@@ -118,7 +120,7 @@ def _replace_optimizer_state(
     loaded: dict[str, tuple[str, str, torch.Tensor]],
 ) -> None:
     """Through ``load_state_dict``, so torch casts each value as it does for its own checkpoints."""
-    index = {}
+    index: dict[int, dict[str, torch.Tensor]] = {}
     flat = [p for group in optimizer.param_groups for p in group["params"]]
     by_id = {id(p): i for i, p in enumerate(flat)}
     for key, pname, tensor in loaded.values():

@@ -79,10 +79,10 @@ def _setup(config: TrainConfig) -> tuple[torch.nn.Module, Any, int]:
 def _ours(config: TrainConfig) -> Any:
     from shardwise.collectives.api import Comm
     from shardwise.data_parallel.ddp import DDPEngine
-    from shardwise.train.optim import optimizer_factory
+    from shardwise.engine.optim import attach_optimizers, optimizer_factory
 
     model, sampler, tokens = _setup(config)
-    engine = DDPEngine(model, Comm(), optimizer_factory(config.optim), config.ddp)
+    engine = attach_optimizers(DDPEngine(model, Comm(), config.ddp), optimizer_factory(config.optim))
 
     def step(i: int) -> None:
         engine.forward_backward([sampler.local_batch(i)], tokens)
@@ -94,12 +94,12 @@ def _ours(config: TrainConfig) -> Any:
 def _torch_ddp(config: TrainConfig) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
-    from shardwise.train.engine import loss_sum
-    from shardwise.train.optim import build_optimizer
+    from shardwise.engine.base import loss_sum
+    from shardwise.engine.optim import build_optimizer, named
 
     model, sampler, _ = _setup(config)
     ddp = DistributedDataParallel(model, bucket_cap_mb=config.ddp.bucket_mb)
-    optimizer = build_optimizer(ddp.parameters(), config.optim)
+    optimizer = build_optimizer(named(ddp), config.optim)
 
     def step(i: int) -> None:
         inputs, targets = sampler.local_batch(i)
@@ -148,7 +148,7 @@ def run_ddp_bench(
     return result
 
 
-def render(result: dict[str, Any]) -> None:
+def render_ddp(result: dict[str, Any]) -> None:
     print(
         f"all-reduce DP on {result['nproc']} ranks, preset {result['preset']}, batch {result['global_batch']}"
     )

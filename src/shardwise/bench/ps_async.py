@@ -19,20 +19,21 @@ from typing import Any
 
 import torch
 
+from shardwise.bench.dp_compare import drive_ps, markov_batches, tiny_model
 from shardwise.collectives.api import Comm
 from shardwise.config import OptimizerConfig, PSConfig, TrainConfig
-from shardwise.data_parallel.compare import drive_ps, markov_batches, tiny_model
 from shardwise.data_parallel.param_server import ParamServerEngine
+from shardwise.engine.base import loss_sum
+from shardwise.engine.optim import attach_optimizers, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
-from shardwise.train.engine import loss_sum
-from shardwise.train.optim import optimizer_factory
 
 
 def _train_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     model = tiny_model(spec["vocab"], spec["dim"])
     config = PSConfig(servers=1, mode=spec["mode"], max_staleness=spec["max_staleness"])
     optim = OptimizerConfig(name="adamw", lr=spec["lr"])
-    engine = ParamServerEngine(model, Comm(), optimizer_factory(optim), config, spec["steps"])
+    engine = ParamServerEngine(model, Comm(), config, spec["steps"])
+    attach_optimizers(engine, optimizer_factory(optim))
     batches = markov_batches(spec["vocab"], spec["batch"], spec["seq_len"], spec["steps"], seed=7)
     drive_ps(engine, batches, rank, world_size)
     if rank != 0:
@@ -93,8 +94,8 @@ MODES = {  # label -> (ps.mode, ps.staleness_lr)
 
 
 def _train_summary(config: TrainConfig, nproc: int) -> dict[str, Any]:
-    from shardwise.commands.train import train_worker
     from shardwise.launch import launch_local
+    from shardwise.train.loop import train_worker
 
     results = launch_local(train_worker, (config, False), nproc, 0)
     return next(r for r in results.values() if r is not None)

@@ -27,9 +27,9 @@ from shardwise.collectives.api import Comm, CommStats
 from shardwise.config import OptimizerConfig, PSConfig
 from shardwise.data_parallel.param_server import ParamServerEngine
 from shardwise.data_parallel.single_process import SingleProcessDPEngine
+from shardwise.engine.base import Batch
+from shardwise.engine.optim import attach_optimizers, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
-from shardwise.train.engine import Batch
-from shardwise.train.optim import optimizer_factory
 
 OPTIM = OptimizerConfig(name="sgd", lr=0.1, momentum=0.0)
 
@@ -95,7 +95,8 @@ def drive_ps(engine: ParamServerEngine, batches: list[Batch], rank: int, world_s
 
 def _ps_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     model = tiny_model(spec["vocab"], spec["dim"])
-    engine = ParamServerEngine(model, Comm(), optimizer_factory(OPTIM), PSConfig(servers=1), spec["steps"])
+    engine = ParamServerEngine(model, Comm(), PSConfig(servers=1), spec["steps"])
+    attach_optimizers(engine, optimizer_factory(OPTIM))
     batches = markov_batches(spec["vocab"], spec["batch"], spec["seq_len"], spec["steps"], seed=5)
     start = time.perf_counter()
     drive_ps(engine, batches, rank, world_size)
@@ -113,7 +114,8 @@ def _allreduce_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[st
     from shardwise.data_parallel.ddp import DDPEngine
 
     comm = Comm()
-    engine = DDPEngine(tiny_model(spec["vocab"], spec["dim"]), comm, optimizer_factory(OPTIM), DDPConfig())
+    engine = DDPEngine(tiny_model(spec["vocab"], spec["dim"]), comm, DDPConfig())
+    attach_optimizers(engine, optimizer_factory(OPTIM))
     batches = markov_batches(spec["vocab"], spec["batch"], spec["seq_len"], spec["steps"], seed=5)
     stats, start = [], time.perf_counter()
     for batch in batches:
@@ -127,7 +129,7 @@ def _allreduce_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[st
 
 def _single_process(nproc: int, spec: dict[str, Any]) -> dict[str, Any]:
     model = tiny_model(spec["vocab"], spec["dim"])
-    engine = SingleProcessDPEngine(model, nproc, optimizer_factory(OPTIM))
+    engine = attach_optimizers(SingleProcessDPEngine(model, nproc), optimizer_factory(OPTIM))
     batches = markov_batches(spec["vocab"], spec["batch"], spec["seq_len"], spec["steps"], seed=5)
     copies, moved, start = 0, 0, time.perf_counter()
     for batch in batches:

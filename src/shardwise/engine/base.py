@@ -1,8 +1,23 @@
-"""The strategy interface: one training step's forward, backward, communication and update.
+"""The data-parallel layer's interface: one step's forward, backward, gradient exchange and update.
 
 Every strategy (all-reduce DP, ZeRO, the parameter server, ...) is an ``Engine``. The train loop,
-``shardwise verify`` and the benchmarks drive engines only through this interface, so a new strategy
-plugs into all of them at once.
+``shardwise verify``, checkpoints and the benchmarks drive engines only through this interface, so a
+new strategy plugs into all of them at once, and they never ask which strategy they hold.
+
+What an engine owns, and what it does not:
+
+- It owns gradient reduction and, where it shards, which slice of the parameters a rank holds. It
+  declares what this rank's optimizer updates (``optimizer_units``: one list of named tensors per
+  unit; ZeRO has one unit per flat group, a parameter server's worker none). The optimizers are built
+  outside it, by one factory (``engine.optim.attach_optimizers``), and handed to it.
+- The update runs in one place, ``optimizer_step``: ``prepare_update`` (False skips the step, e.g. an
+  fp16 overflow), then ``run_optimizers`` (each unit's ``optimizer.step()`` inside that unit's
+  ``unit_update`` context: offload maps the shard in, ZeRO sets the shard's gradient), then
+  ``after_update``. A parameter server's servers call ``run_optimizers`` from their serving loop.
+- ``grad_norm_sq`` gives this rank's share of the squared global gradient norm (every element of
+  every trainable parameter counted exactly once over the job) and the ``Comm`` to sum the shares
+  over, so clipping and monitoring need no strategy-specific code.
+- ``role`` says whether this rank steps, reports (writes metrics, returns the summary) or serves.
 
 Loss convention (exact averaging over uneven shares): each rank's loss is the *sum* of its token
 losses divided by the number of tokens in the *global* batch, and gradients are *summed* over ranks.
@@ -13,18 +28,39 @@ share of it each rank drew.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim import Optimizer
 
 from shardwise.checkpoint.manager import Piece
+from shardwise.collectives.api import Comm
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (batch, seq) long, targets (batch, seq) long
 Span = tuple[int, int] | None  # a flat range [start, stop) of a global tensor; None: the whole tensor
+NamedTensors = list[tuple[str, torch.Tensor]]  # what one optimizer updates, by name
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a rank does in the job; the loop, verify, metrics and checkpoints ask this, not the strategy.
+
+    ``reporter`` (the global rank that reports) is the same on every rank, so any rank can address it.
+    """
+
+    steps: bool  # runs forward and backward on its share of each batch
+    serves: bool  # runs the optimizer for ranks that step (a parameter server)
+    reports: bool  # writes metrics.jsonl and returns the run's summary
+    reporter: int
+
+    @staticmethod
+    def trainer(rank: int, reporter: int = 0) -> Role:
+        return Role(steps=True, serves=False, reports=rank == reporter, reporter=reporter)
 
 
 class StateReader(Protocol):
@@ -36,9 +72,25 @@ class StateReader(Protocol):
     damaged; the caller then falls back to an older checkpoint and calls ``load_state`` again.
     """
 
-    shapes: Mapping[str, tuple[int, ...]]
+    @property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]: ...
 
     def __call__(self, requests: Mapping[str, Span]) -> dict[str, torch.Tensor]: ...
+
+
+def trainable(model: nn.Module) -> NamedTensors:
+    """The model's trainable parameters by name (a tied weight once): a whole-model optimizer unit."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def grad_sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared gradient elements of ``tensors`` (missing gradients count zero), as float64."""
+    total = torch.zeros((), dtype=torch.float64)
+    for t in tensors:
+        grad = t.grad if isinstance(t, torch.Tensor) and t.grad is not None else None
+        if grad is not None:
+            total += grad.detach().double().pow(2).sum().cpu()
+    return total
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -55,12 +107,17 @@ def predicted_tokens(model_kind: str, batch: int, seq_len: int) -> int:
 
 
 class Engine(ABC):
-    """A model with a strategy applied. Subclasses own the communication and the optimizer."""
+    """A model with a data-parallel strategy applied; see the module docstring for the contract."""
 
     name: str = "engine"
+    comm: Comm | None = None  # what the strategy communicates over: its bytes and waits are the step's
+    # where the optimizer runs: on every rank over what it holds, or on the parameter servers
+    optimizer_runs: Literal["every_rank", "servers"] = "every_rank"
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, role: Role | None = None) -> None:
         self.model = model
+        self.role = role or Role.trainer(0)
+        self.optimizers: list[Optimizer] = []
 
     # -- the step ---------------------------------------------------------------------------------
     def forward_backward(self, micro_batches: Sequence[Batch], global_tokens: int) -> float:
@@ -91,9 +148,74 @@ class Engine(ABC):
     def finish_grads(self) -> None:
         """After the last backward of a step: complete gradient communication."""
 
+    # -- the update: one place for every strategy -------------------------------------------------
     @abstractmethod
+    def optimizer_units(self) -> list[NamedTensors]:
+        """What this rank's optimizers update, one list per optimizer (empty: no optimizer here)."""
+
+    def attach_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Take the optimizers built over ``optimizer_units()`` (one each, in order)."""
+        units = self.optimizer_units()
+        if len(optimizers) != len(units):
+            raise ValueError(
+                f"the {self.name} engine has {len(units)} optimizer units, got {len(optimizers)}"
+            )
+        self.optimizers = list(optimizers)
+
+    @abstractmethod
+    def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+        """This rank's share of the squared global gradient norm, and the ``Comm`` to sum shares over.
+
+        Call between ``finish_grads`` and ``optimizer_step``. Summed over the ``Comm`` (no ``Comm``:
+        this rank's share is already the whole), every element of every trainable parameter counts
+        once. A 0-d float64 tensor.
+        """
+
     def optimizer_step(self) -> None:
         """Apply the update and clear gradients for the next step."""
+        if self.prepare_update():
+            self.run_optimizers()
+        self.after_update()
+
+    def run_optimizers(self, lr_scale: float = 1.0) -> None:
+        """Step every optimizer of this rank, each inside its unit's context; lr scaled by ``lr_scale``."""
+        for index, optimizer in enumerate(self.optimizers):
+            rates = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * lr_scale
+            try:
+                with self.unit_update(index):
+                    optimizer.step()
+            finally:
+                for group, lr in zip(optimizer.param_groups, rates, strict=True):
+                    group["lr"] = lr
+
+    def prepare_update(self) -> bool:
+        """Before the optimizers run; False skips this step's update (an fp16 overflow, say)."""
+        return True
+
+    @contextmanager
+    def unit_update(self, index: int) -> Iterator[None]:
+        """Around optimizer ``index``'s step: make its tensors and their gradients ready, then tidy up."""
+        yield
+
+    def after_update(self) -> None:
+        """After the optimizers (or a skipped update): gradients cleared, parameters ready for forward."""
+        return None
+
+    # -- roles --------------------------------------------------------------------------------------
+    def serve(self, after_step: Callable[[int], None] | None = None) -> None:
+        """A serving rank's whole run (the parameter server); ``after_step(done)`` runs where the ranks
+        that step finish step ``done`` (checkpoints are saved there). Ranks that step never call it."""
+        raise RuntimeError(f"the {self.name} engine has no serving ranks: every rank steps")
+
+    def resume_at(self, step: int) -> None:
+        """Continue after ``step`` completed steps (a checkpoint was loaded). Nothing by default."""
+        return None
+
+    def finish(self) -> None:
+        """After the last step: anything owed to other ranks (final weights, say). Idempotent."""
+        return None
 
     # -- inspection (verify, checkpoints, digests) ----------------------------------------------------
     @abstractmethod

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import OptimizerConfig, ZeroConfig
+from shardwise.engine.base import loss_sum
+from shardwise.engine.optim import attach_optimizers, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
-from shardwise.train.engine import loss_sum
-from shardwise.train.optim import optimizer_factory
 
 TORCH_NAMES = {1: "ddp+ZeroRedundancyOptimizer", 2: "fsdp2(reshard=False)", 3: "fsdp2(reshard=True)"}
 
@@ -84,7 +84,7 @@ def _torch_step_fn(model: nn.Module, stage: int, world_size: int, lr: float, buc
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)  # the same bucket size as ours
-        opt = ZeroRedundancyOptimizer(
+        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr, foreach=False
         )
     else:
@@ -92,7 +92,7 @@ def _torch_step_fn(model: nn.Module, stage: int, world_size: int, lr: float, buc
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world_size,))
-        for block in model.blocks:
+        for block in model.blocks:  # type: ignore[union-attr]
             fully_shard(block, mesh=mesh, reshard_after_forward=stage == 3)
         fully_shard(model, mesh=mesh, reshard_after_forward=stage == 3)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
@@ -137,17 +137,20 @@ def _bench_rank(
     if impl == "ours":
         comm = Comm()
         factory = optimizer_factory(OptimizerConfig(name="adamw", lr=1e-4))
-        engine = build_zero_engine(model, comm, factory, stage, ZeroConfig(bucket_mb=bucket_mb))
+        engine = attach_optimizers(
+            build_zero_engine(model, comm, stage, ZeroConfig(bucket_mb=bucket_mb)), factory
+        )
+
+        calls = [0]
 
         def step(x: torch.Tensor, y: torch.Tensor, global_tokens: int) -> None:
             engine.forward_backward([(x, y)], global_tokens)
-            if step.calls == 1:  # optimizer state exists from the first step on
+            if calls[0] == 1:  # optimizer state exists from the first step on
                 out["model_state"] = model_state_bytes(engine)
                 out["formula"] = zero_formula(psi, stage, world_size, "fp32", 4, 2)
             engine.optimizer_step()
-            step.calls += 1
+            calls[0] += 1
 
-        step.calls = 0  # type: ignore[attr-defined]
     else:
         step = _torch_step_fn(model, stage, world_size, lr=1e-4, bucket_mb=bucket_mb)
     times = []
@@ -226,7 +229,7 @@ def _offload_rank(rank: int, world_size: int, stage: int, offload: str, folder: 
     model = BenchGPT(shape["vocab"], shape["dim"], shape["layers"], shape["seq_len"])
     factory = optimizer_factory(OptimizerConfig(name="adamw", lr=1e-4))
     config = ZeroConfig(offload=offload, offload_dir=folder)
-    engine = build_zero_engine(model, Comm(), factory, stage, config)
+    engine = attach_optimizers(build_zero_engine(model, Comm(), stage, config), factory)
     data = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq_len"] + 1))
     for _ in range(shape.get("steps", 2)):
         engine.forward_backward([(data[:, :-1], data[:, 1:])], data[:, 1:].numel() * world_size)

@@ -1,0 +1,32 @@
+"""The parameter server's message layout, shared by its synchronous and asynchronous paths.
+
+Messages are flat tensors in the parameters' dtype: a push is ``[grad shard..., loss, version, kind]``
+(kind 0 = gradient, 1 = done); a reply is ``[weights..., version, staleness, accepted, loss_total]``.
+No communication here: only packing and unpacking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+PUSH_EXTRA = 3  # loss, version, kind
+REPLY_EXTRA = 4  # version, staleness, accepted, loss_total
+KIND_GRAD, KIND_DONE = 0.0, 1.0
+MAX_ATTEMPTS = 3  # async: pushes of one batch before a worker gives it up (see ps_async)
+
+
+def flatten(tensors: Sequence[torch.Tensor], extra: int) -> torch.Tensor:
+    """One flat buffer holding ``tensors`` followed by ``extra`` header slots (left zero)."""
+    parts = [t.detach().reshape(-1) for t in tensors]
+    dtype = tensors[0].dtype if tensors else torch.float64
+    return torch.cat([*parts, torch.zeros(extra, dtype=dtype)])
+
+
+def unflatten_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+    """Copy the leading part of ``flat`` into ``targets`` in order."""
+    offset = 0
+    for t in targets:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -1,0 +1,5 @@
+"""The data-parallel layer: its interface (``base``), whole-tensor state, optimizers (``optim``)."""
+
+from shardwise.engine.base import Batch, Engine, NamedTensors, Role, StateReader, loss_sum, predicted_tokens
+
+__all__ = ["Batch", "Engine", "NamedTensors", "Role", "StateReader", "loss_sum", "predicted_tokens"]

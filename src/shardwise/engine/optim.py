@@ -1,0 +1,59 @@
+"""Optimizers, built in one place over what each rank holds, after the strategy is applied.
+
+The data-parallel layer says what a rank's optimizers update (``Engine.optimizer_units``: whole
+parameters for DDP, flat master shards for ZeRO, the served parameters on a parameter server); one
+factory builds an optimizer per unit, and ``attach_optimizers`` hands them to the engine. Strategies
+never build optimizers themselves, so anything that wraps or schedules an optimizer composes with
+every strategy. No communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from shardwise.config import OptimizerConfig
+
+if TYPE_CHECKING:
+    from shardwise.engine.base import Engine
+
+NamedParams = Sequence[tuple[str, torch.Tensor]]
+E = TypeVar("E", bound="Engine")
+OptimizerFactory = Callable[[NamedParams], torch.optim.Optimizer]
+
+
+def build_optimizer(named: NamedParams, config: OptimizerConfig) -> torch.optim.Optimizer:
+    """An optimizer over the tensors of ``named`` (names are for factories that group by name)."""
+    params = [p for _, p in named]
+    # foreach=False: the per-tensor loop gives bit-identical updates whether parameters are whole or
+    # flattened shards, which the parity tests rely on.
+    if config.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay, foreach=False
+        )
+    cls = torch.optim.AdamW if config.name == "adamw" else torch.optim.Adam
+    return cls(
+        params,
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        weight_decay=config.weight_decay,
+        foreach=False,
+    )
+
+
+def optimizer_factory(config: OptimizerConfig) -> OptimizerFactory:
+    return lambda named: build_optimizer(named, config)
+
+
+def named(params: Sequence[torch.nn.Parameter] | torch.nn.Module) -> NamedParams:
+    """Trainable tensors with positional names, for building a plain reference optimizer."""
+    items = params.parameters() if isinstance(params, torch.nn.Module) else params
+    return [(str(i), p) for i, p in enumerate(p for p in items if p.requires_grad)]
+
+
+def attach_optimizers(engine: E, factory: OptimizerFactory) -> E:
+    """Build one optimizer per unit the engine declares and hand them over; returns the engine."""
+    engine.attach_optimizers([factory(unit) for unit in engine.optimizer_units()])
+    return engine

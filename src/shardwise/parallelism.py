@@ -1,0 +1,92 @@
+"""``parallelize(model, mesh, config)``: every configured kind of parallelism, applied from outside.
+
+The steps run in one fixed order (torchtitan's ``parallelize``), each on its own mesh axis:
+
+1. tensor parallelism over ``tp``: parameters become local shards;
+2. the pipeline split over ``pp``: this rank keeps its stage(s), parameter names preserved;
+3. activation checkpointing, per block;
+4. data parallelism over ``dp`` (ddp | zero1-3 | ps): the returned ``Engine``;
+
+then the optimizers, built by one factory over what the rank holds after all four (so they compose),
+and handed to the engine. A step that is not built yet refuses in one line (``NotBuiltError``) when
+the config asks for it, rather than being silently skipped. ``check`` runs the same refusals on the
+config alone, so commands can fail before any rank starts. Communication: only the data-parallel
+engine's start-up (initial weights from rank 0, or from the servers).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.config import ConfigError, TrainConfig
+from shardwise.engine.base import Engine
+from shardwise.engine.optim import OptimizerFactory, attach_optimizers, optimizer_factory
+from shardwise.mesh import Mesh
+from shardwise.strategies import build_data_parallel
+
+
+class NotBuiltError(ConfigError):
+    """The config asks for a kind of parallelism this version does not have yet."""
+
+
+def check(config: TrainConfig) -> None:
+    """Refuse, in one line, what the config asks for and no step can do yet."""
+    _check_tensor_parallel(config)
+    _check_pipeline(config)
+    _check_activation_checkpointing(config)
+
+
+def _check_tensor_parallel(config: TrainConfig) -> None:
+    if config.parallel.tp != 1:
+        raise NotBuiltError(
+            f"tensor parallelism (parallel.tp = {config.parallel.tp}) is not built yet; set parallel.tp = 1"
+        )
+
+
+def _check_pipeline(config: TrainConfig) -> None:
+    if config.parallel.pp != 1:
+        raise NotBuiltError(
+            f"pipeline parallelism (parallel.pp = {config.parallel.pp}) is not built yet; set parallel.pp = 1"
+        )
+
+
+def _check_activation_checkpointing(config: TrainConfig) -> None:
+    if config.parallel.activation_checkpointing:
+        raise NotBuiltError(
+            "activation checkpointing (parallel.activation_checkpointing = true) is not built yet; "
+            "set it to false"
+        )
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
+    """Step 1: shard layers over the ``tp`` axis (refuses until tensor parallelism is built)."""
+    _check_tensor_parallel(config)
+
+
+def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
+    """Step 2: keep this rank's pipeline stage over the ``pp`` axis (refuses until pipelines are built)."""
+    _check_pipeline(config)
+
+
+def apply_activation_checkpointing(model: nn.Module, config: TrainConfig) -> None:
+    """Step 3: recompute each block's activations in backward (refuses until it is built)."""
+    _check_activation_checkpointing(config)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    config: TrainConfig,
+    factory: OptimizerFactory | None = None,
+    share_gradients: bool = False,
+) -> Engine:
+    """Apply steps 1-4 to ``model`` in place and return the engine, its optimizers attached.
+
+    ``factory`` builds each optimizer from named tensors (default: ``config.optim``'s);
+    ``share_gradients`` makes global gradients visible on every rank that steps (``verify``).
+    """
+    apply_tensor_parallel(model, mesh, config)
+    apply_pipeline(model, mesh, config)
+    apply_activation_checkpointing(model, config)
+    engine = build_data_parallel(config, model, mesh, share_gradients)
+    return attach_optimizers(engine, factory or optimizer_factory(config.optim))
