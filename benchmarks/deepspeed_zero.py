@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from shardwise.testing.harness import run_on_ranks
-from shardwise.engine.base import loss_sum
 from shardwise.bench.zero import BenchGPT, _bench_rank, _return_freed_memory, _summarize
+from shardwise.engine.loss import loss_sum
+from shardwise.testing.harness import run_on_ranks
 
 SHAPE = {"vocab": 8192, "dim": 384, "layers": 6, "seq_len": 64, "batch": 4}  # as `shardwise bench zero`
 LR = 1e-4

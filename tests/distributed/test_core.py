@@ -14,7 +14,8 @@ from shardwise.collectives.cost import CostProfile
 from shardwise.config import CommConfig, ConfigError, ParallelConfig, ParallelDims, TrainConfig, load_config
 from shardwise.data.corpus import load_corpus
 from shardwise.data.sampler import DataSampler
-from shardwise.engine.base import loss_sum, predicted_tokens, trainable
+from shardwise.engine.base import predicted_tokens, trainable
+from shardwise.engine.loss import loss_sum
 from shardwise.engine.optim import build_optimizer
 from shardwise.mesh import build_mesh
 from shardwise.models import build_model

@@ -17,7 +17,7 @@ from torch import nn
 from shardwise.collectives.api import Comm
 from shardwise.config import OptimizerConfig, PSConfig
 from shardwise.data_parallel.param_server import ParamServerEngine
-from shardwise.engine.base import loss_sum
+from shardwise.engine.loss import loss_sum
 from shardwise.engine.optim import attach_optimizers, named, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
 from shardwise.testing.parity import assert_parity

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise.collectives.api import Comm
 from shardwise.config import OptimizerConfig, ZeroConfig
-from shardwise.engine.base import loss_sum
+from shardwise.engine.loss import loss_sum
 from shardwise.engine.optim import attach_optimizers, named, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
 from shardwise.testing.parity import compare_tensors

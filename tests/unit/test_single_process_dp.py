@@ -10,7 +10,7 @@ from torch import nn
 
 from shardwise.config import OptimizerConfig
 from shardwise.data_parallel.single_process import SingleProcessDPEngine
-from shardwise.engine.base import loss_sum
+from shardwise.engine.loss import loss_sum
 from shardwise.engine.optim import attach_optimizers, named, optimizer_factory
 from shardwise.testing.parity import assert_parity
 

@@ -94,7 +94,7 @@ def _ours(config: TrainConfig) -> Any:
 def _torch_ddp(config: TrainConfig) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
-    from shardwise.engine.base import loss_sum
+    from shardwise.engine.loss import loss_sum
     from shardwise.engine.optim import build_optimizer, named
 
     model, sampler, _ = _setup(config)

@@ -23,7 +23,7 @@ from shardwise.bench.dp_compare import drive_ps, markov_batches, tiny_model
 from shardwise.collectives.api import Comm
 from shardwise.config import OptimizerConfig, PSConfig, TrainConfig
 from shardwise.data_parallel.param_server import ParamServerEngine
-from shardwise.engine.base import loss_sum
+from shardwise.engine.loss import loss_sum
 from shardwise.engine.optim import attach_optimizers, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
 

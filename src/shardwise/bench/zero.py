@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import OptimizerConfig, ZeroConfig
-from shardwise.engine.base import loss_sum
+from shardwise.engine.loss import loss_sum
 from shardwise.engine.optim import attach_optimizers, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
 

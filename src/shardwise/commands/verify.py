@@ -76,7 +76,8 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
     """Plain single-process PyTorch on the whole global batch: the answer every strategy must give."""
     from shardwise.data.corpus import load_corpus
     from shardwise.data.sampler import DataSampler
-    from shardwise.engine.base import loss_sum, predicted_tokens
+    from shardwise.engine.base import predicted_tokens
+    from shardwise.engine.loss import loss_sum
     from shardwise.engine.optim import build_optimizer, named
     from shardwise.models import build_model
     from shardwise.train.loop import seed_everything, torch_dtype

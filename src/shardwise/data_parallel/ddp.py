@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm, Work
 from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.config import DDPConfig
-from shardwise.engine.base import Batch, Engine, NamedTensors, Role, StateReader, grad_sq_sum
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, grad_sq_sum
 from shardwise.engine.full_state import full_state_tensors, load_full_state, replicated_pieces
 
 
@@ -123,11 +124,11 @@ class DDPEngine(Engine):
         self._next = 0
 
     # -- the step -------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: Sequence[Batch], global_tokens: int) -> float:
+    def forward_backward(self, micro_batches: Sequence[Any], global_count: float) -> float:
         self._attach_grads()
         if self.config.broadcast_buffers and self._buffers:
             broadcast_coalesced(self.comm, self._buffers)
-        return super().forward_backward(micro_batches, global_tokens)
+        return super().forward_backward(micro_batches, global_count)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

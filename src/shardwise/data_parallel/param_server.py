@@ -22,6 +22,7 @@ worker reports, the optimizer runs on the servers (``optimizer_runs``) through t
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +40,7 @@ from shardwise.data_parallel.ps_messages import (
     unflatten_into,
 )
 from shardwise.data_parallel.ps_state import load_ps_state, ps_state_pieces
-from shardwise.engine.base import Batch, Engine, NamedTensors, Role, StateReader, grad_sq_sum, loss_sum
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, grad_sq_sum
 
 
 def assign_to_servers(sizes: Mapping[str, int], servers: int) -> list[list[str]]:
@@ -120,8 +121,8 @@ class ParamServerEngine(Engine):
         self.step_comm: list[CommStats] = []  # communication of each step (not the start / end transfers)
         self._step_start = comm.stats.snapshot()
         self._steps_done, self._finished = 0, False
-        self._micro: Sequence[Batch] = ()
-        self._global_tokens, self._local_tokens, self._loss_share = 1, 0, 0.0
+        self._micro: Sequence[Any] = ()
+        self._global_tokens, self._local_tokens, self._loss_share = 1.0, 0, 0.0
         self._replies: list[torch.Tensor] = []
         self._distribute_initial()
 
@@ -131,24 +132,20 @@ class ParamServerEngine(Engine):
         return self.shards[self.comm.rank] if self.is_server else []
 
     # -- worker side --------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: Sequence[Batch], global_tokens: int) -> float:
+    def forward_backward(self, micro_batches: Sequence[Any], global_count: float) -> float:
         self._require_worker()
         self._step_start = self.comm.stats.snapshot()
-        self._micro, self._global_tokens = micro_batches, global_tokens
+        self._micro, self._global_tokens = micro_batches, global_count
         self._loss_share = self._backward_all()
         self.finish_grads()
         return self._loss_share
 
-    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)
-        self._local_tokens += targets[:, -logits.size(1) :].numel()
-        return loss_sum(logits, targets)
-
     def _backward_all(self) -> float:
-        self._local_tokens, share = 0, 0.0
-        for inputs, targets in self._micro:
-            loss = self.compute_loss(inputs, targets) / self._global_tokens
-            loss.backward()
+        self._local_tokens = sum(self.loss.count(batch) for batch in self._micro)
+        share = 0.0
+        for batch in self._micro:
+            loss = self.compute_loss(batch) / self._global_tokens
+            self.backward(loss)
             share += float(loss.detach())
         return share
 

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from shardwise.collectives.api import Comm
-from shardwise.engine.base import Batch, Engine, NamedTensors, grad_sq_sum, loss_sum, trainable
+from shardwise.engine.base import Batch, Engine, NamedTensors, grad_sq_sum, trainable
+from shardwise.engine.loss import logits_of, loss_sum
 
 
 class SingleProcessDPEngine(Engine):
@@ -46,17 +47,18 @@ class SingleProcessDPEngine(Engine):
         self.copies = 0  # copy operations this step
         self._copies: list[nn.Module] = []
 
-    def forward_backward(self, micro_batches: Sequence[Batch], global_tokens: int) -> float:
+    def forward_backward(self, micro_batches: Sequence[Batch], global_count: float) -> float:
         self._replicate()
-        return super().forward_backward(micro_batches, global_tokens)
+        return super().forward_backward(micro_batches, global_count)
 
-    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def compute_loss(self, batch: Batch) -> torch.Tensor:  # (inputs, targets) batches only
+        inputs, targets = batch
         chunks = [c for c in inputs.chunk(self.replicas, dim=0) if c.numel()]  # scatter
         outputs = [
             module(self._move(chunk, self.devices[i]))
             for i, (module, chunk) in enumerate(zip([self.model, *self._copies], chunks, strict=False))
         ]
-        logits = torch.cat([self._move(out, self.devices[0]) for out in outputs])  # gather on device 0
+        logits = torch.cat([self._move(logits_of(out), self.devices[0]) for out in outputs])  # gather
         return loss_sum(logits, targets.to(self.devices[0]))
 
     def _replicate(self) -> None:

@@ -31,15 +31,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.optim import Optimizer
 
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
+from shardwise.engine.loss import Loss, TokenLoss, run_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (batch, seq) long, targets (batch, seq) long
 Span = tuple[int, int] | None  # a flat range [start, stop) of a global tensor; None: the whole tensor
@@ -93,14 +93,6 @@ def grad_sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of ``logits`` (batch, L, vocab) against the last L target positions."""
-    predicted = logits.size(1)
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), targets[:, -predicted:].reshape(-1), reduction="sum"
-    )
-
-
 def predicted_tokens(model_kind: str, batch: int, seq_len: int) -> int:
     """Tokens that carry a loss in a batch: every position for GPT, the last one for the MLP."""
     return batch * (seq_len if model_kind == "gpt" else 1)
@@ -118,26 +110,53 @@ class Engine(ABC):
         self.model = model
         self.role = role or Role.trainer(0)
         self.optimizers: list[Optimizer] = []
+        self.loss: Loss = TokenLoss()  # the user's loss: a SUM over items and a count (engine.loss)
+        self.count_comm: Comm | None = None  # the ranks that share a batch: where counts are summed
 
     # -- the step ---------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: Sequence[Batch], global_tokens: int) -> float:
+    def train_step(self, micro_batches: Sequence[Any]) -> float:
+        """One whole step on this rank's micro-batches: the global item count (one all-reduce),
+        forward, backward, gradient exchange, update. Returns the global mean loss (every rank)."""
+        count = self.global_count(micro_batches)
+        share = torch.tensor([self.forward_backward(micro_batches, max(count, 1.0))], dtype=torch.float64)
+        if self.count_comm is not None:
+            self.count_comm.all_reduce(share)
+        self.optimizer_step()
+        return float(share)
+
+    def global_count(self, micro_batches: Sequence[Any]) -> float:
+        """Items the loss counts in this step's micro-batches over every rank that shares the batch
+        (one all-reduce of one number, before any backward, so every rank divides by the same)."""
+        count = torch.tensor(
+            [float(sum(self.loss.count(batch) for batch in micro_batches))], dtype=torch.float64
+        )
+        if self.count_comm is not None:
+            self.count_comm.all_reduce(count)
+        return float(count)
+
+    def forward_backward(self, micro_batches: Sequence[Any], global_count: float) -> float:
         """Run forward and backward on this rank's micro-batches; on return, gradients are global.
 
-        Returns this rank's share of the global mean loss (the shares sum to the global mean).
+        ``global_count``: the items counted by the loss over every micro-batch of every rank this
+        step. Returns this rank's share of the global mean loss (the shares sum to the global mean).
         """
         share = 0.0
         last = len(micro_batches) - 1
-        for i, (inputs, targets) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             with self.no_sync() if i < last else nullcontext():
-                loss = self.compute_loss(inputs, targets) / global_tokens
-                loss.backward()
+                loss = self.compute_loss(batch) / global_count
+                self.backward(loss)
             share += float(loss.detach())
         self.finish_grads()
         return share
 
-    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token loss of one micro-batch; strategies with mixed precision override this."""
-        return loss_sum(self.model(inputs), targets)
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        """The summed loss of one micro-batch: the model on the batch, then ``self.loss``."""
+        return self.loss(run_model(self.model, batch), batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of this micro-batch's share of the mean loss (mixed precision scales it)."""
+        loss.backward()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

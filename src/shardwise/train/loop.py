@@ -15,17 +15,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.data import default_collate
 
 from shardwise.collectives.api import Comm
 from shardwise.config import TrainConfig, to_dict
 from shardwise.data.corpus import load_corpus
+from shardwise.data.dataset import DatasetSampler, MapDataset
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
-from shardwise.engine.base import Engine, loss_sum, predicted_tokens
+from shardwise.engine.base import Engine
+from shardwise.engine.loss import AutoLoss, Loss, TokenLoss, as_loss, rows, run_model
+from shardwise.engine.optim import OptimizerFactory
 from shardwise.launch import init_distributed, restart_count
 from shardwise.mesh import Mesh, build_mesh
 from shardwise.models import build_model
@@ -59,15 +64,41 @@ def param_digest(params: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+class Sampler(Protocol):
+    """Where a rank's micro-batches come from: the built-in corpus, or a user's dataset."""
+
+    step: int
+
+    def local_micro_batches(self, step: int, n: int, keep_empty: bool = False) -> list[Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def default_loss(config: TrainConfig, user_model: bool) -> Loss:
+    """The built-in models' token loss; for a user's model, causal-LM cross-entropy on dict batches
+    (labels -100 ignored) and token cross-entropy on (inputs, targets) batches."""
+    if user_model:
+        return AutoLoss()
+    return TokenLoss(positions=None if config.model.kind == "gpt" else 1)
+
+
 @dataclass
 class Trainer:
-    """Everything one rank needs to train: the engine, its data share and the mesh's communicators."""
+    """Everything one rank needs to train: the engine, its data share and the mesh's communicators.
+
+    ``Trainer.build(config)`` trains the built-in model on the built-in corpus; pass ``model``,
+    ``dataset`` (map-style, sharded here), ``loss`` (see ``shardwise.engine.loss``), ``collate_fn``,
+    ``optimizer`` (a factory of named parameters) and ``eval_dataset`` to train your own. ``fit()``
+    runs the whole loop and returns the summary on the reporting rank.
+    """
 
     config: TrainConfig
     engine: Engine
-    sampler: DataSampler
+    sampler: Sampler
     mesh: Mesh
-    global_tokens: int
+    eval_data: list[Any] | None = None  # fixed held-out batches (None: no evaluation)
     history: list[StepRecord] = field(default_factory=list)
 
     @property
@@ -76,29 +107,46 @@ class Trainer:
         return self.mesh.world
 
     @classmethod
-    def build(cls, config: TrainConfig, share_gradients: bool = False) -> Trainer:
+    def build(
+        cls,
+        config: TrainConfig,
+        share_gradients: bool = False,
+        *,
+        model: nn.Module | None = None,
+        loss: Loss | Callable[[Any, Any], torch.Tensor] | None = None,
+        dataset: MapDataset | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        optimizer: OptimizerFactory | None = None,
+        eval_dataset: MapDataset | None = None,
+    ) -> Trainer:
         """Validate against the live world, build the model under the seed, parallelize it.
 
         ``share_gradients``: make global gradients visible where a strategy keeps them elsewhere
         (the parameter server's workers), for ``verify``.
         """
-        config = config.validate(dist.get_world_size())
-        mesh = build_mesh(config.dims(dist.get_world_size()), config.comm)
+        world = dist.get_world_size()
+        config = config.validate(world)
+        mesh = build_mesh(config.dims(world), config.comm)
         seed_everything(config.seed)
-        model = build_model(config.model, torch_dtype(config.dtype))
-        engine = parallelize(model, mesh, config, share_gradients=share_gradients)
-        corpus = load_corpus(config.data.corpus_bytes)
+        net = model if model is not None else build_model(config.model, torch_dtype(config.dtype))
+        engine = parallelize(net, mesh, config, optimizer, share_gradients=share_gradients)
+        engine.loss = as_loss(loss) if loss is not None else default_loss(config, model is not None)
         counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)
-        sampler = DataSampler(
-            corpus.train,
-            config.model.seq_len,
-            config.data.global_batch,
-            config.seed,
-            counts,
-            max(mesh.dp_rank, 0),
-        )
-        tokens = predicted_tokens(config.model.kind, config.data.global_batch, config.model.seq_len)
-        return cls(config, engine, sampler, mesh, tokens)
+        rank = max(mesh.dp_rank, 0)
+        if dataset is not None:
+            sampler: Sampler = DatasetSampler(
+                dataset, config.data.global_batch, config.seed, counts, rank, collate_fn
+            )
+            held_out = _eval_from(eval_dataset, config, collate_fn)
+        else:
+            corpus = load_corpus(config.data.corpus_bytes)
+            sampler = DataSampler(
+                corpus.train, config.model.seq_len, config.data.global_batch, config.seed, counts, rank
+            )
+            held_out = eval_batches(
+                corpus.val, config.model.seq_len, max(1, config.data.global_batch), config.eval_batches
+            )
+        return cls(config, engine, sampler, mesh, held_out)
 
     def step(self, step: int, after_backward: Callable[[int], None] | None = None) -> StepRecord:
         """One optimizer step; ``after_backward(step)`` sees the global gradients before the update."""
@@ -110,13 +158,13 @@ class Trainer:
         engine_comm = self.engine.comm or trainers
         before = engine_comm.stats.snapshot()
         start = time.perf_counter()
-        share = self.engine.forward_backward(micro, self.global_tokens)
+        count = self.engine.global_count(micro)
+        share = self.engine.forward_backward(micro, max(count, 1.0))
         if after_backward is not None:
             after_backward(step)
         self.engine.optimizer_step()
         elapsed = time.perf_counter() - start
         comm = engine_comm.stats.since(before)
-        samples = sum(x.size(0) for x, _ in micro)
         values = {
             "loss_share": share,
             "step_s": elapsed,
@@ -124,32 +172,42 @@ class Trainer:
             "bytes_sent": comm.bytes_sent,
             "rss_mb": (current := rss_mb()),
             "peak_rss_mb": max(current, peak_rss_mb()),
-            "samples": samples,
+            "samples": sum(rows(batch) for batch in micro),
         }
-        record = gather_step(trainers, step, values, self.global_tokens)
+        record = gather_step(trainers, step, values, count)
         record.extra = self.engine.metrics() or None
         self.history.append(record)
         return record
 
     def evaluate(self) -> float:
-        """Mean held-out loss per token over the fixed evaluation batches (every rank the same)."""
-        corpus = load_corpus(self.config.data.corpus_bytes)
-        batches = eval_batches(
-            corpus.val,
-            self.config.model.seq_len,
-            max(1, self.config.data.global_batch),
-            self.config.eval_batches,
-        )
-        model = self.engine.model
+        """Mean held-out loss per counted item over the fixed evaluation batches (every rank the same)."""
+        model, loss = self.engine.model, self.engine.loss
         was_training = model.training
         model.eval()
-        total, tokens = 0.0, 0
+        total, items = 0.0, 0
         with torch.no_grad():
-            for inputs, targets in batches:
-                total += float(loss_sum(model(inputs), targets))
-                tokens += predicted_tokens(self.config.model.kind, inputs.size(0), inputs.size(1))
+            for batch in self.eval_data or []:
+                total += float(loss(run_model(model, batch), batch))
+                items += loss.count(batch)
         model.train(was_training)
-        return total / max(1, tokens)
+        return total / max(1, items)
+
+    def fit(self, show_progress: bool = True) -> dict[str, Any] | None:
+        """Train ``config.steps`` steps (resuming from a checkpoint when there is one); the reporting
+        rank returns the summary, every other rank None."""
+        return _fit(self, show_progress)
+
+
+def _eval_from(
+    dataset: MapDataset | None, config: TrainConfig, collate_fn: Callable[[list[Any]], Any] | None
+) -> list[Any] | None:
+    """Up to ``eval_batches`` consecutive batches of ``global_batch`` samples from the start."""
+    if dataset is None:
+        return None
+    collate = collate_fn or default_collate
+    size, batch = len(dataset), max(1, config.data.global_batch)
+    starts = range(0, min(size, batch * config.eval_batches), batch)
+    return [collate([dataset[i] for i in range(s, min(s + batch, size))]) for s in starts]
 
 
 def train_worker(config: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
@@ -162,12 +220,14 @@ def train_worker(config: TrainConfig, show_progress: bool) -> dict[str, Any] | N
 
 
 def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, Any] | None:
-    """Train on the already-initialised process group; rank 0 returns the summary, others None.
+    """Train the built-in model on the already-initialised process group; the reporting rank returns
+    the summary, others None."""
+    return Trainer.build(config).fit(show_progress)
 
-    With checkpointing on (``checkpoint.dir`` or ``checkpoint.every``), the run first resumes from the
-    newest usable checkpoint, if any (see ``train.checkpointing``).
-    """
-    trainer = Trainer.build(config)
+
+def _fit(trainer: Trainer, show_progress: bool) -> dict[str, Any] | None:
+    """The loop. With checkpointing on (``checkpoint.dir`` or ``checkpoint.every``), the run first
+    resumes from the newest usable checkpoint, if any (see ``train.checkpointing``)."""
     config = trainer.config
     run_dir = Path(config.run_dir)
     rank = dist.get_rank()
@@ -195,7 +255,7 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
         for step in range(start, config.steps):
             record = trainer.step(step)
             last = step == config.steps - 1
-            if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+            if trainer.eval_data and config.eval_every and ((step + 1) % config.eval_every == 0 or last):
                 record.eval_loss = trainer.evaluate()
                 eval_losses.append((step, record.eval_loss))
             writer.write(record)
@@ -269,7 +329,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
         "final_loss": history[-1].loss,
         "eval_loss": eval_losses[-1][1] if eval_losses else None,
         "eval_losses": eval_losses,
-        "tokens_per_s": trainer.global_tokens * len(timed) / total_s if total_s else 0.0,
+        "tokens_per_s": sum(r.tokens_per_s * r.step_s for r in timed) / total_s if total_s else 0.0,
         "step_s_median": float(np.median([r.step_s for r in timed])),
         "comm_s_median": float(np.median([r.comm_s for r in timed])),
         "peak_rss_mb": max(history[-1].peak_rss_mb_by_rank),

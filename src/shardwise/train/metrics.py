@@ -51,7 +51,7 @@ class StepRecord:
     extra: dict[str, Any] | None = None
 
 
-def gather_step(comm: Comm, step: int, values: dict[str, float], global_tokens: int) -> StepRecord:
+def gather_step(comm: Comm, step: int, values: dict[str, float], global_tokens: float) -> StepRecord:
     """All-gather each rank's figures and combine them (every rank gets the same record)."""
     mine = torch.tensor([float(values[f]) for f in FIELDS], dtype=torch.float64)
     everyone = torch.empty(comm.world_size * len(FIELDS), dtype=torch.float64)

@@ -11,7 +11,7 @@ Models" (SC 2020).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
-from shardwise.engine.base import Batch, Engine, NamedTensors, Role, StateReader, loss_sum
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
 from shardwise.zero.memory import memory_report
@@ -89,19 +89,9 @@ class ZeroBase(Engine):
                 p.data = p.data.to(self.precision.compute)
 
     # -- the step ---------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: Sequence[Batch], global_tokens: int) -> float:
-        share, last = 0.0, len(micro_batches) - 1
-        for i, (inputs, targets) in enumerate(micro_batches):
-            with self.no_sync() if i < last else nullcontext():
-                loss = self.compute_loss(inputs, targets) / global_tokens
-                (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
-            share += float(loss.detach())
-        self.finish_grads()
-        return share
-
-    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)
-        return loss_sum(logits.to(self.precision.master), targets)
+    def backward(self, loss: torch.Tensor) -> None:
+        """fp16: the loss is scaled so small gradients survive; the update unscales (``_overflowed``)."""
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
 
     def _overflowed(self) -> bool:
         """Unscale fp16 gradient shards; True (on every rank) when any is inf or NaN."""

@@ -1,0 +1,132 @@
+"""A user's map-style dataset, sharded over the data-parallel ranks as pure functions of (seed, step).
+
+The stream of sample indices is the concatenation of one permutation of the dataset per epoch, each
+seeded by a hash of (seed, epoch); step s takes positions [s * B, (s + 1) * B) of it (B the global batch).
+Every rank computes the same global batch and keeps its contiguous slice (``split_counts``: even, or
+``--data-weights``), so the slices in rank order are exactly the batch one process would draw, and a
+run resumed at step k (mid-epoch included) continues with exactly the batches it would have seen.
+Samples are collated with the user's ``collate_fn`` (default: torch's ``default_collate``). No
+communication.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import default_collate
+
+from shardwise.config import ConfigError
+
+
+class MapDataset(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+def _permutation(seed: int, epoch: int, size: int) -> torch.Tensor:
+    digest = hashlib.sha256(f"shardwise-dataset:{seed}:{epoch}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.randperm(size, generator=generator)
+
+
+def global_indices(seed: int, step: int, global_batch: int, size: int) -> list[int]:
+    """Dataset indices of the global batch of ``step`` (epochs reshuffled, never repeated within one)."""
+    start, out = step * global_batch, list[int]()
+    while len(out) < global_batch:
+        epoch, offset = divmod(start + len(out), size)
+        take = min(global_batch - len(out), size - offset)
+        out.extend(_permutation(seed, epoch, size)[offset : offset + take].tolist())
+    return out
+
+
+def slice_rows(batch: Any, start: int, stop: int) -> Any:
+    """Rows [start, stop) of a collated batch: a tensor, a tuple/list or a dict of tensors."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, Mapping):
+        return {k: slice_rows(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(slice_rows(v, start, stop) for v in batch)
+    raise ConfigError(
+        f"collated batches must be tensors, tuples or dicts of tensors; got {type(batch).__name__}"
+    )
+
+
+class DatasetSampler:
+    """This rank's micro-batches of a map-style dataset, step by step (see the module docstring)."""
+
+    def __init__(
+        self,
+        dataset: MapDataset,
+        global_batch: int,
+        seed: int,
+        counts: Sequence[int],
+        rank: int,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
+        if len(dataset) < 1:
+            raise ConfigError("the dataset is empty: it needs at least one sample")
+        if sum(counts) != global_batch:
+            raise ConfigError(f"counts {list(counts)} must sum to global_batch({global_batch})")
+        self.dataset, self.global_batch_size, self.seed = dataset, global_batch, seed
+        self.counts, self.rank = list(counts), rank
+        self.collate = collate_fn or default_collate
+        self.start = sum(self.counts[:rank])
+        self.step = 0
+        self._empty: Any = None
+
+    def local_indices(self, step: int) -> list[int]:
+        every = global_indices(self.seed, step, self.global_batch_size, len(self.dataset))
+        return every[self.start : self.start + self.counts[self.rank]]
+
+    def local_micro_batches(self, step: int, n: int, keep_empty: bool = False) -> list[Any]:
+        """This rank's share of step ``step``'s batch cut into ``n`` near-equal micro-batches.
+
+        Empty pieces are dropped unless ``keep_empty``; then an empty piece is a zero-row batch of the
+        dataset's own structure, so every rank runs the same number of passes (ZeRO-3 needs that).
+        """
+        if n < 1:
+            raise ConfigError(f"micro-batches must be >= 1, got {n}")
+        indices = self.local_indices(step)
+        self.step = step + 1
+        sizes = [len(indices) // n + (1 if i < len(indices) % n else 0) for i in range(n)]
+        out, at = [], 0
+        for size in sizes:
+            if size:
+                out.append(self.collate([self.dataset[i] for i in indices[at : at + size]]))
+            elif keep_empty:
+                out.append(self._empty_batch())
+            at += size
+        return out
+
+    def _empty_batch(self) -> Any:
+        if self._empty is None:
+            self._empty = slice_rows(self.collate([self.dataset[0]]), 0, 0)
+        return self._empty
+
+    def global_batch(self, step: int) -> Any:
+        """The whole batch of ``step``, as one process would train on it."""
+        every = global_indices(self.seed, step, self.global_batch_size, len(self.dataset))
+        return self.collate([self.dataset[i] for i in every])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "step": self.step,
+            "global_batch": self.global_batch_size,
+            "size": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, mine in (("global_batch", self.global_batch_size), ("size", len(self.dataset))):
+            if key in state and state[key] != mine:
+                raise ConfigError(
+                    f"the saved data stream has {key}={state[key]} but this run has {mine}; "
+                    "the batches after resuming would not continue the saved run"
+                )
+        self.seed = int(state["seed"])
+        self.step = int(state["step"])
