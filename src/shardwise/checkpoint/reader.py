@@ -111,19 +111,7 @@ def load(
     step_dir = resolve(path)
     manifest = manifest or read_manifest(step_dir)
     wanted = _normalize(manifest, requests)
-    flat_plan: dict[str, list[tuple[str, PieceRecord, int, int]]] = {}
-    box_plan: dict[str, list[tuple[str, PieceRecord, list[_Copy]]]] = {}
-    for name, want in wanted.items():
-        rec = manifest.tensors[name]
-        for piece in rec.pieces:
-            if want.span is not None and piece.box is None:
-                hit = overlap(want.span, piece.span)
-                if hit:
-                    flat_plan.setdefault(piece.file, []).append((name, piece, *hit))
-            else:
-                copies = _copies(piece.segments(rec.global_shape), want.segments(rec.global_shape))
-                if copies:
-                    box_plan.setdefault(piece.file, []).append((name, piece, copies))
+    flat_plan, box_plan = _plan(manifest, wanted)
     check_files(step_dir, manifest, {**flat_plan, **box_plan})
     # Where a box is involved the result is filled in place; flat-only requests keep their parts
     # (one piece covering the request is returned as read, with no extra copy).
@@ -151,6 +139,31 @@ def load(
         name: outs[name].reshape(want.shape) if name in outs else _assemble(manifest, name, want, parts[name])
         for name, want in wanted.items()
     }
+
+
+FlatPlan = dict[str, list[tuple[str, PieceRecord, int, int]]]  # file -> (name, piece, lo, hi) global
+BoxPlan = dict[str, list[tuple[str, PieceRecord, list[_Copy]]]]  # file -> (name, piece, copies)
+
+
+def _plan(manifest: Manifest, wanted: Mapping[str, _Want]) -> tuple[FlatPlan, BoxPlan]:
+    """What to read from which file: flat ranges of flat pieces, and box copies wherever a box is."""
+    flat_plan: FlatPlan = {}
+    box_plan: BoxPlan = {}
+    for name, want in wanted.items():
+        rec = manifest.tensors[name]
+        want_segments: list[Segment] | None = None  # cut into boxes only if a box piece needs it
+        for piece in rec.pieces:
+            if want.span is not None and piece.box is None:
+                hit = overlap(want.span, piece.span)
+                if hit:
+                    flat_plan.setdefault(piece.file, []).append((name, piece, *hit))
+                continue
+            if want_segments is None:
+                want_segments = want.segments(rec.global_shape)
+            copies = _copies(piece.segments(rec.global_shape), want_segments)
+            if copies:
+                box_plan.setdefault(piece.file, []).append((name, piece, copies))
+    return flat_plan, box_plan
 
 
 def _normalize(manifest: Manifest, requests: Requests) -> dict[str, _Want]:
