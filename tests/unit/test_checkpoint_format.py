@@ -305,3 +305,247 @@ def test_bench_runs_and_reports_ratios() -> None:
     for key in ("speed_ratio", "load_speed_ratio", "save_vs_raw", "raw_write_mb_s"):
         assert result[key] > 0, key
     assert set(result["save_mb_s"]) == {"shardwise", "dcp"}
+
+
+# -- n-d box pieces (format 3) ---------------------------------------------------------------------
+class _FakeComm:
+    """Enough of a Comm to run every rank's save in this one process: rank 0 last, so it publishes."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        tensor.fill_(1234)  # every rank agrees on the temporary folder's token
+
+    def barrier(self) -> None:
+        pass
+
+
+def _save_ranks(root: Path, step: int, per_rank: list[list[Piece]], chunk_bytes: int = 16) -> str:
+    world = len(per_rank)
+    report = None
+    for rank in [*range(1, world), 0]:
+        comm = _FakeComm(rank, world)
+        report = save(str(root), step, per_rank[rank], comm, chunk_bytes=chunk_bytes)  # type: ignore[arg-type]
+    assert report is not None
+    return report.path
+
+
+def _box_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model/w2": torch.randn(6, 10, generator=g, dtype=torch.float64),
+        "model/w3": torch.randn(4, 5, 6, generator=g),
+        "model/m": torch.randn(5, 4, generator=g).to(torch.bfloat16),
+        "model/b": torch.randn(7, generator=g),
+        "model/mask": torch.rand(9, generator=g) > 0.5,
+        "optim/step": torch.tensor(seed + 3, dtype=torch.int64),
+    }
+
+
+def _box_pieces(state: dict[str, torch.Tensor]) -> list[list[Piece]]:
+    """Three ranks: w2 cut along dim 1, w3 along dims 1 and 2, m mixes flat and box pieces, the rest flat."""
+    w2, w3, m = state["model/w2"], state["model/w3"], state["model/m"]
+    b, mask = state["model/b"], state["model/mask"]
+    flat_m = m.reshape(-1)
+    return [
+        [
+            Piece.from_box("model/w2", (6, 10), (0, 0), w2[:, 0:3]),
+            Piece.from_box("model/w3", (4, 5, 6), (0, 0, 0), w3[:, 0:2, :]),
+            Piece("model/m", (5, 4), 0, 6, flat_m[0:6]),  # rows 0-1 and half of row 1: flat
+            Piece("model/b", (7,), 0, 3, b[0:3]),
+            Piece.full("model/mask", mask),
+        ],
+        [
+            Piece.from_box("model/w2", (6, 10), (0, 3), w2[:, 3:7]),
+            Piece.from_box("model/w3", (4, 5, 6), (0, 2, 0), w3[:, 2:5, 0:3]),
+            Piece.from_box("model/m", (5, 4), (1, 2), m[1:2, 2:4]),
+            Piece("model/b", (7,), 3, 7, b[3:7]),
+        ],
+        [
+            Piece.from_box("model/w2", (6, 10), (0, 7), w2[:, 7:10]),
+            Piece.from_box("model/w3", (4, 5, 6), (0, 2, 3), w3[:, 2:5, 3:6]),
+            Piece.from_box("model/m", (5, 4), (2, 0), m[2:5, :]),
+            Piece.full("optim/step", state["optim/step"]),
+        ],
+    ]
+
+
+def _random_box(rng: random.Random, shape: tuple[int, ...]) -> ckpt_pkg.Box:
+    offsets, lengths = [], []
+    for size in shape:
+        a = rng.randrange(size)
+        offsets.append(a)
+        lengths.append(rng.randrange(1, size - a + 1))
+    return ckpt_pkg.Box(tuple(offsets), tuple(lengths))
+
+
+def _slice_of(t: torch.Tensor, box: ckpt_pkg.Box) -> torch.Tensor:
+    return t[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
+
+
+def test_box_pieces_round_trip_whole_by_flat_ranges_and_by_boxes(tmp_path: Path) -> None:
+    state = _box_state()
+    step_dir = _save_ranks(tmp_path, 1, _box_pieces(state))
+    manifest = read_manifest(step_dir)
+    assert manifest.format_version == FORMAT_VERSION == 3 and manifest.world_size == 3
+    w2 = manifest.tensors["model/w2"].pieces
+    assert [p.box for p in w2] == [ckpt_pkg.Box((0, c), (6, n)) for c, n in ((0, 3), (3, 4), (7, 3))]
+    assert [p.file for p in w2] == ["rank0.safetensors", "rank1.safetensors", "rank2.safetensors"]
+    assert Manifest.from_json(json.loads(json.dumps(manifest.to_json()))) == manifest
+    whole = load(step_dir, list(state), manifest=manifest)
+    for name, t in state.items():
+        assert whole[name].dtype == t.dtype and torch.equal(whole[name], t), name
+    rng = random.Random(0)
+    for name in ("model/w2", "model/w3", "model/m", "model/b"):
+        t, n = state[name], state[name].numel()
+        for _ in range(25):  # flat ranges that cut across boxes
+            a = rng.randrange(n)
+            b = rng.randrange(a, n + 1)
+            got = load(step_dir, {name: (a, b)}, manifest=manifest)[name]
+            assert torch.equal(got, t.reshape(-1)[a:b]), (name, a, b)
+        for _ in range(25):  # boxes that cut across flat pieces and other boxes
+            box = _random_box(rng, tuple(t.shape))
+            for verify in (True, False):
+                got = load(step_dir, {name: box}, manifest=manifest, verify=verify)[name]
+                assert got.shape == box.lengths and torch.equal(got, _slice_of(t, box)), (name, box)
+    scalar = load(step_dir, {"optim/step": ckpt_pkg.Box((), ())}, manifest=manifest)["optim/step"]
+    assert scalar.shape == () and torch.equal(scalar, state["optim/step"])
+
+
+def test_box_request_reads_only_the_chunks_it_needs_and_crc_catches_a_flip(tmp_path: Path) -> None:
+    state = _box_state(1)
+    step_dir = _save_ranks(tmp_path, 1, _box_pieces(state))
+    target = os.path.join(step_dir, "rank1.safetensors")
+    key = "model/w2 box[0:6, 3:7]"
+    with open(target, "rb") as f:
+        head_len = int.from_bytes(f.read(8), "little")
+        start = json.loads(f.read(head_len))[key]["data_offsets"][0]
+    raw = bytearray(Path(target).read_bytes())
+    raw[8 + head_len + start + 5 * 4 * 8 + 1] ^= 0x10  # inside row 5 of the box: its last 16-byte chunks
+    Path(target).write_bytes(bytes(raw))
+    top = ckpt_pkg.Box((0, 2), (2, 6))  # rows 0-1 only: never touches the damaged chunk
+    assert torch.equal(load(step_dir, {"model/w2": top})["model/w2"], state["model/w2"][0:2, 2:8])
+    with pytest.raises(
+        CorruptCheckpointError, match=r"rank1.safetensors: crc32 mismatch in 'model/w2 box\[0:6, 3:7\]'"
+    ):
+        load(step_dir, {"model/w2": ckpt_pkg.Box((4, 4), (2, 2))})
+    with pytest.raises(CorruptCheckpointError, match="crc32 mismatch"):
+        load(step_dir, ["model/w2"])
+    bad = inspect(step_dir)
+    assert not bad["ok"] and len(bad["problems"]) == 1 and key in bad["problems"][0]
+    shards = bad["tensors"]["model/w2"]["shards"]
+    assert [s["checksum_ok"] for s in shards] == [True, False, True]
+    assert shards[1]["offsets"] == [0, 3] and shards[1]["lengths"] == [6, 4] and "start" not in shards[1]
+
+
+def test_inspect_and_export_of_box_pieces(tmp_path: Path) -> None:
+    state = _box_state(2)
+    step_dir = _save_ranks(tmp_path, 3, _box_pieces(state))
+    info = inspect(step_dir)
+    assert info["ok"] and info["format_version"] == 3
+    text = format_inspect(info)
+    assert "box offsets [0, 3] lengths [6, 4] in rank1.safetensors  ok" in text
+    assert "OK: all checksums verified" in text
+    out = tmp_path / "model.safetensors"
+    shapes = export(step_dir, str(out))
+    assert shapes == {"b": [7], "m": [5, 4], "mask": [9], "w2": [6, 10], "w3": [4, 5, 6]}
+    plain = load_file(str(out))
+    assert all(torch.equal(plain[n], state[f"model/{n}"]) for n in shapes)
+
+
+def _records(shape: tuple[int, ...], *where: object, version: int = FORMAT_VERSION) -> Manifest:
+    pieces = []
+    for i, w in enumerate(where):
+        if isinstance(w, ckpt_pkg.Box):
+            pieces.append(PieceRecord.of_box("r0.safetensors", f"k{i}", w, ("x",)))
+        else:
+            a, b = w  # type: ignore[misc]
+            pieces.append(PieceRecord("r0.safetensors", f"k{i}", a, b, ("x",)))
+    tensors = {"t": TensorRecord(shape, "float32", tuple(pieces))}
+    return Manifest(step=1, tensors=tensors, files={"r0.safetensors": 10**6}, format_version=version)
+
+
+B = ckpt_pkg.Box
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ((B((0, 0), (3, 2)), B((0, 2), (3, 2))), None),
+        ((B((0, 0), (3, 2)), (2, 4), B((1, 2), (2, 2))), None),  # a flat range between two boxes
+        (
+            (B((0, 0), (3, 2)), B((0, 1), (3, 3))),
+            r"piece box \[0:3, 0:2\] in r0.safetensors overlaps piece "
+            r"box \[0:3, 1:4\] in r0.safetensors \(both hold \[0:3, 1:2\]\)",
+        ),
+        ((B((0, 0), (3, 2)), (3, 6)), r"overlaps piece \[3, 6\)"),
+        ((B((0, 0), (3, 2)), B((0, 2), (2, 2))), r"its pieces hold 10 of its 12 elements; 2 are in no piece"),
+        ((B((0, 0), (3, 2)), B((0, 2), (3, 3))), r"outside the tensor's global shape \[3, 4\]"),
+        ((B((0, 0), (3, 2)), B((0, 2, 0), (3, 2, 1))), "outside the tensor's global shape"),
+        ((B((0, 0), (3, 0)), B((0, 0), (3, 4))), "holds no element"),
+    ],
+)
+def test_mixed_piece_validation_names_the_problem(where: tuple[object, ...], message: str | None) -> None:
+    m = _records((3, 4), *where)
+    if message is None:
+        m.validate()
+        return
+    with pytest.raises(ManifestError, match=message) as caught:
+        m.validate()
+    assert "tensor 't'" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_format_2_manifests_read_but_cannot_hold_boxes(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="box pieces need format_version 3"):
+        _records((3, 4), B((0, 0), (3, 4)), version=2).validate()
+    _records((3, 4), (0, 12), version=2).validate()
+    data = _records((3, 4), B((0, 0), (3, 4))).to_json()
+    data["format_version"] = 2
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(
+        ManifestError, match=r"piece 0: a box piece \(offsets/lengths\) needs format_version 3"
+    ):
+        read_manifest(str(tmp_path))
+
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+
+def test_format_2_fixture_loads_bit_exact() -> None:
+    from shardwise.train.full_state import FolderReader
+
+    expected = load_file(str(FIXTURES / "ckpt-format2-expected.safetensors"))
+    assert set(expected) == {"w", "b"}
+    step_dir = str(FIXTURES / "ckpt-format2" / "step-00000004")
+    assert read_manifest(step_dir).format_version == 2
+    for where in (step_dir, str(FIXTURES / "ckpt-format2")):  # a step folder, or the root
+        got = load(where, ["model/w", "model/b"])
+        assert all(
+            torch.equal(got[f"model/{n}"], t) and got[f"model/{n}"].dtype == t.dtype
+            for n, t in expected.items()
+        )
+    reader = FolderReader(step_dir)
+    assert reader.manifest.step == 4 and reader.shapes["model/w"] == tuple(expected["w"].shape)
+    got = reader({"model/w": None, "model/b": (2, 6)})
+    assert torch.equal(got["model/w"], expected["w"]) and torch.equal(got["model/b"], expected["b"][2:6])
+    across = load(step_dir, {"model/w": B((1, 2), (3, 4))})["model/w"]  # a box over format-2 flat pieces
+    assert torch.equal(across, expected["w"][1:4, 2:6])
+    assert inspect(step_dir)["ok"]
+
+
+def test_writer_refuses_bad_boxes(tmp_path: Path) -> None:
+    w = torch.zeros(4, 6)
+    cases = [
+        (Piece.from_box("w", (4, 6), (0, 4), w[:, 0:3]), r"box \[0:4, 4:7\] is outside its global shape"),
+        (Piece.from_box("w", (4, 6), (0,), w[:, 0]), "outside its global shape"),
+        (
+            Piece("w", (4, 6), None, None, w[:2].reshape(-1), B((0, 0), (2, 5))),
+            "has 10 elements but the tensor has 12",
+        ),
+        (Piece.from_box("w", (4, 6), (0, 0), w[:, 0:0]), "is empty; leave it out of the save"),
+        (Piece("w", (4, 6), 0, 4, w[0, :4], B((0, 0), (1, 4))), "also has a flat range"),
+    ]
+    for piece, message in cases:
+        with pytest.raises(ckpt_pkg.CheckpointError, match=message):
+            save(str(tmp_path), 1, [piece])

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardwise.checkpoint import Piece, save
+from shardwise.checkpoint import CheckpointError, ManifestError, Piece, layout, load, load_latest, save
+from shardwise.checkpoint.reader import verify_checkpoint
 from shardwise.cli import main
+from shardwise.train.full_state import load_checkpoint
 
 
 def _write(root: Path) -> dict[str, torch.Tensor]:
@@ -62,3 +67,99 @@ def test_missing_folder_is_one_line(tmp_path, capsys) -> None:
     assert main(["ckpt", "inspect", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such folder" in err[0]
+
+
+def _step_dir(root: Path) -> Path:
+    return root / "checkpoints" / "step-00000004"
+
+
+def _rename_file(step_dir: Path, new_name: str) -> None:
+    """Point the manifest's rank0 entry (files and pieces) at ``new_name``."""
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"] = {new_name if k == "rank0.safetensors" else k: v for k, v in manifest["files"].items()}
+    for rec in manifest["tensors"].values():
+        for piece in rec["pieces"]:
+            if piece["file"] == "rank0.safetensors":
+                piece["file"] = new_name
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["../x.safetensors", "/etc/passwd", "sub/rank0.safetensors", ".."])
+def test_a_manifest_naming_a_file_outside_its_folder_is_refused(tmp_path, capsys, name: str) -> None:
+    _write(tmp_path)
+    step_dir = _step_dir(tmp_path)
+    shutil.copy(step_dir / "rank0.safetensors", step_dir.parent / "x.safetensors")  # there to be followed
+    _rename_file(step_dir, name)
+    for argv in (
+        ["ckpt", "inspect", str(step_dir)],
+        ["ckpt", "export", str(step_dir), str(tmp_path / "o.st")],
+    ):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and "outside the checkpoint folder" in err[0] and repr(name) in err[0], err
+        assert "OK" not in captured.out
+    with pytest.raises(ManifestError, match="outside the checkpoint folder"):
+        verify_checkpoint(str(step_dir))
+    model = torch.nn.Linear(7, 5)
+    with pytest.raises(ManifestError, match="outside the checkpoint folder"):
+        load_checkpoint(str(step_dir), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    messages: list[str] = []
+    assert load_latest(str(tmp_path / "checkpoints"), ["model/b"], on_bad=messages.append) is None
+    assert len(messages) == 1 and "outside the checkpoint folder" in messages[0]
+
+
+def test_a_data_file_linked_outside_the_folder_is_refused(tmp_path, capsys) -> None:
+    _write(tmp_path)
+    step_dir = _step_dir(tmp_path)
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.move(step_dir / "rank0.safetensors", outside)
+    os.symlink(outside, step_dir / "rank0.safetensors")
+    assert main(["ckpt", "inspect", str(step_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "rank0.safetensors: resolves to" in out and "outside the checkpoint folder" in out
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        load(str(step_dir), ["model/b"])
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        verify_checkpoint(str(step_dir))
+    os.remove(step_dir / "rank0.safetensors")  # a link inside the folder is fine
+    shutil.move(outside, step_dir / "data.bin")
+    os.symlink("data.bin", step_dir / "rank0.safetensors")
+    assert torch.equal(load(str(step_dir), ["model/b"])["model/b"], torch.arange(5.0))
+
+
+def test_the_latest_pointer_must_name_a_folder_in_the_root(tmp_path) -> None:
+    _write(tmp_path)
+    root = tmp_path / "checkpoints"
+    assert layout.read_latest(str(root)) == str(root / "step-00000004")
+    for bad in ("../checkpoints/step-00000004", "/etc", "..", "step-00000004/../.."):
+        (root / "latest").write_text(bad + "\n")
+        with pytest.raises(CheckpointError, match="outside the checkpoint root") as caught:
+            layout.read_latest(str(root))
+        assert "\n" not in str(caught.value)
+    os.symlink(tmp_path, root / "step-link")
+    (root / "latest").write_text("step-link\n")
+    with pytest.raises(CheckpointError, match="outside the checkpoint root"):
+        layout.read_latest(str(root))
+
+
+def test_export_into_an_existing_folder_is_one_line_and_leaves_nothing(tmp_path, capsys) -> None:
+    _write(tmp_path)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    assert main(["ckpt", "export", str(tmp_path), str(out_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a folder" in err[0] and "model.safetensors" in err[0]
+    assert list(out_dir.iterdir()) == [] and not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_a_damaged_header_is_one_problem_per_file(tmp_path, capsys) -> None:
+    _write(tmp_path)
+    shard = _step_dir(tmp_path) / "rank0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[8:10] = b"[["  # the JSON header no longer parses
+    shard.write_bytes(bytes(data))
+    assert main(["ckpt", "inspect", str(shard.parent), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert len(info["problems"]) == 1 and "rank0.safetensors: cannot be opened" in info["problems"][0]
+    assert {s["checksum_ok"] for t in info["tensors"].values() for s in t["shards"]} == {False}

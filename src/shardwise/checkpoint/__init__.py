@@ -1,9 +1,11 @@
 """Checkpoints: a manifest plus safetensors shards that any world size or strategy can load.
 
-See ``format`` (the manifest), ``manager`` (saving from every rank), ``reader`` (resharding loads and
-fallback to the newest valid checkpoint), ``inspect`` (inspect and export) and ``bench``.
+See ``format`` (the manifest), ``boxes`` (n-d box arithmetic), ``manager`` (saving from every rank),
+``reader`` (resharding loads and fallback to the newest valid checkpoint), ``inspect`` (inspect and
+export) and ``bench``.
 """
 
+from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.format import CheckpointError, CorruptCheckpointError, Manifest, ManifestError
 from shardwise.checkpoint.inspect import export, format_inspect, inspect
 from shardwise.checkpoint.manager import CheckpointWriter, Piece, SaveReport, save, spread_replicated
@@ -18,6 +20,7 @@ from shardwise.checkpoint.reader import (
 from shardwise.checkpoint.rng import capture_rng, restore_rng
 
 __all__ = [
+    "Box",
     "CheckpointError",
     "CheckpointWarning",
     "CheckpointWriter",

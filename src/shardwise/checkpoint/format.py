@@ -1,12 +1,16 @@
 """The checkpoint manifest: what a checkpoint folder holds, as plain JSON (never unpickled).
 
 A checkpoint is one folder ``step-<k>`` holding ``manifest.json`` and one safetensors file per writing
-rank. Every tensor is described by its global shape and dtype and by the pieces that hold it: a piece
-is a FLAT range ``[start, stop)`` over the row-major flattening of the global tensor, stored 1-D under
-one key of one file, with a CRC32 per ``chunk_bytes`` chunk so that a partial read can be verified
-without reading the whole piece (the checksum catches truncation and flipped bytes; it is not a
-security feature). A ZeRO flat shard is one piece per parameter it touches; a dim-0
-tensor-parallel slice is one contiguous range too. No communication happens here.
+rank. Every tensor is described by its global shape and dtype and by the pieces that hold it. A piece
+is either a FLAT range ``[start, stop)`` over the row-major flattening of the global tensor (a ZeRO
+flat shard, a dim-0 tensor-parallel slice) or, since format 3, an n-d BOX (an offset and a length per
+dim, see :mod:`shardwise.checkpoint.boxes`: a slice along any dim). Either way a piece is stored 1-D
+(a box in its own row-major order) under one key of one file, with a CRC32 per ``chunk_bytes`` chunk
+so that a partial read can be verified without reading the whole piece (the checksum catches
+truncation and flipped bytes; it is not a security feature). Format 2 manifests (flat pieces only)
+are still read. Parsing is strict: a wrong key, type or number, pieces that overlap or leave a gap,
+and any file name that is not a plain name inside the checkpoint folder are one-line
+``ManifestError``s. No communication happens here.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from typing import Any
 
 import torch
 
-FORMAT_VERSION = 2
+from shardwise.checkpoint.boxes import Box, Segment, first_overlap, flat_offset, flat_segments, intersect
+
+FORMAT_VERSION = 3  # 3: box pieces; 2: flat pieces only
+READABLE_VERSIONS = (2, 3)
 CHECKSUM = "crc32"  # the per-chunk checksum algorithm, recorded in every manifest
 MANIFEST_NAME = "manifest.json"
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -90,33 +97,129 @@ def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     return (lo, hi) if lo < hi else None
 
 
+def is_plain_name(name: str) -> bool:
+    """A bare file name: not empty, not ``.``/``..``, no separator and no NUL (so it stays in its folder)."""
+    seps = {"/", "\\", "\0", os.sep, *([os.altsep] if os.altsep else [])}
+    return bool(name) and name not in (".", "..") and not any(s in name for s in seps)
+
+
+def check_member_name(name: object, where: str) -> str:
+    """``name`` if it is a plain file name; a manifest naming anything else is refused in one line."""
+    if not isinstance(name, str):
+        raise ManifestError(f"{where}: a file name must be a string, got {_show(name)}")
+    if not is_plain_name(name):
+        raise ManifestError(
+            f"{where}: file {name!r} is outside the checkpoint folder; a manifest may name only plain "
+            "file names in its own folder (restore the checkpoint or delete it)"
+        )
+    return name
+
+
+def member_path(folder: str, name: str) -> str:
+    """The path of file ``name`` in ``folder``, refusing one that resolves outside it (a symlink).
+
+    Checked at open time as well as in the manifest: a link can be planted after the manifest was read.
+    """
+    check_member_name(name, os.path.join(folder, MANIFEST_NAME))
+    path = os.path.join(folder, name)
+    real, home = os.path.realpath(path), os.path.realpath(folder)
+    if real == home or os.path.commonpath([real, home]) != home:
+        raise CorruptCheckpointError(
+            os.path.join(os.path.basename(os.path.normpath(folder)), name),
+            f"resolves to {real}, outside the checkpoint folder (replace the link with the file itself)",
+        )
+    return path
+
+
 @dataclass(frozen=True)
 class PieceRecord:
+    """One stored piece of a tensor: a flat range ``[start, stop)`` or (format 3) an n-d ``box``.
+
+    Exactly one of the two is set: a flat piece has ``start``/``stop`` and ``box`` None; a box piece
+    has ``box`` and ``start``/``stop`` None (so code that assumes flat ranges fails loudly on a box).
+    Either way the piece's elements are stored 1-D under ``key`` in ``file``, with one CHECKSUM per
+    ``chunk_bytes`` of them.
+    """
+
     file: str
     key: str
-    start: int
-    stop: int
-    checksums: tuple[str, ...]  # one CHECKSUM per chunk_bytes of the piece's bytes
+    start: int | None
+    stop: int | None
+    checksums: tuple[str, ...]
+    box: Box | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "key": self.key,
-            "start": self.start,
-            "stop": self.stop,
-            "checksums": list(self.checksums),
-        }
+    def __post_init__(self) -> None:
+        flat = self.start is not None and self.stop is not None
+        if flat == (self.box is not None) or (self.start is None) != (self.stop is None):
+            raise ManifestError(f"piece {self.key!r}: give either start and stop or a box, not both")
 
     @staticmethod
-    def from_json(data: Mapping[str, Any], where: str) -> PieceRecord:
-        _require(data, ("file", "key", "start", "stop", "checksums"), where)
-        return PieceRecord(
-            str(data["file"]),
-            str(data["key"]),
-            int(data["start"]),
-            int(data["stop"]),
-            tuple(str(d) for d in data["checksums"]),
+    def of_box(file: str, key: str, box: Box, checksums: tuple[str, ...]) -> PieceRecord:
+        return PieceRecord(file, key, None, None, checksums, box)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``(start, stop)`` of a flat piece."""
+        if self.start is None or self.stop is None:
+            raise CheckpointError(f"piece {self.key!r} is a box {self.box}, not a flat range")
+        return self.start, self.stop
+
+    @property
+    def numel(self) -> int:
+        """How many elements the piece stores."""
+        if self.box is not None:
+            return self.box.volume
+        start, stop = self.span
+        return stop - start
+
+    def segments(self, global_shape: tuple[int, ...]) -> list[Segment]:
+        """The piece as boxes of the global tensor, each with its offset inside the piece's storage."""
+        if self.box is not None:
+            return [(self.box, 0)]
+        return flat_segments(global_shape, *self.span)
+
+    def first_element(self, global_shape: tuple[int, ...]) -> int:
+        """The flat index of the piece's first element (the order pieces are listed in)."""
+        if self.box is not None:
+            return flat_offset(Box.full(global_shape), self.box.offsets)
+        return self.span[0]
+
+    def describe(self) -> str:
+        return f"box {self.box}" if self.box is not None else f"[{self.start}, {self.stop})"
+
+    def to_json(self) -> dict[str, Any]:
+        where: dict[str, Any] = (
+            {"offsets": list(self.box.offsets), "lengths": list(self.box.lengths)}
+            if self.box is not None
+            else {"start": self.start, "stop": self.stop}
         )
+        return {"file": self.file, "key": self.key, **where, "checksums": list(self.checksums)}
+
+    @staticmethod
+    def from_json(data: Any, where: str, *, boxes: bool = True) -> PieceRecord:
+        """Parse one piece; ``boxes`` False (format 2) refuses box pieces."""
+        _require(data, ("file", "key", "checksums"), where)
+        file = check_member_name(data["file"], where)
+        key = _str(data["key"], f"{where} key")
+        checksums = tuple(
+            _str(d, f"{where} checksum") for d in _list(data["checksums"], f"{where} checksums")
+        )
+        if "offsets" in data or "lengths" in data:
+            if not boxes:
+                raise ManifestError(f"{where}: a box piece (offsets/lengths) needs format_version 3")
+            if "start" in data or "stop" in data:
+                raise ManifestError(
+                    f"{where}: has both a flat range (start/stop) and a box (offsets/lengths)"
+                )
+            _require(data, ("offsets", "lengths"), where)
+            offsets = [_int(o, f"{where} offsets") for o in _list(data["offsets"], f"{where} offsets")]
+            lengths = [_int(n, f"{where} lengths") for n in _list(data["lengths"], f"{where} lengths")]
+            if len(offsets) != len(lengths):
+                raise ManifestError(f"{where}: {len(offsets)} offsets but {len(lengths)} lengths")
+            return PieceRecord.of_box(file, key, Box(tuple(offsets), tuple(lengths)), checksums)
+        _require(data, ("start", "stop"), where)
+        start, stop = _int(data["start"], f"{where} start"), _int(data["stop"], f"{where} stop")
+        return PieceRecord(file, key, start, stop, checksums)
 
 
 @dataclass(frozen=True)
@@ -129,6 +232,10 @@ class TensorRecord:
     def numel(self) -> int:
         return numel_of(self.global_shape)
 
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
+
     def to_json(self) -> dict[str, Any]:
         return {
             "global_shape": list(self.global_shape),
@@ -137,10 +244,16 @@ class TensorRecord:
         }
 
     @staticmethod
-    def from_json(data: Mapping[str, Any], where: str) -> TensorRecord:
+    def from_json(data: Any, where: str, *, boxes: bool = True) -> TensorRecord:
         _require(data, ("global_shape", "dtype", "pieces"), where)
-        pieces = tuple(PieceRecord.from_json(p, f"{where} piece {i}") for i, p in enumerate(data["pieces"]))
-        return TensorRecord(tuple(int(d) for d in data["global_shape"]), str(data["dtype"]), pieces)
+        shape = tuple(
+            _int(d, f"{where} global_shape") for d in _list(data["global_shape"], f"{where} global_shape")
+        )
+        pieces = tuple(
+            PieceRecord.from_json(p, f"{where} piece {i}", boxes=boxes)
+            for i, p in enumerate(_list(data["pieces"], f"{where} pieces"))
+        )
+        return TensorRecord(shape, _str(data["dtype"], f"{where} dtype"), pieces)
 
 
 @dataclass(frozen=True)
@@ -175,63 +288,184 @@ class Manifest:
         }
 
     @staticmethod
-    def from_json(data: Mapping[str, Any]) -> Manifest:
+    def from_json(data: Any) -> Manifest:
+        """Parse and validate; every wrong key, type or number is a one-line ``ManifestError``."""
         _require(data, ("format_version", "step", "tensors", "files"), "manifest")
-        if data["format_version"] != FORMAT_VERSION:
+        version = data["format_version"]
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise ManifestError(
-                f"manifest has format_version {data['format_version']}, this shardwise reads {FORMAT_VERSION}"
+                f"manifest has format_version {_show(version)}, this shardwise reads "
+                f"{' and '.join(map(str, READABLE_VERSIONS))}"
             )
         _require(data, ("checksum",), "manifest")
         if data["checksum"] != CHECKSUM:
             raise ManifestError(
-                f"manifest uses checksum algorithm {data['checksum']!r}, this shardwise reads {CHECKSUM!r}"
+                f"manifest uses checksum algorithm {_show(data['checksum'])}, "
+                f"this shardwise reads {CHECKSUM!r}"
             )
-        tensors = {n: TensorRecord.from_json(t, f"tensor {n!r}") for n, t in data["tensors"].items()}
+        boxes = version >= 3
+        tensors = {
+            n: TensorRecord.from_json(t, f"tensor {n!r}", boxes=boxes)
+            for n, t in _obj(data["tensors"], "manifest tensors").items()
+        }
+        files = {
+            check_member_name(k, "manifest files"): _int(v, f"manifest files {k!r} size")
+            for k, v in _obj(data["files"], "manifest files").items()
+        }
+        rank_meta = [
+            _obj(r, "manifest rank_meta") for r in _list(data.get("rank_meta", []), "manifest rank_meta")
+        ]
         manifest = Manifest(
-            step=int(data["step"]),
-            strategy=str(data.get("strategy", "")),
-            world_size=int(data.get("world_size", 1)),
-            mesh=dict(data.get("mesh", {})),
-            config=dict(data.get("config", {})),
-            meta=dict(data.get("meta", {})),
-            rank_meta=list(data.get("rank_meta", [])),
+            step=_int(data["step"], "manifest step"),
+            strategy=_str(data.get("strategy", ""), "manifest strategy"),
+            world_size=_int(data.get("world_size", 1), "manifest world_size"),
+            mesh=dict(_obj(data.get("mesh", {}), "manifest mesh")),
+            config=dict(_obj(data.get("config", {}), "manifest config")),
+            meta=dict(_obj(data.get("meta", {}), "manifest meta")),
+            rank_meta=[dict(r) for r in rank_meta],
             tensors=tensors,
-            files={str(k): int(v) for k, v in data["files"].items()},
-            chunk_bytes=int(data.get("chunk_bytes", DEFAULT_CHUNK_BYTES)),
+            files=files,
+            chunk_bytes=_int(data.get("chunk_bytes", DEFAULT_CHUNK_BYTES), "manifest chunk_bytes"),
+            format_version=version,
         )
         manifest.validate()
         return manifest
 
     def validate(self) -> None:
-        """Every tensor covered exactly once by its pieces, in known files, with the right digest count."""
+        """Plain file names with sizes; every tensor covered exactly once by pieces that fit their files.
+
+        Also bounds every piece by its file's recorded size, so a reader that has checked the files'
+        sizes never allocates more than the files hold, whatever numbers a damaged manifest carries.
+        """
         if self.chunk_bytes <= 0 or self.chunk_bytes % 8:
             raise ManifestError(f"chunk_bytes must be a positive multiple of 8, got {self.chunk_bytes}")
+        if self.world_size < 1:
+            raise ManifestError(f"world_size must be at least 1, got {self.world_size}")
+        for name, size in self.files.items():
+            check_member_name(name, "manifest files")
+            if size < 0:
+                raise ManifestError(f"manifest files: {name} has a negative size {size}")
+        used = dict.fromkeys(self.files, 0)
+        keys: set[tuple[str, str]] = set()
         for name, rec in self.tensors.items():
-            itemsize = torch.empty((), dtype=torch_dtype(rec.dtype)).element_size()
-            chunk_elems = self.chunk_bytes // itemsize
-            cursor = 0
-            for p in sorted(rec.pieces, key=lambda p: p.start):
-                where = f"tensor {name!r} piece [{p.start}, {p.stop}) in {p.file}"
-                if p.file not in self.files:
-                    raise ManifestError(f"{where}: file is not listed in the manifest's files")
-                if p.start != cursor:
-                    what = (
-                        "overlaps the previous piece"
-                        if p.start < cursor
-                        else f"leaves [{cursor}, {p.start}) uncovered"
-                    )
-                    raise ManifestError(f"{where}: {what}")
-                if p.stop > rec.numel or (p.stop <= p.start and rec.numel > 0):
+            self._validate_tensor(name, rec, used, keys)
+        for file, nbytes in used.items():
+            if nbytes > self.files[file]:
+                raise ManifestError(
+                    f"file {file}: its pieces hold {nbytes} bytes but the file is {self.files[file]} bytes"
+                )
+
+    def _validate_tensor(
+        self, name: str, rec: TensorRecord, used: dict[str, int], keys: set[tuple[str, str]]
+    ) -> None:
+        if any(d < 0 for d in rec.global_shape):
+            raise ManifestError(f"tensor {name!r}: negative size in global_shape {list(rec.global_shape)}")
+        itemsize = rec.itemsize  # refuses an unknown dtype
+        chunk_elems = self.chunk_bytes // itemsize
+        for p in rec.pieces:
+            where = f"tensor {name!r} piece {p.describe()} in {p.file}"
+            check_member_name(p.file, where)
+            if p.file not in self.files:
+                raise ManifestError(f"{where}: file is not listed in the manifest's files")
+            if (p.file, p.key) in keys:
+                raise ManifestError(f"{where}: key {p.key!r} is used by another piece of that file")
+            keys.add((p.file, p.key))
+            if p.box is not None:
+                _check_box_piece(p.box, rec, self.format_version, where)
+            else:
+                start, stop = p.span
+                if start < 0 or stop > rec.numel or (stop <= start and rec.numel > 0):
                     raise ManifestError(f"{where}: out of bounds for {rec.numel} elements")
-                expected = max(1, chunk_span(0, p.stop - p.start, chunk_elems)[1])
-                if len(p.checksums) != expected:
-                    raise ManifestError(f"{where}: {len(p.checksums)} checksums, expected {expected}")
-                cursor = p.stop
-            if cursor != rec.numel:
-                raise ManifestError(f"tensor {name!r}: elements [{cursor}, {rec.numel}) are in no piece")
+            expected = max(1, chunk_span(0, p.numel, chunk_elems)[1])
+            if len(p.checksums) != expected:
+                raise ManifestError(f"{where}: {len(p.checksums)} checksums, expected {expected}")
+            used[p.file] += p.numel * itemsize
+        if all(p.box is None for p in rec.pieces):
+            _check_flat_cover(name, rec)
+        else:
+            _check_box_cover(name, rec)
 
 
-def _require(data: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
+def _check_box_piece(box: Box, rec: TensorRecord, version: int, where: str) -> None:
+    if version < 3:
+        raise ManifestError(f"{where}: box pieces need format_version 3, the manifest says {version}")
+    if not box.inside(rec.global_shape):
+        raise ManifestError(f"{where}: outside the tensor's global shape {list(rec.global_shape)}")
+    if box.volume == 0 and rec.numel > 0:
+        raise ManifestError(f"{where}: holds no element")
+
+
+def _check_flat_cover(name: str, rec: TensorRecord) -> None:
+    """Flat pieces only: sorted, each must start where the previous one stopped (linear)."""
+    cursor = 0
+    for p in sorted(rec.pieces, key=lambda p: p.span):
+        start, stop = p.span
+        if start != cursor:
+            what = (
+                "overlaps the previous piece" if start < cursor else f"leaves [{cursor}, {start}) uncovered"
+            )
+            raise ManifestError(f"tensor {name!r} piece [{start}, {stop}) in {p.file}: {what}")
+        cursor = stop
+    if cursor != rec.numel:
+        raise ManifestError(f"tensor {name!r}: elements [{cursor}, {rec.numel}) are in no piece")
+
+
+def _check_box_cover(name: str, rec: TensorRecord) -> None:
+    """Any mix of boxes and flat ranges (as boxes): pairwise disjoint, and as many elements as the tensor."""
+    boxes: list[Box] = []
+    owner: list[PieceRecord] = []
+    for p in rec.pieces:
+        for box, _ in p.segments(rec.global_shape):
+            boxes.append(box)
+            owner.append(p)
+    clash = first_overlap(boxes)
+    if clash is not None:
+        a, b = (owner[i] for i in clash)
+        common = intersect(boxes[clash[0]], boxes[clash[1]])
+        raise ManifestError(
+            f"tensor {name!r}: piece {a.describe()} in {a.file} overlaps piece {b.describe()} in {b.file} "
+            f"(both hold {common})"
+        )
+    covered = sum(p.numel for p in rec.pieces)
+    if covered != rec.numel:
+        raise ManifestError(
+            f"tensor {name!r}: its pieces hold {covered} of its {rec.numel} elements; "
+            f"{rec.numel - covered} are in no piece"
+        )
+
+
+def _show(value: Any) -> str:
+    """A value for a one-line message: its repr, cut short (repr escapes newlines)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(value: Any, where: str) -> int:
+    # bool is an int in Python and a float would be silently rounded: both are damage here.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ManifestError(f"{where}: expected an integer, got {_show(value)}")
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ManifestError(f"{where}: expected a string, got {_show(value)}")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ManifestError(f"{where}: expected a JSON list, got {_show(value)}")
+    return value
+
+
+def _obj(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ManifestError(f"{where}: expected a JSON object, got {_show(value)}")
+    return value
+
+
+def _require(data: Any, keys: tuple[str, ...], where: str) -> None:
     if not isinstance(data, Mapping):
         raise ManifestError(f"{where}: expected a JSON object, got {type(data).__name__}")
     missing = [k for k in keys if k not in data]
@@ -256,17 +490,26 @@ def write_manifest(folder: str, manifest: Manifest) -> None:
 
 
 def read_manifest(folder: str) -> Manifest:
+    """The folder's manifest, parsed and validated; any damage is one ``ManifestError`` line naming it."""
     path = os.path.join(folder, MANIFEST_NAME)
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
         raise ManifestError(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ManifestError(f"{path}: not valid JSON ({err})") from None
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, or an integer too long to parse
+        raise ManifestError(f"{path}: not valid JSON ({_one_line(err)})") from None
+    except RecursionError:
+        raise ManifestError(f"{path}: not valid JSON (nested too deeply)") from None
+    except OSError as err:
+        raise ManifestError(f"{path}: cannot be read ({_one_line(err)})") from None
     try:
         return Manifest.from_json(data)
     except ManifestError as err:
         raise ManifestError(f"{path}: {err}") from None
-    except (TypeError, ValueError) as err:
-        raise ManifestError(f"{path}: malformed ({err})") from None
+    except (TypeError, ValueError) as err:  # a safety net: parsing checks every type it relies on
+        raise ManifestError(f"{path}: malformed ({_one_line(err)})") from None
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())

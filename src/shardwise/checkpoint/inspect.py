@@ -1,21 +1,31 @@
 """Look inside a checkpoint (tensors, shards, sizes, checksums verified) and export a plain model file.
 
 ``inspect`` reports every problem it finds instead of stopping at the first, so ``shardwise ckpt
-inspect DIR`` can show a whole damaged checkpoint; ``export`` assembles the full model tensors (names
-under a prefix such as ``model/``) into one ordinary safetensors file, written under a temporary name
-and renamed. Purely local; no communication.
+inspect DIR`` can show a whole damaged checkpoint (each file opened once: a file that cannot be opened
+is one problem, not one per tensor in it); ``export`` assembles the full model tensors (names under a
+prefix such as ``model/``, written as flat ranges or boxes) into one ordinary safetensors file, written
+under a temporary name and renamed. Purely local; no communication.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
-import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from shardwise.checkpoint.format import CheckpointError, read_manifest, torch_dtype
-from shardwise.checkpoint.reader import _label, _open, _read_range, check_files, load, resolve
+from shardwise.checkpoint.format import CheckpointError, Manifest, PieceRecord, member_path, read_manifest
+from shardwise.checkpoint.reader import (
+    _label,
+    _open,
+    check_files,
+    load,
+    pieces_by_file,
+    resolve,
+    verify_piece,
+)
 
 
 def inspect(path: str, *, verify: bool = True) -> dict[str, Any]:
@@ -31,21 +41,13 @@ def inspect(path: str, *, verify: bool = True) -> dict[str, Any]:
         except CheckpointError as err:
             problems.append(str(err))
             ok = False
-        full = os.path.join(step_dir, name)
-        size = os.path.getsize(full) if os.path.exists(full) else None
-        files[name] = {"size_bytes": size, "recorded_bytes": recorded, "ok": ok}
+        files[name] = {"size_bytes": _size(step_dir, name), "recorded_bytes": recorded, "ok": ok}
+    checked = _verify_files(step_dir, manifest, files, problems) if verify else {}
     tensors = {}
     for name, rec in sorted(manifest.tensors.items()):
-        shards = []
-        for piece in rec.pieces:
-            ok = None
-            if verify and files[piece.file]["ok"]:
-                ok = _verify_piece(step_dir, piece, rec.dtype, manifest.chunk_bytes, problems)
-            shards.append({"file": piece.file, "key": piece.key, "start": piece.start, "stop": piece.stop,
-                           "chunks": len(piece.checksums), "checksum_ok": ok})  # fmt: skip
-        itemsize = torch.empty((), dtype=torch_dtype(rec.dtype)).element_size()
+        shards = [_shard(piece, checked.get((piece.file, piece.key))) for piece in rec.pieces]
         tensors[name] = {"global_shape": list(rec.global_shape), "dtype": rec.dtype,
-                         "bytes": rec.numel * itemsize, "shards": shards}  # fmt: skip
+                         "bytes": rec.numel * rec.itemsize, "shards": shards}  # fmt: skip
     return {
         "path": step_dir,
         "step": manifest.step,
@@ -63,20 +65,53 @@ def inspect(path: str, *, verify: bool = True) -> dict[str, Any]:
     }
 
 
-def _verify_piece(step_dir: str, piece: Any, dtype: str, chunk_bytes: int, problems: list[str]) -> bool:
+def _size(step_dir: str, name: str) -> int | None:
     try:
-        with _open(step_dir, piece.file) as f:
-            _read_range(
-                f, piece, 0, piece.stop - piece.start, dtype, chunk_bytes, True, _label(step_dir, piece.file)
-            )
-        return True
-    except CheckpointError as err:
-        problems.append(str(err))
-        return False
+        return os.path.getsize(member_path(step_dir, name))
+    except (CheckpointError, OSError):
+        return None
+
+
+def _shard(piece: PieceRecord, ok: bool | None) -> dict[str, Any]:
+    """One piece as inspect reports it: a flat range (start/stop) or a box (offsets/lengths)."""
+    where: dict[str, Any] = (
+        {"offsets": list(piece.box.offsets), "lengths": list(piece.box.lengths)}
+        if piece.box is not None
+        else {"start": piece.start, "stop": piece.stop}
+    )
+    return {"file": piece.file, "key": piece.key, **where, "chunks": len(piece.checksums), "checksum_ok": ok}
+
+
+def _verify_files(
+    step_dir: str, manifest: Manifest, files: dict[str, Any], problems: list[str]
+) -> dict[tuple[str, str], bool]:
+    """Every piece's checksums, by ``(file, key)``; a file that cannot be opened is one problem, not one per
+    piece (a damaged header would otherwise be reported for every tensor it holds)."""
+    checked: dict[tuple[str, str], bool] = {}
+    for file, pieces in pieces_by_file(manifest).items():
+        if not files[file]["ok"]:
+            continue
+        label = _label(step_dir, file)
+        try:
+            handle = _open(step_dir, file)
+        except CheckpointError as err:
+            problems.append(str(err))
+            files[file]["ok"] = False
+            checked.update({(file, piece.key): False for _, piece in pieces})
+            continue
+        with handle as f:
+            for dtype, piece in pieces:
+                try:
+                    verify_piece(f, piece, dtype, manifest.chunk_bytes, label)
+                    checked[(file, piece.key)] = True
+                except CheckpointError as err:
+                    problems.append(str(err))
+                    checked[(file, piece.key)] = False
+    return checked
 
 
 def format_inspect(info: dict[str, Any]) -> str:
-    """Plain-text rendering of :func:`inspect`'s result, one line per tensor."""
+    """Plain-text rendering of :func:`inspect`'s result, one line per tensor (and per box piece)."""
     lines = [
         f"{info['path']}: step {info['step']}, strategy {info['strategy'] or '?'}, "
         f"world size {info['world_size']}, {len(info['tensors'])} tensors, "
@@ -88,6 +123,12 @@ def format_inspect(info: dict[str, Any]) -> str:
         shape = "x".join(map(str, t["global_shape"])) or "scalar"
         lines.append(f"  {name:<40} {t['dtype']:<9} {shape:<16} {t['bytes']:>12,d} B  "
                      f"{len(t['shards'])} shard(s)  {state}")  # fmt: skip
+        # Flat shards are listed by --json only (ZeRO writes one per rank per tensor); a box is worth
+        # a line, since it says how the tensor was cut.
+        for s in t["shards"]:
+            if "offsets" in s:
+                mark = {True: "ok", False: "BAD", None: "unverified"}[s["checksum_ok"]]
+                lines.append(f"    box offsets {s['offsets']} lengths {s['lengths']} in {s['file']}  {mark}")
     for name, f in info["files"].items():
         lines.append(f"  file {name}: {f['size_bytes']} bytes (recorded {f['recorded_bytes']})")
     verdict = "all checksums verified" if info["checksums_verified"] else "sizes checked, checksums not read"
@@ -98,7 +139,16 @@ def format_inspect(info: dict[str, Any]) -> str:
 def export(
     path: str, out_path: str, *, prefix: str = "model/", strip_prefix: bool = True
 ) -> dict[str, list[int]]:
-    """Write every tensor named ``prefix...`` whole into one plain safetensors file; return name -> shape."""
+    """Write every tensor named ``prefix...`` whole into one plain safetensors file; return name -> shape.
+
+    Tensors saved as flat ranges or boxes are assembled alike. ``out_path`` must be a file name: an
+    existing folder is refused before anything is read, and a failed write leaves nothing behind.
+    """
+    if os.path.isdir(out_path):
+        raise CheckpointError(
+            f"{out_path} is a folder; give the file to write, "
+            f"e.g. {os.path.join(out_path, 'model.safetensors')}"
+        )
     step_dir = resolve(path)
     manifest = read_manifest(step_dir)
     names = [n for n in sorted(manifest.tensors) if n.startswith(prefix)]
@@ -106,10 +156,17 @@ def export(
         raise CheckpointError(f"{step_dir}: no tensor named {prefix!r}... to export")
     tensors = load(step_dir, names, manifest=manifest)
     out = {(n[len(prefix) :] if strip_prefix else n): t.contiguous() for n, t in tensors.items()}
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = f"{out_path}.tmp-{os.getpid()}"
-    save_file(out, tmp, metadata={"format": "pt", "source": step_dir, "step": str(manifest.step)})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out_path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        save_file(out, tmp, metadata={"format": "pt", "source": step_dir, "step": str(manifest.step)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except (OSError, SafetensorError) as err:
+        reason = getattr(err, "strerror", None) or " ".join(str(err).split())
+        raise CheckpointError(f"{out_path}: cannot be written ({reason}); choose another path") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # gone already after a successful rename
     return {n: list(t.shape) for n, t in out.items()}

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 
+from shardwise.checkpoint.format import CheckpointError, is_plain_name
 from shardwise.checkpoint.shardfile import fsync_dir
 
 LATEST_NAME = "latest"
@@ -47,13 +48,29 @@ def list_tmp(root: str) -> list[str]:
 
 
 def read_latest(root: str) -> str | None:
-    """The folder the ``latest`` pointer names, or None when there is no pointer."""
+    """The folder the ``latest`` pointer names, or None when there is no pointer.
+
+    The pointer may name only a folder directly under ``root``: anything else (``..``, an absolute
+    path, a link that resolves elsewhere) is refused in one line rather than followed.
+    """
+    path = os.path.join(root, LATEST_NAME)
     try:
-        with open(os.path.join(root, LATEST_NAME), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             name = f.read().strip()
     except FileNotFoundError:
         return None
-    return os.path.join(root, name) if name else None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: cannot be read ({err}); delete it, readers do not need it") from None
+    if not name:
+        return None
+    target = os.path.join(root, name)
+    home = os.path.realpath(root)
+    if not is_plain_name(name) or os.path.dirname(os.path.realpath(target)) != home:
+        raise CheckpointError(
+            f"{path}: names {name[:80]!r}, outside the checkpoint root; it may name only a step folder "
+            "in the root (delete it, readers find the newest checkpoint without it)"
+        )
+    return target
 
 
 def write_latest(root: str, step_dir: str) -> None:

@@ -1,7 +1,8 @@
 """Save a checkpoint from every rank at once: each rank writes what it owns, rank 0 publishes.
 
-Every rank calls :meth:`CheckpointWriter.save` with the pieces it owns (flat ranges of global tensors;
-replicated tensors go to one owner each, see :func:`spread_replicated`). Communication: one tiny
+Every rank calls :meth:`CheckpointWriter.save` with the pieces it owns (flat ranges of global tensors,
+or n-d boxes of them such as a tensor-parallel slice along any dim; replicated tensors go to one owner
+each, see :func:`spread_replicated`). Communication: one tiny
 broadcast from rank 0 (a token naming the temporary folder, so a stale half-written folder can never be
 mistaken for this save), then each rank writes ``rank<r>.safetensors`` and ``rank<r>.json`` with no
 communication at all. Synchronous mode: a barrier, rank 0 merges the indexes into ``manifest.json`` and
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.format import (
     DEFAULT_CHUNK_BYTES,
     CheckpointError,
@@ -42,19 +44,40 @@ from shardwise.collectives.api import Comm
 
 @dataclass(frozen=True)
 class Piece:
-    """Elements ``[start, stop)`` of the row-major flattening of global tensor ``name``."""
+    """What one rank writes of global tensor ``name``: a flat range or an n-d box.
+
+    Flat (``box`` None): elements ``[start, stop)`` of the row-major flattening; ``tensor`` holds
+    ``stop - start`` elements in any shape. Box (build it with :meth:`from_box`): ``start``/``stop``
+    are None and ``tensor`` holds the box's elements, normally in the box's shape (any shape with its
+    volume is read in row-major order). Both are stored 1-D.
+    """
 
     name: str
     global_shape: tuple[int, ...]
-    start: int
-    stop: int
-    tensor: torch.Tensor  # stop - start elements, any shape (stored flat)
+    start: int | None
+    stop: int | None
+    tensor: torch.Tensor
+    box: Box | None = None
 
     @staticmethod
     def full(name: str, tensor: torch.Tensor) -> Piece:
         return Piece(name, tuple(tensor.shape), 0, tensor.numel(), tensor)
 
+    @staticmethod
+    def from_box(
+        name: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], tensor: torch.Tensor
+    ) -> Piece:
+        """The block of ``name`` starting at ``offsets`` with ``tensor``'s shape, e.g. ``w[:, 4:8]``."""
+        return Piece(name, tuple(global_shape), None, None, tensor, Box(tuple(offsets), tuple(tensor.shape)))
+
     def check(self) -> None:
+        if self.box is not None:
+            self._check_box(self.box)
+            return
+        if self.start is None or self.stop is None:
+            raise CheckpointError(
+                f"piece of {self.name!r}: give start and stop, or build it with Piece.from_box"
+            )
         total = numel_of(self.global_shape)
         empty_ok = self.start == self.stop == total == 0
         if not (0 <= self.start < self.stop <= total or empty_ok):
@@ -66,6 +89,35 @@ class Piece:
                 f"piece of {self.name!r}: range [{self.start}, {self.stop}) has {self.stop - self.start} "
                 f"elements but the tensor has {self.tensor.numel()}"
             )
+
+    def _check_box(self, box: Box) -> None:
+        shape = list(self.global_shape)
+        if self.start is not None or self.stop is not None:
+            raise CheckpointError(
+                f"piece of {self.name!r}: box {box} also has a flat range; give one of them"
+            )
+        if not box.inside(self.global_shape):
+            raise CheckpointError(f"piece of {self.name!r}: box {box} is outside its global shape {shape}")
+        if box.volume == 0 and numel_of(self.global_shape) > 0:
+            raise CheckpointError(f"piece of {self.name!r}: box {box} is empty; leave it out of the save")
+        if self.tensor.numel() != box.volume:
+            raise CheckpointError(
+                f"piece of {self.name!r}: box {box} has {box.volume} elements but the tensor has "
+                f"{self.tensor.numel()}"
+            )
+
+    @property
+    def key(self) -> str:
+        """The safetensors key it is stored under (unique per tensor and rank when pieces do not overlap)."""
+        if self.box is not None:
+            return f"{self.name} box{self.box}"  # "w box[0:5, 4:8]": never a flat key's "w[0:5]"
+        return f"{self.name}[{self.start}:{self.stop}]"
+
+    def index_entry(self) -> dict[str, Any]:
+        """Where the piece sits in its tensor, as the rank index and the manifest record it."""
+        if self.box is not None:
+            return {"offsets": list(self.box.offsets), "lengths": list(self.box.lengths)}
+        return {"start": self.start, "stop": self.stop}
 
 
 def spread_replicated(tensors: Mapping[str, torch.Tensor], world_size: int) -> dict[str, int]:
@@ -221,7 +273,7 @@ class CheckpointWriter:
     def _write_own(self, job: _Job) -> None:
         start = time.perf_counter()
         file_name = f"rank{self.rank}.safetensors"
-        keyed = [(f"{p.name}[{p.start}:{p.stop}]", p) for p in job.items]
+        keyed = [(p.key, p) for p in job.items]
         size, digests = 0, {}
         if keyed:
             written = write_shard_file(
@@ -239,8 +291,7 @@ class CheckpointWriter:
                     "global_shape": list(p.global_shape),
                     "dtype": dtype_name(p.tensor.dtype),
                     "key": k,
-                    "start": p.start,
-                    "stop": p.stop,
+                    **p.index_entry(),
                     "checksums": list(digests[k]),
                 }
                 for k, p in keyed
@@ -302,13 +353,20 @@ def merge_indexes(tmp_dir: str, world_size: int, header: Mapping[str, Any], chun
                     f"tensor {p['name']!r}: rank {rank} says shape/dtype {kind}, another rank "
                     f"{shapes[p['name']]}"
                 )
-            record = PieceRecord(index["file"], p["key"], p["start"], p["stop"], tuple(p["checksums"]))
-            pieces.setdefault(p["name"], []).append(record)
+            pieces.setdefault(p["name"], []).append(_record(index["file"], p))
     tensors = {
-        name: TensorRecord(shape, dtype, tuple(sorted(pieces[name], key=lambda r: r.start)))
+        name: TensorRecord(shape, dtype, tuple(sorted(pieces[name], key=lambda r: r.first_element(shape))))
         for name, (shape, dtype) in shapes.items()
     }
     return Manifest(tensors=tensors, files=files, rank_meta=rank_meta, chunk_bytes=chunk_bytes, **header)
+
+
+def _record(file: str, entry: Mapping[str, Any]) -> PieceRecord:
+    """A rank index's piece entry (flat or box) as the manifest's record."""
+    checksums = tuple(entry["checksums"])
+    if "offsets" in entry:
+        return PieceRecord.of_box(file, entry["key"], Box(entry["offsets"], entry["lengths"]), checksums)
+    return PieceRecord(file, entry["key"], entry["start"], entry["stop"], checksums)
 
 
 def _snapshot(pieces: Iterable[Piece], clone: bool) -> list[Piece]:
@@ -322,7 +380,7 @@ def _snapshot(pieces: Iterable[Piece], clone: bool) -> list[Piece]:
             tensor = tensor.clone()
         elif not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        out.append(Piece(piece.name, tuple(piece.global_shape), piece.start, piece.stop, tensor))
+        out.append(Piece(piece.name, tuple(piece.global_shape), piece.start, piece.stop, tensor, piece.box))
     return out
 
 
