@@ -513,7 +513,7 @@ FIXTURES = Path(__file__).parent.parent / "fixtures"
 
 
 def test_format_2_fixture_loads_bit_exact() -> None:
-    from shardwise.train.full_state import FolderReader
+    from shardwise.engine.full_state import FolderReader
 
     expected = load_file(str(FIXTURES / "ckpt-format2-expected.safetensors"))
     assert set(expected) == {"w", "b"}

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from shardwise.checkpoint import CheckpointError, ManifestError, Piece, layout, load, load_latest, save
 from shardwise.checkpoint.reader import verify_checkpoint
 from shardwise.cli import main
-from shardwise.train.full_state import load_checkpoint
+from shardwise.engine.full_state import load_checkpoint
 
 
 def _write(root: Path) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ def _timed(comm: Comm, fn: Callable[[], object]) -> float:
 def _raw_write(path: str, tensors: list[torch.Tensor]) -> None:
     with open(path, "wb") as f:
         for t in tensors:
-            f.write(memoryview(t.view(torch.uint8).numpy()))
+            f.write(memoryview(t.view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy buffer
         f.flush()
         os.fsync(f.fileno())
 

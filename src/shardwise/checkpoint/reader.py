@@ -19,6 +19,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -326,7 +327,7 @@ def _read_range(
     return data[a - s0 : b - s0]
 
 
-def _open(step_dir: str, file: str) -> object:
+def _open(step_dir: str, file: str) -> Any:  # a safetensors handle (untyped upstream)
     try:
         return safe_open(member_path(step_dir, file), framework="pt")
     except (SafetensorError, OSError) as err:

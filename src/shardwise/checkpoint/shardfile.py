@@ -35,7 +35,7 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
         flat = flat.cpu()
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # numpy buffer
 
 
 def chunk_digests(data: memoryview, chunk_bytes: int) -> tuple[str, ...]:

@@ -37,12 +37,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.engine.loss import Loss, TokenLoss, run_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (batch, seq) long, targets (batch, seq) long
-Span = tuple[int, int] | None  # a flat range [start, stop) of a global tensor; None: the whole tensor
+# what a rank asks a checkpoint for: a flat range [start, stop) of a global tensor, an n-d Box of it,
+# or None for the whole tensor
+Span = tuple[int, int] | Box | None
 NamedTensors = list[tuple[str, torch.Tensor]]  # what one optimizer updates, by name
 
 
@@ -67,9 +70,10 @@ class StateReader(Protocol):
     """What an engine reads its state through when a checkpoint is loaded (see ``Engine.load_state``).
 
     ``shapes`` lists every saved tensor with its global shape; calling the reader with
-    ``{name: span}`` returns, per name, the whole tensor at its global shape (span None) or the flat
-    range as a 1-D tensor, whichever layout wrote it. It raises ``CheckpointError`` when a file is
-    damaged; the caller then falls back to an older checkpoint and calls ``load_state`` again.
+    ``{name: span}`` returns, per name, the whole tensor at its global shape (span None), a flat range
+    as a 1-D tensor, or a ``Box`` at the box's shape, whichever layout wrote it. It raises
+    ``CheckpointError`` when a file is damaged; the caller then falls back to an older checkpoint and
+    calls ``load_state`` again.
     """
 
     @property
