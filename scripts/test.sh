@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check src tests benchmarks
+.venv/bin/ruff check src tests benchmarks examples
 .venv/bin/lint-imports --no-cache    # the layer contracts (pyproject.toml [tool.importlinter])
 .venv/bin/mypy                       # type-check src/ (pyproject.toml [tool.mypy])
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,9 +1,21 @@
 """shardwise: distributed training on torch.distributed, every strategy checked against one process.
 
-The composable core: ``ParallelDims`` (validated degrees), ``build_mesh`` (named axes, one ``Comm``
-each) and ``parallelize`` (tensor, pipeline, activation checkpointing, then data parallelism, in that
-order, returning the ``Engine`` that trains). Names are imported on first use, so ``import shardwise``
-stays cheap (the command line starts fast and answers signals at once).
+A script of your own::
+
+    import shardwise as sw
+
+    def main():
+        config = sw.load_config(overrides={"strategy": "zero2", "steps": 100})
+        trainer = sw.Trainer.build(config, model=MyModel(), dataset=my_data, loss=my_loss)
+        return trainer.fit()  # the summary on the reporting rank
+
+    if __name__ == "__main__":
+        sw.launch(main, nproc=2)  # or: torchrun --nproc-per-node 2 script.py
+
+Underneath, the composable core: ``ParallelDims`` (validated degrees), ``build_mesh`` (named axes,
+one ``Comm`` each) and ``parallelize`` (tensor, pipeline, activation checkpointing, then data
+parallelism, in that order), returning the ``Engine`` whose ``train_step`` a hand-written loop calls.
+Names are imported on first use, so ``import shardwise`` stays cheap.
 """
 
 from __future__ import annotations
@@ -14,22 +26,57 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ParallelDims": "shardwise.config",
+    "launch": "shardwise.api",
+    "init": "shardwise.api",
     "TrainConfig": "shardwise.config",
+    "ParallelDims": "shardwise.config",
+    "load_config": "shardwise.config",
+    "ConfigError": "shardwise.config",
     "Mesh": "shardwise.mesh",
     "build_mesh": "shardwise.mesh",
+    "parallelize": "shardwise.parallelism",
     "Engine": "shardwise.engine.base",
     "Role": "shardwise.engine.base",
-    "parallelize": "shardwise.parallelism",
+    "Loss": "shardwise.engine.loss",
+    "CausalLMLoss": "shardwise.engine.loss",
+    "TokenLoss": "shardwise.engine.loss",
+    "summed": "shardwise.engine.loss",
+    "Trainer": "shardwise.train.loop",
+    "load_checkpoint": "shardwise.engine.full_state",
+    "LaunchError": "shardwise.launch",
 }
 
-__all__ = ["Engine", "Mesh", "ParallelDims", "Role", "TrainConfig", "build_mesh", "parallelize"]
+__all__ = [
+    "CausalLMLoss",
+    "ConfigError",
+    "Engine",
+    "LaunchError",
+    "Loss",
+    "Mesh",
+    "ParallelDims",
+    "Role",
+    "TokenLoss",
+    "TrainConfig",
+    "Trainer",
+    "build_mesh",
+    "init",
+    "launch",
+    "load_checkpoint",
+    "load_config",
+    "parallelize",
+    "summed",
+]
 
 if TYPE_CHECKING:
-    from shardwise.config import ParallelDims, TrainConfig
+    from shardwise.api import init, launch
+    from shardwise.config import ConfigError, ParallelDims, TrainConfig, load_config
     from shardwise.engine.base import Engine, Role
+    from shardwise.engine.full_state import load_checkpoint
+    from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, summed
+    from shardwise.launch import LaunchError
     from shardwise.mesh import Mesh, build_mesh
     from shardwise.parallelism import parallelize
+    from shardwise.train.loop import Trainer
 
 
 def __getattr__(name: str) -> Any:

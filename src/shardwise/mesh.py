@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.collectives.api import Comm, CommSettings
-from shardwise.config import CommConfig, ParallelDims
+from shardwise.config import CommConfig, ParallelDims, TrainConfig
 
 AXES = ("dp", "pp", "tp")
 
@@ -77,11 +77,17 @@ class Mesh:
         return {"dp": self.dims.dp, "pp": self.dims.pp, "tp": self.dims.tp, "servers": self.dims.servers}
 
 
-def build_mesh(dims: ParallelDims, comm_config: CommSettings | None = None, device_type: str = "cpu") -> Mesh:
-    """Build the mesh over the initialised default process group; ``dims`` must match its size."""
+def build_mesh(
+    dims: ParallelDims | TrainConfig, comm_config: CommSettings | None = None, device_type: str = "cpu"
+) -> Mesh:
+    """Build the mesh over the initialised default process group: from ``ParallelDims`` (which must
+    match its size) and ``comm_config``, or from a ``TrainConfig`` (its degrees and ``[comm]``)."""
     if not dist.is_initialized():
-        raise RuntimeError("build_mesh needs an initialised process group (see shardwise.launch)")
+        raise RuntimeError("build_mesh needs an initialised process group: call shardwise.init() first")
     world_size = dist.get_world_size()
+    if isinstance(dims, TrainConfig):
+        comm_config = comm_config or dims.comm
+        dims = dims.validate(world_size).dims(world_size)
     if dims.world_size != world_size:
         raise ValueError(f"the mesh describes {dims.world_size} ranks, but the world has {world_size}")
     settings = comm_config or CommConfig()

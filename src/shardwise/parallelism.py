@@ -25,7 +25,7 @@ from torch import nn
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import Loss, as_loss
-from shardwise.engine.optim import OptimizerFactory, attach_optimizers, optimizer_factory
+from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
 from shardwise.mesh import Mesh
 from shardwise.strategies import build_data_parallel
 
@@ -85,13 +85,15 @@ def parallelize(
     factory: OptimizerFactory | None = None,
     share_gradients: bool = False,
     loss: Loss | Callable[[Any, Any], torch.Tensor] | None = None,
+    scheduler: SchedulerFactory | None = None,
 ) -> Engine:
     """Apply steps 1-4 to ``model`` in place and return the engine, its optimizers attached.
 
     ``factory`` builds each optimizer from named tensors (default: ``config.optim``'s); ``loss`` is
     what ``engine.train_step`` minimises (a SUM per micro-batch and a count: see
-    ``shardwise.engine.loss``; default: token or causal-LM cross-entropy); ``share_gradients`` makes
-    global gradients visible on every rank that steps (``verify``).
+    ``shardwise.engine.loss``; default: token or causal-LM cross-entropy); ``scheduler`` builds a
+    ``torch.optim.lr_scheduler`` over each optimizer, stepped after every update; ``share_gradients``
+    makes global gradients visible on every rank that steps (``verify``).
     """
     apply_tensor_parallel(model, mesh, config)
     apply_pipeline(model, mesh, config)
@@ -100,4 +102,4 @@ def parallelize(
     engine.count_comm = mesh.comm("dp") if mesh.in_mesh else None  # the ranks that split each batch
     if loss is not None:
         engine.loss = as_loss(loss)
-    return attach_optimizers(engine, factory or optimizer_factory(config.optim))
+    return attach_optimizers(engine, factory or optimizer_factory(config.optim), scheduler)

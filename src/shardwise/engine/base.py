@@ -36,6 +36,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.manager import Piece
@@ -109,11 +110,14 @@ class Engine(ABC):
     comm: Comm | None = None  # what the strategy communicates over: its bytes and waits are the step's
     # where the optimizer runs: on every rank over what it holds, or on the parameter servers
     optimizer_runs: Literal["every_rank", "servers"] = "every_rank"
+    # whether optimizer_units hands out the model's own parameters (False: ZeRO's flat shards)
+    units_are_parameters: bool = True
 
     def __init__(self, model: nn.Module, role: Role | None = None) -> None:
         self.model = model
         self.role = role or Role.trainer(0)
         self.optimizers: list[Optimizer] = []
+        self.schedulers: list[LRScheduler] = []  # one per optimizer when the user gives a factory
         self.loss: Loss = TokenLoss()  # the user's loss: a SUM over items and a count (engine.loss)
         self.count_comm: Comm | None = None  # the ranks that share a batch: where counts are summed
 
@@ -201,7 +205,8 @@ class Engine(ABC):
         self.after_update()
 
     def run_optimizers(self, lr_scale: float = 1.0) -> None:
-        """Step every optimizer of this rank, each inside its unit's context; lr scaled by ``lr_scale``."""
+        """Step every optimizer of this rank, each inside its unit's context (lr scaled by
+        ``lr_scale``), then every learning-rate scheduler once: one place for every strategy."""
         for index, optimizer in enumerate(self.optimizers):
             rates = [group["lr"] for group in optimizer.param_groups]
             for group in optimizer.param_groups:
@@ -212,6 +217,8 @@ class Engine(ABC):
             finally:
                 for group, lr in zip(optimizer.param_groups, rates, strict=True):
                     group["lr"] = lr
+        for scheduler in self.schedulers:
+            scheduler.step()
 
     def prepare_update(self) -> bool:
         """Before the optimizers run; False skips this step's update (an fp16 overflow, say)."""

@@ -13,13 +13,15 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
-from shardwise.config import OptimizerConfig
+from shardwise.config import ConfigError, OptimizerConfig
 
 if TYPE_CHECKING:
     from shardwise.engine.base import Engine
 
 NamedParams = Sequence[tuple[str, torch.Tensor]]
+SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 E = TypeVar("E", bound="Engine")
 OptimizerFactory = Callable[[NamedParams], torch.optim.Optimizer]
 
@@ -53,7 +55,33 @@ def named(params: Sequence[torch.nn.Parameter] | torch.nn.Module) -> NamedParams
     return [(str(i), p) for i, p in enumerate(p for p in items if p.requires_grad)]
 
 
-def attach_optimizers(engine: E, factory: OptimizerFactory) -> E:
-    """Build one optimizer per unit the engine declares and hand them over; returns the engine."""
+def attach_optimizers(engine: E, factory: OptimizerFactory, scheduler: SchedulerFactory | None = None) -> E:
+    """Build one optimizer per unit the engine declares (and a learning-rate scheduler over each, when
+    ``scheduler`` is given) and hand them over; returns the engine."""
+    if not engine.units_are_parameters:
+        _refuse_param_groups(engine, factory)
     engine.attach_optimizers([factory(unit) for unit in engine.optimizer_units()])
+    engine.schedulers = [scheduler(optimizer) for optimizer in engine.optimizers] if scheduler else []
     return engine
+
+
+def _refuse_param_groups(engine: Engine, factory: OptimizerFactory) -> None:
+    """Flat shards mix parameters: a factory that groups parameters by name cannot be honoured there.
+
+    The factory is tried on the model's own named parameters (building an optimizer allocates no
+    state); more than one param group is refused in one line rather than silently merged.
+    """
+    probe = factory([(n, p) for n, p in engine.model.named_parameters() if p.requires_grad])
+    if len(probe.param_groups) > 1:
+        raise ConfigError(
+            f"{engine.name} steps flat shards that mix parameters, so the optimizer factory's "
+            f"{len(probe.param_groups)} param groups cannot be kept apart; use one group (or ddp / ps)"
+        )
+
+
+def fast_forward(schedulers: Sequence[LRScheduler], steps: int) -> None:
+    """Advance schedulers over ``steps`` completed steps (a resumed run): exact for schedules that
+    depend only on the step count, which is what torch's built-in schedulers are."""
+    for scheduler in schedulers:
+        for _ in range(steps):
+            scheduler.step()

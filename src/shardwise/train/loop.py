@@ -30,7 +30,7 @@ from shardwise.data.dataset import DatasetSampler, MapDataset
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import AutoLoss, Loss, TokenLoss, as_loss, rows, run_model
-from shardwise.engine.optim import OptimizerFactory
+from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, fast_forward
 from shardwise.launch import init_distributed, restart_count
 from shardwise.mesh import Mesh, build_mesh
 from shardwise.models import build_model
@@ -90,7 +90,8 @@ class Trainer:
 
     ``Trainer.build(config)`` trains the built-in model on the built-in corpus; pass ``model``,
     ``dataset`` (map-style, sharded here), ``loss`` (see ``shardwise.engine.loss``), ``collate_fn``,
-    ``optimizer`` (a factory of named parameters) and ``eval_dataset`` to train your own. ``fit()``
+    ``optimizer`` (a factory of named parameters), ``scheduler`` (a factory of an optimizer's
+    ``torch.optim.lr_scheduler``) and ``eval_dataset`` to train your own. ``fit()``
     runs the whole loop and returns the summary on the reporting rank.
     """
 
@@ -117,6 +118,7 @@ class Trainer:
         dataset: MapDataset | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
         eval_dataset: MapDataset | None = None,
     ) -> Trainer:
         """Validate against the live world, build the model under the seed, parallelize it.
@@ -124,12 +126,13 @@ class Trainer:
         ``share_gradients``: make global gradients visible where a strategy keeps them elsewhere
         (the parameter server's workers), for ``verify``.
         """
+        init_distributed(config.timeout_s)  # a plain process that did not join a job: a world of one
         world = dist.get_world_size()
         config = config.validate(world)
         mesh = build_mesh(config.dims(world), config.comm)
         seed_everything(config.seed)
         net = model if model is not None else build_model(config.model, torch_dtype(config.dtype))
-        engine = parallelize(net, mesh, config, optimizer, share_gradients=share_gradients)
+        engine = parallelize(net, mesh, config, optimizer, share_gradients, scheduler=scheduler)
         engine.loss = as_loss(loss) if loss is not None else default_loss(config, model is not None)
         counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)
         rank = max(mesh.dp_rank, 0)
@@ -239,6 +242,7 @@ def _fit(trainer: Trainer, show_progress: bool) -> dict[str, Any] | None:
     role = trainer.engine.role
     if resumed:
         trainer.engine.resume_at(start)
+        fast_forward(trainer.engine.schedulers, start)
     if role.serves:
         _serve(trainer, ckpt)
         return None

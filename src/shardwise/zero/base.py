@@ -42,6 +42,7 @@ class ZeroBase(Engine):
     """Sharded master weights and optimizer state over ``comm``; subclasses decide the groups."""
 
     comm: Comm
+    units_are_parameters = False  # one optimizer per flat master shard
     stage: int = 0
     reduce_window: int | None = 2  # reduce-scatters in flight at most; None: no limit
 

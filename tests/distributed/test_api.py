@@ -1,0 +1,200 @@
+"""The public API with a user's own model, loss, data, optimizer and scheduler, against one process.
+
+Dict batches with padding and masked labels, uneven shares (data weights) and micro-batches: the
+global count of counted labels makes N ranks equal one process on the whole batch, in float64.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.data.dataset import DatasetSampler, global_indices
+from shardwise.engine.loss import CausalLMLoss
+from shardwise.engine.optim import named
+from shardwise.testing import assert_parity, run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB, LENGTH, STEPS = 11, 9, 4
+
+
+class TinyLM(nn.Module):
+    """A causal LM of our own that returns a dict, as Hugging Face models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 6)
+        self.mix = nn.Linear(12, 6)
+        self.head = nn.Linear(6, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
+        x = self.embed(input_ids)  # (batch, seq, 6)
+        previous = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)  # causal: t sees t-1
+        hidden = torch.tanh(self.mix(torch.cat([x, previous], dim=-1)))
+        return {"logits": self.head(hidden)}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    return TinyLM().double()
+
+
+def _dataset() -> list[dict[str, torch.Tensor]]:
+    """Sequences of several lengths, right-padded; padding and a 'prompt' token carry label -100."""
+    g = torch.Generator().manual_seed(5)
+    items = []
+    for i in range(40):
+        length = 3 + i % (LENGTH - 2)
+        ids = torch.zeros(LENGTH, dtype=torch.long)
+        ids[:length] = torch.randint(1, VOCAB, (length,), generator=g)
+        labels = ids.clone()
+        labels[length:] = -100
+        labels[0] = -100
+        items.append({"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels})
+    return items
+
+
+def _grouped(named_params: Any) -> torch.optim.Optimizer:
+    """A user's factory: no weight decay on biases."""
+    params = list(named_params)
+    decay = [p for n, p in params if not n.endswith("bias")]
+    no_decay = [p for n, p in params if n.endswith("bias")]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=0.05, foreach=False)
+
+
+def _plain(named_params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for _, p in named_params], lr=0.05, weight_decay=0.1, foreach=False)
+
+
+def _warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+
+
+def _config(strategy: str, run_dir: str, weights: str, **extra: str) -> sw.TrainConfig:
+    overrides = {
+        "strategy": strategy,
+        "steps": str(STEPS),
+        "data.global_batch": "10",
+        "data.micro_batches": "2",
+        "data.weights": weights,
+        "eval_every": "0",
+        "run_dir": run_dir,
+        **extra,
+    }
+    return sw.load_config(overrides=overrides)
+
+
+def _reference(factory: Any) -> dict[str, torch.Tensor]:
+    model, data, loss = _model(), _dataset(), CausalLMLoss()
+    optimizer = factory(named(model) if factory is _plain else list(model.named_parameters()))
+    scheduler = _warmup(optimizer)
+    sampler = DatasetSampler(data, 10, 0, [10], 0)
+    for step in range(STEPS):
+        batch = sampler.global_batch(step)
+        (loss(model(batch["input_ids"]), batch) / loss.count(batch)).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rank(rank: int, world_size: int, config: sw.TrainConfig, grouped: bool) -> dict | None:
+    factory = _grouped if grouped else _plain
+    trainer = sw.Trainer.build(
+        config, model=_model(), dataset=_dataset(), optimizer=factory, scheduler=_warmup
+    )
+    summary = trainer.fit(show_progress=False)
+    params = trainer.engine.full_parameters() if trainer.engine.role.steps else None
+    return {"summary": summary, "params": params}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world", "weights", "grouped"),
+    [
+        ("ddp", 2, "0.2,0.8", True),
+        ("zero1", 2, "0.3,0.7", False),
+        ("zero2", 3, "0.1,0.5,0.4", False),
+        ("ps", 3, "0.35,0.65", True),
+    ],
+)
+def test_own_model_loss_data_optimizer_scheduler_match_one_process(
+    tmp_path: Path, strategy: str, world: int, weights: str, grouped: bool
+) -> None:
+    config = _config(strategy, str(tmp_path), weights)
+    results = run_on_ranks(_rank, world, config, grouped, timeout_s=240)
+    reference = _reference(_grouped if grouped else _plain)
+    candidate = next(r["params"] for r in results if r["params"] is not None)
+    assert_parity(reference, candidate, 1e-12)
+    summary = next(r["summary"] for r in results if r["summary"])
+    assert summary["steps"] == STEPS and summary["final_loss"] < summary["initial_loss"]
+
+
+def _zero_with_groups(rank: int, world_size: int, config: sw.TrainConfig) -> str:
+    try:
+        sw.Trainer.build(config, model=_model(), dataset=_dataset(), optimizer=_grouped)
+    except sw.ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_zero_refuses_param_groups_it_cannot_keep_apart(tmp_path: Path) -> None:
+    config = _config("zero2", str(tmp_path), "")
+    message = run_on_ranks(_zero_with_groups, 2, config, timeout_s=120)[0]
+    assert "2 param groups cannot be kept apart" in message
+
+
+# -- the sampler of a user's dataset: pure, sharded, resumable ------------------------------------------
+def test_dataset_stream_covers_each_epoch_once_and_shards_concatenate() -> None:
+    size, batch = 7, 3
+    stream = [i for step in range(7) for i in global_indices(1, step, batch, size)]
+    for epoch in range(3):
+        assert sorted(stream[epoch * size : (epoch + 1) * size]) == list(range(size))
+    data = [torch.tensor([float(i)]) for i in range(size)]
+    shards = [DatasetSampler(data, batch, 1, [1, 0, 2], r) for r in range(3)]
+    for step in range(5):
+        rows = [mb for s in shards for mb in s.local_micro_batches(step, 1)]
+        assert torch.equal(torch.cat(rows), DatasetSampler(data, batch, 1, [3], 0).global_batch(step))
+
+
+def test_dataset_sampler_resumes_mid_epoch() -> None:
+    data = [torch.tensor([float(i)]) for i in range(10)]
+    first = DatasetSampler(data, 4, 2, [4], 0)
+    for step in range(3):
+        first.local_micro_batches(step, 2)
+    resumed = DatasetSampler(data, 4, 2, [4], 0)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.step == 3
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(first.local_micro_batches(3, 2), resumed.local_micro_batches(3, 2), strict=True)
+    )
+
+
+def test_empty_share_is_a_zero_row_batch_of_the_same_structure() -> None:
+    sampler = DatasetSampler(_dataset(), 3, 0, [3, 0], 1)
+    (empty,) = sampler.local_micro_batches(0, 1, keep_empty=True)
+    assert set(empty) == {"input_ids", "attention_mask", "labels"}
+    assert all(t.shape == (0, LENGTH) for t in empty.values())
+
+
+# -- the shipped example, as a user runs it ----------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["launcher", "torchrun"])
+def test_example_own_model_trains(tmp_path: Path, runner: str) -> None:
+    script = ROOT / "examples" / "own_model_ddp.py"
+    command = [sys.executable, str(script)]
+    if runner == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, last = (float(v) for v in result.stdout.split("loss ")[-1].split(" -> "))
+    assert last < 0.6 * first
