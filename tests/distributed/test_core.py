@@ -151,7 +151,7 @@ def _norm_rank(rank: int, world_size: int, config: TrainConfig) -> dict:
         engine.serve()
     else:
         micro = trainer.sampler.local_micro_batches(0, 1, keep_empty=True)
-        engine.forward_backward(micro, trainer.global_tokens)
+        engine.forward_backward(micro, engine.global_count(micro))
         if engine.optimizer_runs == "every_rank":
             share, comm = engine.grad_norm_sq()
             if comm is not None:
