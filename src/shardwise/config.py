@@ -129,6 +129,12 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     momentum: float = 0.9  # sgd only
+    # clip gradients to this global norm (every element of every shard counted once); 0 or inf: never
+    # clip (the norm is still measured and reported)
+    clip_grad_norm: float = 0.0
+    lr_schedule: str = "constant"  # constant | linear | cosine: decay after the warm-up to min_lr
+    warmup_steps: int = 0  # linear warm-up from lr / (warmup_steps + 1) up to lr
+    min_lr: float = 0.0  # where linear and cosine decay end, at the last step
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,7 @@ class TrainConfig:
         _check_choice("dtype", self.dtype, ("float32", "float64"))
         _check_choice("model.kind", self.model.kind, ("gpt", "mlp"))
         _check_choice("optim.name", self.optim.name, ("adamw", "adam", "sgd"))
+        self._check_schedule()
         _check_choice("zero.offload", self.zero.offload, ("none", "cpu", "disk"))
         _check_choice("zero.precision", self.zero.precision, ("fp32", "bf16", "fp16"))
         _check_choice("ps.mode", self.ps.mode, ("sync", "async"))
@@ -226,6 +233,26 @@ class TrainConfig:
     def dims(self, world_size: int) -> ParallelDims:
         """The job's validated degrees in a world of ``world_size`` ranks."""
         return ParallelDims.build(self.parallel, world_size, self.ps.servers if self.strategy == "ps" else 0)
+
+    def _check_schedule(self) -> None:
+        optim = self.optim
+        _check_choice("optim.lr_schedule", optim.lr_schedule, ("constant", "linear", "cosine"))
+        if not optim.clip_grad_norm >= 0:  # also refuses NaN
+            raise ConfigError(
+                f"optim.clip_grad_norm must be >= 0 (0 or inf: do not clip), got {optim.clip_grad_norm}"
+            )
+        if not 0 <= optim.warmup_steps < self.steps:
+            raise ConfigError(
+                f"optim.warmup_steps must be in [0, steps({self.steps})), got {optim.warmup_steps}: "
+                "a warm-up as long as the run never reaches the learning rate"
+            )
+        if not 0 <= optim.min_lr <= optim.lr:
+            raise ConfigError(f"optim.min_lr must be in [0, optim.lr({optim.lr})], got {optim.min_lr}")
+        if self.strategy == "ps" and self.ps.mode == "async" and 0 < optim.clip_grad_norm < float("inf"):
+            raise ConfigError(
+                "gradient clipping with the asynchronous parameter server is not built yet; "
+                "use ps.mode = sync or optim.clip_grad_norm = 0"
+            )
 
     def _check_applies(self) -> None:
         """Refuse settings the chosen strategy would silently ignore."""

@@ -26,6 +26,7 @@ from shardwise.config import ConfigError, TrainConfig
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import Loss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
+from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.mesh import Mesh
 from shardwise.strategies import build_data_parallel
 
@@ -100,6 +101,9 @@ def parallelize(
     apply_activation_checkpointing(model, config)
     engine = build_data_parallel(config, model, mesh, share_gradients)
     engine.count_comm = mesh.comm("dp") if mesh.in_mesh else None  # the ranks that split each batch
+    engine.clip_grad_norm = config.optim.clip_grad_norm
     if loss is not None:
         engine.loss = as_loss(loss)
+    if scheduler is None and not is_constant(config.optim):
+        scheduler = schedule_factory(config.optim, config.steps)
     return attach_optimizers(engine, factory or optimizer_factory(config.optim), scheduler)

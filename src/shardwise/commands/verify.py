@@ -52,13 +52,19 @@ def collect_run(config: TrainConfig) -> dict[str, Any] | None:
             grads.update(trainer.engine.full_gradients())
 
     try:
-        losses = [trainer.step(step, after_backward=keep_first).loss for step in range(config.steps)]
+        records = [trainer.step(step, after_backward=keep_first) for step in range(config.steps)]
         params = trainer.engine.full_parameters()
     finally:
         trainer.engine.close()
     if not trainer.engine.role.reports:
         return None
-    return {"losses": losses, "grads": grads, "params": params}
+    return {
+        "losses": [r.loss for r in records],
+        "grad_norms": [r.grad_norm for r in records],
+        "lrs": [r.lr for r in records],
+        "grads": grads,
+        "params": params,
+    }
 
 
 def verify_worker(config: TrainConfig) -> dict[str, Any] | None:
@@ -79,12 +85,16 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
     from shardwise.engine.base import predicted_tokens
     from shardwise.engine.loss import loss_sum
     from shardwise.engine.optim import build_optimizer, named
+    from shardwise.engine.schedule import lr_multiplier
     from shardwise.models import build_model
     from shardwise.train.loop import seed_everything, torch_dtype
 
     seed_everything(config.seed)
     model = build_model(config.model, torch_dtype(config.dtype))
     optimizer = build_optimizer(named(model), config.optim)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config.optim, config.steps))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    clip = config.optim.clip_grad_norm if config.optim.clip_grad_norm > 0 else float("inf")
     corpus = load_corpus(config.data.corpus_bytes)
     sampler = DataSampler(
         corpus.train,
@@ -95,7 +105,7 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
         0,
     )
     tokens = predicted_tokens(config.model.kind, config.data.global_batch, config.model.seq_len)
-    losses, grads = [], {}
+    losses, grads, norms, lrs = [], {}, [], []
     for step in range(config.steps):
         inputs, targets = sampler.global_batch(step)
         loss = loss_sum(model(inputs), targets) / tokens
@@ -106,28 +116,39 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
                 for n, p in model.named_parameters()
                 if p.requires_grad
             }
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, clip)))
+        lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "grad_norms": norms, "lrs": lrs}
 
 
 def compare_runs(reference: dict[str, Any], candidate: dict[str, Any], tolerance: float) -> dict[str, Any]:
     losses = [abs(a - b) for a, b in zip(reference["losses"], candidate["losses"], strict=True)]
+    norms = [abs(a - b) for a, b in zip(reference["grad_norms"], candidate["grad_norms"], strict=True)]
+    lrs = [abs(a - b) for a, b in zip(reference["lrs"], candidate["lrs"], strict=True)]
     grad = compare_tensors(reference["grads"], candidate["grads"])
     param = compare_tensors(reference["params"], candidate["params"])
     max_loss = max(losses)
+    worst = max(max_loss, max(norms), max(lrs), grad.max_diff, param.max_diff)
     return {
         "max_loss_diff": max_loss,
+        "max_grad_norm_diff": max(norms),
+        "max_lr_diff": max(lrs),
         "max_grad_diff": grad.max_diff,
         "worst_grad": grad.where,
         "max_param_diff": param.max_diff,
         "worst_param": param.where,
         "tolerance": tolerance,
-        "ok": max(max_loss, grad.max_diff, param.max_diff) <= tolerance,
+        "ok": worst <= tolerance,  # NaN anywhere is not ok
         "losses": candidate["losses"],
         "reference_losses": reference["losses"],
+        "grad_norm": candidate["grad_norms"],
+        "reference_grad_norm": reference["grad_norms"],
+        "lr": candidate["lrs"],
     }
 
 

@@ -210,6 +210,8 @@ class ParamServerEngine(Engine):
             unflatten_into(reply, self.shards[s])
         staleness = int(reply[-3])
         self.server_versions[s] = int(reply[-4])
+        if s == 0:  # every server holds the global norm (sync); the first one's is reported
+            self.last_grad_norm = float(reply[-5])
         self.version = max(self.server_versions)
         self.last_staleness = staleness if s == 0 else max(self.last_staleness, staleness)
         self.max_staleness_seen = max(self.max_staleness_seen, staleness)
@@ -294,6 +296,8 @@ class ParamServerEngine(Engine):
         unflatten_into(flat, grads)
         for p, grad in zip(self.own, grads, strict=True):
             p.grad = grad
+        if self.config.mode == "sync":  # async: each server steps on its own; no norm across servers
+            self.clip_gradients()
         self.run_optimizers(lr_scale)
         for p in self.own:
             p.grad = None
@@ -301,9 +305,8 @@ class ParamServerEngine(Engine):
 
     def reply_message(self, staleness: int, accepted: bool, loss_total: float = 0.0) -> torch.Tensor:
         message = flatten(list(self.own), REPLY_EXTRA)
-        message[-4:] = torch.tensor(
-            [self.version, staleness, float(accepted), loss_total], dtype=message.dtype
-        )
+        header = [self.last_grad_norm, self.version, staleness, float(accepted), loss_total]
+        message[-REPLY_EXTRA:] = torch.tensor(header, dtype=message.dtype)
         return message
 
     # -- weights at the start and at the end ------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The parameter server's message layout, shared by its synchronous and asynchronous paths.
 
 Messages are flat tensors in the parameters' dtype: a push is ``[grad shard..., loss, version, kind]``
-(kind 0 = gradient, 1 = done); a reply is ``[weights..., version, staleness, accepted, loss_total]``.
+(kind 0 = gradient, 1 = done); a reply is
+``[weights..., grad_norm, version, staleness, accepted, loss_total]``.
 No communication here: only packing and unpacking.
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 PUSH_EXTRA = 3  # loss, version, kind
-REPLY_EXTRA = 4  # version, staleness, accepted, loss_total
+REPLY_EXTRA = 5  # grad_norm, version, staleness, accepted, loss_total
 KIND_GRAD, KIND_DONE = 0.0, 1.0
 MAX_ATTEMPTS = 3  # async: pushes of one batch before a worker gives it up (see ps_async)
 

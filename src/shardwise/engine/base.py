@@ -120,6 +120,8 @@ class Engine(ABC):
         self.schedulers: list[LRScheduler] = []  # one per optimizer when the user gives a factory
         self.loss: Loss = TokenLoss()  # the user's loss: a SUM over items and a count (engine.loss)
         self.count_comm: Comm | None = None  # the ranks that share a batch: where counts are summed
+        self.clip_grad_norm = 0.0  # 0 or inf: measure the global norm, never clip
+        self.last_grad_norm = float("nan")  # the global norm before clipping, of the last update
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, micro_batches: Sequence[Any]) -> float:
@@ -193,7 +195,8 @@ class Engine(ABC):
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         """This rank's share of the squared global gradient norm, and the ``Comm`` to sum shares over.
 
-        Call between ``finish_grads`` and ``optimizer_step``. Summed over the ``Comm`` (no ``Comm``:
+        Call after ``prepare_update`` (fp16 gradients are unscaled there; for fp32 any time between
+        ``finish_grads`` and the update). Summed over the ``Comm`` (no ``Comm``:
         this rank's share is already the whole), every element of every trainable parameter counts
         once. A 0-d float64 tensor.
         """
@@ -201,8 +204,30 @@ class Engine(ABC):
     def optimizer_step(self) -> None:
         """Apply the update and clear gradients for the next step."""
         if self.prepare_update():
+            if self.optimizer_runs == "every_rank":  # a parameter server clips on its servers
+                self.clip_gradients()
             self.run_optimizers()
         self.after_update()
+
+    def clip_gradients(self) -> float:
+        """Measure the global gradient norm (one all-reduce of one number over ``grad_norm_sq``'s
+        group) and, when ``clip_grad_norm`` is set, scale every gradient by
+        min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_`` does. Returns the norm."""
+        share, comm = self.grad_norm_sq()
+        if comm is not None:
+            comm.all_reduce(share)
+        norm = float(share.sqrt())
+        self.last_grad_norm = norm
+        if 0 < self.clip_grad_norm < float("inf"):
+            self.scale_grads(min(1.0, self.clip_grad_norm / (norm + 1e-6)))
+        return norm
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every gradient this rank's optimizers will use by ``factor``."""
+        for unit in self.optimizer_units():
+            for _, tensor in unit:
+                if tensor.grad is not None:
+                    tensor.grad.mul_(factor)
 
     def run_optimizers(self, lr_scale: float = 1.0) -> None:
         """Step every optimizer of this rank, each inside its unit's context (lr scaled by

@@ -31,6 +31,7 @@ from shardwise.data.sampler import DataSampler, eval_batches, split_counts
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import AutoLoss, Loss, TokenLoss, as_loss, rows, run_model
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, fast_forward
+from shardwise.engine.schedule import lr_multiplier
 from shardwise.launch import init_distributed, restart_count
 from shardwise.mesh import Mesh, build_mesh
 from shardwise.models import build_model
@@ -100,6 +101,7 @@ class Trainer:
     sampler: Sampler
     mesh: Mesh
     eval_data: list[Any] | None = None  # fixed held-out batches (None: no evaluation)
+    custom_schedule: bool = False  # the user gave a scheduler factory
     history: list[StepRecord] = field(default_factory=list)
 
     @property
@@ -149,7 +151,7 @@ class Trainer:
             held_out = eval_batches(
                 corpus.val, config.model.seq_len, max(1, config.data.global_batch), config.eval_batches
             )
-        return cls(config, engine, sampler, mesh, held_out)
+        return cls(config, engine, sampler, mesh, held_out, scheduler is not None)
 
     def step(self, step: int, after_backward: Callable[[int], None] | None = None) -> StepRecord:
         """One optimizer step; ``after_backward(step)`` sees the global gradients before the update."""
@@ -165,6 +167,7 @@ class Trainer:
         share = self.engine.forward_backward(micro, max(count, 1.0))
         if after_backward is not None:
             after_backward(step)
+        lr = self._lr(step)
         self.engine.optimizer_step()
         elapsed = time.perf_counter() - start
         comm = engine_comm.stats.since(before)
@@ -178,9 +181,19 @@ class Trainer:
             "samples": sum(rows(batch) for batch in micro),
         }
         record = gather_step(trainers, step, values, count)
+        record.grad_norm, record.lr = self.engine.last_grad_norm, lr
         record.extra = self.engine.metrics() or None
         self.history.append(record)
         return record
+
+    def _lr(self, step: int) -> float:
+        """The learning rate of this step's update: the optimizer's, or (a parameter server's worker,
+        which holds none) the built-in schedule's."""
+        if self.engine.optimizers:
+            return float(self.engine.optimizers[0].param_groups[0]["lr"])
+        if self.custom_schedule:  # the user's scheduler lives on the servers only
+            return float("nan")
+        return self.config.optim.lr * lr_multiplier(self.config.optim, self.config.steps)(step)
 
     def evaluate(self) -> float:
         """Mean held-out loss per counted item over the fixed evaluation batches (every rank the same)."""
@@ -331,6 +344,8 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
         "steps": history[-1].step + 1,
         "initial_loss": history[0].loss,
         "final_loss": history[-1].loss,
+        "final_grad_norm": history[-1].grad_norm,
+        "final_lr": history[-1].lr,
         "eval_loss": eval_losses[-1][1] if eval_losses else None,
         "eval_losses": eval_losses,
         "tokens_per_s": sum(r.tokens_per_s * r.step_s for r in timed) / total_s if total_s else 0.0,

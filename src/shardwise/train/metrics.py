@@ -48,6 +48,8 @@ class StepRecord:
     peak_rss_mb_by_rank: list[float]
     samples_by_rank: list[int]
     eval_loss: float | None = None
+    grad_norm: float | None = None  # the global gradient norm before clipping
+    lr: float | None = None  # the learning rate this step's update used
     extra: dict[str, Any] | None = None
 
 

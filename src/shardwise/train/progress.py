@@ -20,6 +20,8 @@ def _fields(record: StepRecord) -> dict[str, str]:
         "loss": f"{record.loss:.3f}",
         "tps": f"{record.tokens_per_s:,.0f}",
         "comm": f"{100 * record.comm_s / record.step_s:.0f}%" if record.step_s else "-",
+        "lr": f"{record.lr:.2e}" if record.lr is not None else "-",
+        "norm": f"{record.grad_norm:.3g}" if record.grad_norm is not None else "-",
     }
     if record.eval_loss is not None:
         fields["eval"] = f"{record.eval_loss:.3f}"
@@ -43,12 +45,14 @@ class Progress:
             TextColumn("eval {task.fields[eval]}"),
             TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("comm {task.fields[comm]}"),
+            TextColumn("lr {task.fields[lr]}"),
+            TextColumn("|g| {task.fields[norm]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=Console(stderr=True),
         )
         self._task = self._bar.add_task(
-            "train", total=total, completed=completed, loss="-", eval="-", tps="-", comm="-"
+            "train", total=total, completed=completed, loss="-", eval="-", tps="-", comm="-", lr="-", norm="-"
         )
         self._bar.start()
 
@@ -63,7 +67,7 @@ class Progress:
             if self._done % every == 0 or self._done == self._total:
                 print(
                     f"step {self._done}/{self._total}  loss {fields['loss']}  eval {self._eval}  "
-                    f"{fields['tps']} tok/s  comm {fields['comm']}",
+                    f"{fields['tps']} tok/s  comm {fields['comm']}  lr {fields['lr']}  |g| {fields['norm']}",
                     file=sys.stderr,
                     flush=True,
                 )

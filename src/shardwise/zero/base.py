@@ -120,7 +120,12 @@ class ZeroBase(Engine):
         for group in self.groups:
             if group.grad_shard is not None:
                 total += group.grad_shard.detach().double().pow(2).sum().cpu()
-        return total / self.scaler.scale**2, self.comm
+        return total, self.comm
+
+    def scale_grads(self, factor: float) -> None:
+        for group in self.groups:
+            if group.grad_shard is not None:
+                group.grad_shard.mul_(factor)
 
     def prepare_update(self) -> bool:
         self._memory = memory_report(self)  # gradients are live now: the moment the formula describes

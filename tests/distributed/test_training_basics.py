@@ -1,0 +1,86 @@
+"""Clipping by the global norm and learning-rate schedules, for every strategy, against one process
+that uses torch's own ``clip_grad_norm_`` and ``torch.optim.lr_scheduler``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shardwise.commands.verify import VERIFY_DEFAULTS, collect_run, compare_runs, reference_run
+from shardwise.config import ConfigError, TrainConfig, load_config
+from shardwise.engine.schedule import lr_multiplier
+from shardwise.testing import run_on_ranks
+
+TOL = 1e-10
+
+
+def _config(**overrides: str) -> TrainConfig:
+    return load_config(None, {**VERIFY_DEFAULTS, "run_dir": "", "steps": "6", **overrides})
+
+
+def _worker(rank: int, world_size: int, configs: list[TrainConfig]):
+    return [collect_run(config.validate(world_size)) for config in configs]
+
+
+SCHEDULES = [
+    {
+        "optim.clip_grad_norm": "1.5",
+        "optim.lr_schedule": "cosine",
+        "optim.warmup_steps": "2",
+        "optim.lr": "0.02",
+    },
+    {
+        "optim.clip_grad_norm": "inf",
+        "optim.lr_schedule": "linear",
+        "optim.min_lr": "0.001",
+        "optim.lr": "0.01",
+    },
+    {"optim.clip_grad_norm": "0.05", "optim.name": "sgd", "optim.lr": "0.5"},
+]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world", "extra"),
+    [
+        ("ddp", 2, {"data.weights": "0.3,0.7"}),
+        ("zero1", 2, {}),
+        ("zero2", 2, {"data.micro_batches": "2"}),
+        ("zero3", 2, {"data.weights": "0.6,0.4"}),
+        ("ps", 4, {"ps.servers": "2"}),
+    ],
+)
+def test_clipping_and_schedules_match_one_process(strategy: str, world: int, extra: dict) -> None:
+    configs = [_config(strategy=strategy, **extra, **schedule) for schedule in SCHEDULES]
+    results = next(r for r in run_on_ranks(_worker, world, configs, timeout_s=240) if r[0] is not None)
+    for config, candidate in zip(configs, results, strict=True):
+        report = compare_runs(reference_run(config.validate(world)), candidate, TOL)
+        assert report["ok"], (strategy, config.optim, report)
+        clip = config.optim.clip_grad_norm
+        if 0 < clip < math.inf:  # clipping engaged: some norm above the bound
+            assert max(report["grad_norm"]) > clip
+        expected = [config.optim.lr * lr_multiplier(config.optim, config.steps)(s) for s in range(6)]
+        assert report["lr"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_schedule_shapes() -> None:
+    optim = _config(**SCHEDULES[0]).optim
+    multiplier = lr_multiplier(optim, 6)
+    assert [multiplier(s) for s in (0, 1)] == [1 / 3, 2 / 3]  # warm-up, never zero
+    assert multiplier(2) == 1.0 and multiplier(5) == pytest.approx(0.0)  # cosine down to min_lr = 0
+    linear = _config(**SCHEDULES[1]).optim
+    assert lr_multiplier(linear, 6)(5) * linear.lr == pytest.approx(linear.min_lr)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("optim.clip_grad_norm", "-1", "optim.clip_grad_norm must be >= 0"),
+        ("optim.clip_grad_norm", "nan", "optim.clip_grad_norm must be >= 0"),
+        ("optim.warmup_steps", "6", "optim.warmup_steps must be in [0, steps(6))"),
+        ("optim.lr_schedule", "step", "optim.lr_schedule must be one of constant, linear, cosine"),
+    ],
+)
+def test_bad_schedule_settings_are_one_line(key: str, value: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        _config(**{key: value}).validate(2)
