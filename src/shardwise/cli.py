@@ -64,6 +64,13 @@ def add_train_flags(parser: argparse.ArgumentParser, defaults: dict[str, str] | 
     parser.add_argument(
         "--find-unused-parameters", dest="ddp.find_unused_parameters", action="store_const", const="true"
     )
+    parser.add_argument(
+        "--sync-batchnorm",
+        dest="sync_batchnorm",
+        action="store_const",
+        const="true",
+        help="BatchNorm layers normalise with the global batch's statistics, not each rank's",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
 
@@ -76,7 +83,7 @@ def _get(config: Any, dotted: str) -> Any:
 
 def config_from_args(args: argparse.Namespace, defaults: dict[str, str] | None = None) -> TrainConfig:
     overrides: dict[str, Any] = dict(defaults or {})
-    for key in [k for k, _ in TRAIN_FLAGS.values()] + ["ddp.find_unused_parameters"]:
+    for key in [k for k, _ in TRAIN_FLAGS.values()] + ["ddp.find_unused_parameters", "sync_batchnorm"]:
         value = getattr(args, key, None)
         if value is not None:
             overrides[key] = value

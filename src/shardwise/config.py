@@ -191,6 +191,7 @@ class TrainConfig:
     run_dir: str = "runs/latest"
     timeout_s: float = 300.0
     max_restarts: int = 0
+    sync_batchnorm: bool = False  # BatchNorm layers use the global batch's statistics (over dp)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -5,7 +5,8 @@ The steps run in one fixed order (torchtitan's ``parallelize``), each on its own
 1. tensor parallelism over ``tp``: parameters become local shards;
 2. the pipeline split over ``pp``: this rank keeps its stage(s), parameter names preserved;
 3. activation checkpointing, per block;
-4. data parallelism over ``dp`` (ddp | zero1-3 | ps): the returned ``Engine``;
+4. data parallelism over ``dp`` (ddp | zero1-3 | ps): the returned ``Engine``; with ``sync_batchnorm``
+   BatchNorm layers first become synchronous over ``dp`` (else a one-line notice: per-rank statistics);
 
 then the optimizers, built by one factory over what the rank holds after all four (so they compose),
 and handed to the engine. A step that is not built yet refuses in one line (``NotBuiltError``) when
@@ -16,6 +17,7 @@ engine's start-up (initial weights from rank 0, or from the servers).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from shardwise.config import ConfigError, TrainConfig
+from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import Loss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
@@ -79,6 +82,21 @@ def apply_activation_checkpointing(model: nn.Module, config: TrainConfig) -> Non
     _check_activation_checkpointing(config)
 
 
+def apply_batchnorm(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
+    """BatchNorm under data parallelism: synchronous over ``dp`` when asked, else said once."""
+    if not has_batchnorm(model) or not mesh.in_mesh or mesh.dims.dp == 1:
+        return
+    if config.sync_batchnorm:
+        convert_sync_batchnorm(model, mesh.comm("dp"))
+    elif mesh.comm("dp").rank == 0 and mesh.dims.pp * mesh.dims.tp == 1:
+        print(
+            "shardwise: the model has BatchNorm layers: each rank normalises with its own share's "
+            "statistics (--sync-batchnorm uses the global batch's)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def parallelize(
     model: nn.Module,
     mesh: Mesh,
@@ -99,6 +117,7 @@ def parallelize(
     apply_tensor_parallel(model, mesh, config)
     apply_pipeline(model, mesh, config)
     apply_activation_checkpointing(model, config)
+    apply_batchnorm(model, mesh, config)
     engine = build_data_parallel(config, model, mesh, share_gradients)
     engine.count_comm = mesh.comm("dp") if mesh.in_mesh else None  # the ranks that split each batch
     engine.clip_grad_norm = config.optim.clip_grad_norm

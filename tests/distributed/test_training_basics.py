@@ -84,3 +84,32 @@ def test_schedule_shapes() -> None:
 def test_bad_schedule_settings_are_one_line(key: str, value: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         _config(**{key: value}).validate(2)
+
+
+# -- synchronous BatchNorm: the global batch's statistics, running statistics included --------------------
+BN = {"model.kind": "mlp", "model.preset": "small_bn", "model.freeze": "", "sync_batchnorm": "true"}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world", "extra"),
+    [
+        ("ddp", 3, {"data.weights": "1,0,1"}),  # a rank with an empty share still takes part
+        ("ddp", 2, {"data.weights": "0.3,0.7"}),
+        ("zero2", 2, {}),
+        ("ps", 3, {}),
+    ],
+)
+def test_sync_batchnorm_matches_one_process(strategy: str, world: int, extra: dict) -> None:
+    config = _config(strategy=strategy, **BN, **extra)
+    results = run_on_ranks(_worker, world, [config], timeout_s=180)
+    candidate = next(r[0] for r in results if r[0] is not None)
+    report = compare_runs(reference_run(config.validate(world)), candidate, TOL)
+    assert report["ok"], report
+    assert "blocks.0.norm.running_var" in candidate["buffers"]
+
+
+def test_plain_batchnorm_differs_from_one_process_and_says_so() -> None:
+    config = _config(strategy="ddp", **{**BN, "sync_batchnorm": "false", "data.weights": "0.3,0.7"})
+    results = run_on_ranks(_worker, 2, [config], timeout_s=180)
+    report = compare_runs(reference_run(config.validate(2)), results[0][0], TOL)
+    assert not report["ok"] and report["max_param_diff"] > 1e-6

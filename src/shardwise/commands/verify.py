@@ -64,6 +64,7 @@ def collect_run(config: TrainConfig) -> dict[str, Any] | None:
         "lrs": [r.lr for r in records],
         "grads": grads,
         "params": params,
+        "buffers": {n: b.detach().clone() for n, b in trainer.engine.model.named_buffers()},
     }
 
 
@@ -123,7 +124,15 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "grad_norms": norms, "lrs": lrs}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": params,
+        "grad_norms": norms,
+        "lrs": lrs,
+        "buffers": buffers,
+    }
 
 
 def compare_runs(reference: dict[str, Any], candidate: dict[str, Any], tolerance: float) -> dict[str, Any]:
@@ -132,8 +141,9 @@ def compare_runs(reference: dict[str, Any], candidate: dict[str, Any], tolerance
     lrs = [abs(a - b) for a, b in zip(reference["lrs"], candidate["lrs"], strict=True)]
     grad = compare_tensors(reference["grads"], candidate["grads"])
     param = compare_tensors(reference["params"], candidate["params"])
+    buffer = compare_tensors(reference.get("buffers", {}), candidate.get("buffers", {}))
     max_loss = max(losses)
-    worst = max(max_loss, max(norms), max(lrs), grad.max_diff, param.max_diff)
+    worst = max(max_loss, max(norms), max(lrs), grad.max_diff, param.max_diff, buffer.max_diff)
     return {
         "max_loss_diff": max_loss,
         "max_grad_norm_diff": max(norms),
@@ -142,6 +152,7 @@ def compare_runs(reference: dict[str, Any], candidate: dict[str, Any], tolerance
         "worst_grad": grad.where,
         "max_param_diff": param.max_diff,
         "worst_param": param.where,
+        "max_buffer_diff": buffer.max_diff,  # BatchNorm running statistics, say
         "tolerance": tolerance,
         "ok": worst <= tolerance,  # NaN anywhere is not ok
         "losses": candidate["losses"],
