@@ -38,6 +38,7 @@ from shardwise.collectives import cost, explicit
 from shardwise.collectives.comm_thread import CommThread
 from shardwise.collectives.explicit import EXPLICIT, divide
 from shardwise.collectives.p2p import MAX_SLOTS, P2P, TAG_BASE, Done, Work
+from shardwise.observe.monitor import MONITOR, Call
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -160,6 +161,7 @@ class Comm:
         self.tag_slot = next_tag_slot(group)
         self._p2p = P2P(group, self.stats, self.tag_slot)
         self._thread = CommThread()
+        self.seq = 0  # calls issued on this group: the watchdog's and the trace's numbering
 
     @classmethod
     def from_config(cls, group: dist.ProcessGroup | None, config: CommSettings, name: str = "") -> Comm:
@@ -185,31 +187,32 @@ class Comm:
         self.stats.calls += 1
         self.stats.add(int(sent), int(received))
 
-    def _finish(self, work: dist.Work | None, async_op: bool, after: Callable[[], None] | None) -> Work:
+    def _issue(self, op: str, label: str = "", peer: int | None = None) -> Call:
+        self.seq += 1
+        return MONITOR.issue(self.name, op, self.seq, label, peer)
+
+    def _finish(
+        self, work: dist.Work | None, async_op: bool, after: Callable[[], None] | None, call: Call
+    ) -> Work:
         if work is None:
             return Done()
-        result: Work = _Then(work, after) if after else work
+        watched = _Watched(_Then(work, after) if after else work, self.stats, call)
         if async_op:
-            return _Timed(result, self.stats)
-        start = time.perf_counter()
-        result.wait()
-        self.stats.add(blocked_s=time.perf_counter() - start)
+            return watched
+        watched.wait()
         return Done()
 
-    def _explicit(self, run: Callable[[], None], async_op: bool) -> Work:
+    def _explicit(self, run: Callable[[], None], async_op: bool, call: Call) -> Work:
         """Run an explicit algorithm (its P2P counts the bytes): queued when asked to be asynchronous
         or when others are still queued, else here and now."""
         self.stats.calls += 1
-        charge = lambda seconds: self.stats.add(blocked_s=seconds)  # noqa: E731
         if async_op or not self._thread.idle():
-            pending = self._thread.submit(run, charge)
+            pending = _Watched(self._thread.submit(run), self.stats, call)
             if async_op:
                 return pending
             pending.wait()
             return Done()
-        start = time.perf_counter()
-        run()
-        charge(time.perf_counter() - start)
+        _Watched(_Inline(run), self.stats, call).wait()
         return Done()
 
     def global_rank(self, group_rank: int) -> int:
@@ -217,7 +220,12 @@ class Comm:
 
     # -- collectives --------------------------------------------------------------------------------
     def all_reduce(
-        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, algorithm: str | None = None
+        self,
+        tensor: torch.Tensor,
+        op: str = "sum",
+        async_op: bool = False,
+        algorithm: str | None = None,
+        label: str = "",
     ) -> Work:
         """Reduce ``tensor`` in place over the group."""
         n, size = self.world_size, _nbytes(tensor)
@@ -225,15 +233,21 @@ class Comm:
         if n == 1:
             self.stats.calls += 1
             return Done()
+        call = self._issue("all_reduce", label)
         if name != "native":
-            return self._explicit(lambda: explicit.all_reduce(tensor, self._p2p, op, name), async_op)
+            return self._explicit(lambda: explicit.all_reduce(tensor, self._p2p, op, name), async_op, call)
         self._count(2 * (n - 1) / n * size, 2 * (n - 1) / n * size)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
         after = (lambda: divide(tensor, n)) if op == "avg" else None
-        return self._finish(work, async_op, after)
+        return self._finish(work, async_op, after, call)
 
     def broadcast(
-        self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, algorithm: str | None = None
+        self,
+        tensor: torch.Tensor,
+        src: int = 0,
+        async_op: bool = False,
+        algorithm: str | None = None,
+        label: str = "",
     ) -> Work:
         """Send ``tensor`` from group rank ``src`` to every rank."""
         size = _nbytes(tensor)
@@ -241,11 +255,12 @@ class Comm:
         if self.world_size == 1:
             self.stats.calls += 1
             return Done()
+        call = self._issue("broadcast", label)
         if name != "native":
-            return self._explicit(lambda: explicit.broadcast(tensor, self._p2p, src, name), async_op)
+            return self._explicit(lambda: explicit.broadcast(tensor, self._p2p, src, name), async_op, call)
         self._count(size if self.rank == src else 0, 0 if self.rank == src else size)
         work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
-        return self._finish(work, async_op, None)
+        return self._finish(work, async_op, None, call)
 
     def reduce(
         self,
@@ -254,6 +269,7 @@ class Comm:
         op: str = "sum",
         async_op: bool = False,
         algorithm: str | None = None,
+        label: str = "",
     ) -> Work:
         """Reduce ``tensor`` onto group rank ``dst``; every other rank's ``tensor`` is left unchanged."""
         n, size = self.world_size, _nbytes(tensor)
@@ -261,16 +277,22 @@ class Comm:
         if n == 1:
             self.stats.calls += 1
             return Done()
+        call = self._issue("reduce", label)
         if name != "native":
-            return self._explicit(lambda: explicit.reduce(tensor, self._p2p, dst, op, name), async_op)
+            return self._explicit(lambda: explicit.reduce(tensor, self._p2p, dst, op, name), async_op, call)
         self._count(0 if self.rank == dst else size, (n - 1) * size if self.rank == dst else 0)
         target = tensor if self.rank == dst else tensor.clone()
         work = dist.reduce(target, dst=self.global_rank(dst), op=_OPS[op], group=self.group, async_op=True)
         after = (lambda: divide(tensor, n)) if op == "avg" and self.rank == dst else None
-        return self._finish(work, async_op, after)
+        return self._finish(work, async_op, after, call)
 
     def all_gather(
-        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, algorithm: str | None = None
+        self,
+        output: torch.Tensor,
+        shard: torch.Tensor,
+        async_op: bool = False,
+        algorithm: str | None = None,
+        label: str = "",
     ) -> Work:
         """Concatenate every rank's ``shard`` (equal sizes) into ``output`` along dim 0."""
         n, size = self.world_size, _nbytes(shard)
@@ -279,11 +301,12 @@ class Comm:
             self.stats.calls += 1
             output.copy_(shard.reshape(output.shape))
             return Done()
+        call = self._issue("all_gather", label)
         if name != "native":
-            return self._explicit(lambda: explicit.all_gather(output, shard, self._p2p, name), async_op)
+            return self._explicit(lambda: explicit.all_gather(output, shard, self._p2p, name), async_op, call)
         self._count((n - 1) * size, (n - 1) * size)
         work = dist.all_gather_single(output, shard, group=self.group, async_op=True)
-        return self._finish(work, async_op, None)
+        return self._finish(work, async_op, None, call)
 
     def reduce_scatter(
         self,
@@ -292,6 +315,7 @@ class Comm:
         op: str = "sum",
         async_op: bool = False,
         algorithm: str | None = None,
+        label: str = "",
     ) -> Work:
         """Reduce ``full`` over the group and leave this rank's equal slice of it in ``shard``."""
         n, size = self.world_size, _nbytes(shard)
@@ -300,12 +324,15 @@ class Comm:
             self.stats.calls += 1
             shard.copy_(full.reshape(shard.shape))
             return Done()
+        call = self._issue("reduce_scatter", label)
         if name != "native":
-            return self._explicit(lambda: explicit.reduce_scatter(shard, full, self._p2p, op, name), async_op)
+            return self._explicit(
+                lambda: explicit.reduce_scatter(shard, full, self._p2p, op, name), async_op, call
+            )
         self._count((n - 1) * size, (n - 1) * size)
         work = dist.reduce_scatter_single(shard, full, op=_OPS[op], group=self.group, async_op=True)
         after = (lambda: divide(shard, n)) if op == "avg" else None
-        return self._finish(work, async_op, after)
+        return self._finish(work, async_op, after, call)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()
@@ -316,20 +343,22 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Non-blocking send; bytes are counted when posted. ``wait()`` raises if the peer is gone."""
         self._count(_nbytes(tensor), 0)
+        call = self._issue("send", peer=dst)
         work = dist.isend(tensor, self.global_rank(dst), group=self.group, tag=_caller_tag(tag))
-        return _Timed(_required(work), self.stats)
+        return _Watched(_required(work), self.stats, call)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         """Non-blocking receive from group rank ``src``; bytes are counted when posted."""
         self._count(0, _nbytes(tensor))
+        call = self._issue("recv", peer=src)
         work = dist.irecv(tensor, self.global_rank(src), group=self.group, tag=_caller_tag(tag))
-        return _Timed(_required(work), self.stats)
+        return _Watched(_required(work), self.stats, call)
 
-    def barrier(self) -> None:
+    def barrier(self, label: str = "") -> None:
         if self.world_size > 1:
-            start = time.perf_counter()
-            dist.barrier(group=self.group)
-            self.stats.add(blocked_s=time.perf_counter() - start)
+            call = self._issue("barrier", label)
+            work = dist.barrier(group=self.group, async_op=True)
+            _Watched(_required(work), self.stats, call).wait()
 
 
 def _required(work: dist.Work | None) -> Work:
@@ -338,15 +367,29 @@ def _required(work: dist.Work | None) -> Work:
     return work
 
 
-class _Timed:
-    """Charge the time spent waiting on asynchronous work to the layer's blocked time."""
+class _Watched:
+    """Waiting on ``work``: the time is charged to the layer's blocked time, and the monitor knows
+    which call this rank waits in (the hang watchdog's and the trace's source)."""
 
-    def __init__(self, work: Work, stats: CommStats) -> None:
-        self._work, self._stats = work, stats
+    def __init__(self, work: Work, stats: CommStats, call: Call) -> None:
+        self._work, self._stats, self._call = work, stats, call
 
     def wait(self) -> object:
         start = time.perf_counter()
+        MONITOR.wait_start(self._call)
         try:
             return self._work.wait()
         finally:
             self._stats.add(blocked_s=time.perf_counter() - start)
+            MONITOR.wait_end(self._call)
+
+
+class _Inline:
+    """An explicit algorithm run on the caller's thread: waiting for it is running it."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self._run = run
+
+    def wait(self) -> bool:
+        self._run()
+        return True

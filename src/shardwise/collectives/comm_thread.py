@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 
 
 class Pending:
     """An explicit collective queued on the thread: ``wait()`` blocks until it ran, and re-raises."""
 
-    def __init__(self, charge: Callable[[float], None]) -> None:
+    def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._charge = charge
 
     def wait(self) -> bool:
-        start = time.perf_counter()
         self._done.wait()
-        self._charge(time.perf_counter() - start)
         if self._error is not None:
             raise self._error
         return True
@@ -47,8 +43,8 @@ class CommThread:
         with self._lock:
             return self._queued == 0
 
-    def submit(self, run: Callable[[], None], charge: Callable[[float], None]) -> Pending:
-        pending = Pending(charge)
+    def submit(self, run: Callable[[], None]) -> Pending:
+        pending = Pending()
         with self._lock:
             self._queued += 1
             if self._thread is None:

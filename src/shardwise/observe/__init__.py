@@ -1,0 +1,1 @@
+"""Seeing inside a run: the per-rank monitor, the hang watchdog, traces and plots."""
