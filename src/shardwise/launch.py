@@ -55,6 +55,11 @@ def running_under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def torchrun_world_size() -> int:
+    """The job's world size as torchrun gives it to each rank (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def threads_per_rank(nproc: int) -> int:
     """Cores divided among local ranks, so N ranks never oversubscribe the machine."""
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
