@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from shardwise import signals
 from shardwise.config import ConfigError, TrainConfig, load_config
 
 # flag -> (dotted config key, argparse kwargs)
@@ -137,19 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
+    # first, before the parser imports torch: a signal at any moment exits 128 + signal, in one line
+    previous = signals.install()
+    command = ""
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        command = f" {args.command}"
         return int(args.run(args) or 0)
     except (ConfigError, CLIError) as exc:
-        print(f"shardwise {args.command}: error: {exc}", file=sys.stderr)
+        print(f"shardwise{command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"shardwise {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM as signals.Interrupted
+        print(f"shardwise{command}: {signals.describe(exc)}", file=sys.stderr)
+        return signals.exit_code(exc)
+    finally:
+        signals.restore(previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,11 +4,17 @@ A run is described by one ``TrainConfig`` that nests one config per concern. ``l
 TOML file whose tables mirror the nesting (``[model]``, ``[data]``, ``[ddp]`` ...) and then applies
 overrides such as ``{"data.global_batch": "32"}`` coming from CLI flags. Every check raises
 ``ConfigError`` with the arithmetic spelled out, so the CLI can print it as one line.
+
+What each value may be is declared on its field (``checked(default, Range(gt=0))``: bounds, always
+finite; ``OneOf``; ``NonEmpty``), and ``TrainConfig.validate`` applies every declaration, then checks
+what the values mean together. Pure: nothing here touches the filesystem (``preflight`` tries the
+folders a run writes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -30,21 +36,115 @@ class ConfigError(ValueError):
     """A configuration that does not add up; the message says why and what to change."""
 
 
+# -- what each field allows ------------------------------------------------------------------------
+# Every field with a rule declares it beside its default (``checked(default, rule)``); ``validate``
+# walks the fields and applies each rule, so the ranges live here and nowhere else.
+
+RULE = "shardwise.rule"  # the dataclass-field metadata key holding a field's rule
+
+
+@dataclass(frozen=True)
+class Range:
+    """Numbers a field allows (each item, for a tuple): bounds, always finite (NaN and inf refused).
+
+    ``also`` lists values allowed outside the bounds, described by ``note`` (``parallel.dp = -1``).
+    """
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    also: tuple[float, ...] = ()
+    note: str = ""
+
+    def allows(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        return math.isfinite(value) and not (
+            (self.ge is not None and value < self.ge)
+            or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+            or (self.lt is not None and value >= self.lt)
+        )
+
+    def describe(self, integer: bool) -> str:
+        """``an integer >= 1``, ``a finite number in [0, 1)``, ..."""
+        low = f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
+        high = f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None
+        if low and high:
+            bounds = f" in {low}, {high}"
+        elif low:
+            bounds = f" {'>=' if self.ge is not None else '>'} {low[1:]}"
+        elif high:
+            bounds = f" {'<=' if self.le is not None else '<'} {high[:-1]}"
+        else:
+            bounds = ""
+        what = "an integer" if integer else "a finite number"
+        return what + bounds + (f", {self.note}" if self.note else "")
+
+    def check(self, key: str, value: Any) -> None:
+        items = value if isinstance(value, tuple) else (value,)
+        if all(self.allows(v) for v in items):
+            return
+        integer = all(isinstance(v, int) for v in items)
+        if isinstance(value, tuple):
+            raise ConfigError(f"{key} entries must each be {self.describe(integer)}, got {list(value)}")
+        raise ConfigError(f"{key} must be {self.describe(integer)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """The strings a field allows."""
+
+    choices: tuple[str, ...]
+
+    def check(self, key: str, value: Any) -> None:
+        if value not in self.choices:
+            raise ConfigError(f"{key} must be one of {', '.join(self.choices)}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class NonEmpty:
+    """A string that must not be empty (``what`` says what it names)."""
+
+    what: str
+
+    def check(self, key: str, value: Any) -> None:
+        if not value:
+            raise ConfigError(f"{key} must be {self.what}, got {value!r}")
+
+
+Rule = Range | OneOf | NonEmpty
+
+
+def checked(default: Any, rule: Rule) -> Any:
+    """A dataclass field with a default whose values ``rule`` restricts (checked by ``validate``)."""
+    return field(default=default, metadata={RULE: rule})
+
+
+# Bounds set elsewhere: numpy takes 32-bit seeds; gloo cannot connect within less than a second.
+MAX_SEED = 2**32 - 1
+MIN_TIMEOUT_S = 1
+MIN_CORPUS_BYTES = 1024  # = shardwise.data.corpus.MIN_BYTES (a test keeps them equal)
+VAL_FRACTION = 0.1  # = shardwise.data.corpus.VAL_FRACTION: the held-out share of the corpus
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "gpt"  # gpt | mlp
-    preset: str = "small"  # see shardwise.models.PRESETS
-    seq_len: int = 64
-    dropout: float = 0.0
+    kind: str = checked("gpt", OneOf(("gpt", "mlp")))
+    preset: str = "small"  # see shardwise.models.PRESETS (checked there)
+    seq_len: int = checked(64, Range(ge=1))
+    dropout: float = checked(0.0, Range(ge=0, lt=1))
     tie_weights: bool = True
     freeze: tuple[str, ...] = ()  # parameter-name prefixes that stay frozen
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    dp: int = -1  # -1: whatever the world leaves after pp and tp (and the parameter servers)
-    pp: int = 1
-    tp: int = 1
+    # -1: whatever the world leaves after pp and tp (and the parameter servers)
+    dp: int = checked(-1, Range(ge=1, also=(-1,), note="or -1 for what the world leaves"))
+    pp: int = checked(1, Range(ge=1))
+    tp: int = checked(1, Range(ge=1))
     activation_checkpointing: bool = False  # recompute each block's activations in backward
 
     def resolve(self, world_size: int, servers: int = 0) -> ParallelConfig:
@@ -115,57 +215,61 @@ def _ranks(trainers: int, servers: int) -> str:
 
 @dataclass(frozen=True)
 class DataConfig:
-    global_batch: int = 16  # sequences per optimizer step, summed over all data-parallel ranks
-    micro_batches: int = 1  # gradient accumulation: each rank's share is split this many ways
-    weights: tuple[float, ...] = ()  # per-rank share of the global batch; empty = equal
-    corpus_bytes: int = 4_000_000
+    # sequences per optimizer step, summed over all data-parallel ranks
+    global_batch: int = checked(16, Range(ge=1))
+    # gradient accumulation: each rank's share is split this many ways
+    micro_batches: int = checked(1, Range(ge=1))
+    # per-rank share of the global batch; empty = equal
+    weights: tuple[float, ...] = checked((), Range(ge=0))
+    corpus_bytes: int = checked(4_000_000, Range(ge=MIN_CORPUS_BYTES))
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: str = "adamw"  # adamw | adam | sgd
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    momentum: float = 0.9  # sgd only
+    name: str = checked("adamw", OneOf(("adamw", "adam", "sgd")))
+    lr: float = checked(3e-3, Range(gt=0))
+    weight_decay: float = checked(0.0, Range(ge=0))
+    beta1: float = checked(0.9, Range(ge=0, lt=1))
+    beta2: float = checked(0.95, Range(ge=0, lt=1))
+    momentum: float = checked(0.9, Range(ge=0, lt=1))  # sgd only
     # clip gradients to this global norm (every element of every shard counted once); 0 or inf: never
     # clip (the norm is still measured and reported)
-    clip_grad_norm: float = 0.0
-    lr_schedule: str = "constant"  # constant | linear | cosine: decay after the warm-up to min_lr
-    warmup_steps: int = 0  # linear warm-up from lr / (warmup_steps + 1) up to lr
-    min_lr: float = 0.0  # where linear and cosine decay end, at the last step
+    clip_grad_norm: float = checked(0.0, Range(ge=0, also=(math.inf,)))
+    # constant | linear | cosine: after the warm-up, decay to min_lr at the last step
+    lr_schedule: str = checked("constant", OneOf(("constant", "linear", "cosine")))
+    warmup_steps: int = checked(0, Range(ge=0))  # linear warm-up from lr / (warmup_steps + 1) up to lr
+    min_lr: float = checked(0.0, Range(ge=0))  # where linear and cosine decay end
 
 
 @dataclass(frozen=True)
 class DDPConfig:
-    bucket_mb: float = 25.0
-    first_bucket_mb: float = 1.0
+    bucket_mb: float = checked(25.0, Range(gt=0))
+    first_bucket_mb: float = checked(1.0, Range(gt=0))
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
 
 
 @dataclass(frozen=True)
 class CommConfig:
-    algorithm: str = "native"  # one of ALGORITHMS
+    algorithm: str = checked("native", OneOf(ALGORITHMS))
     profile: str = ""  # cost-model profile for "auto"; "": the one `shardwise bench comm` saved, if any
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    offload: str = "none"  # none | cpu | disk
-    offload_dir: str = ""
-    precision: str = "fp32"  # fp32 | bf16 | fp16
-    bucket_mb: float = 25.0
+    offload: str = checked("none", OneOf(("none", "cpu", "disk")))
+    offload_dir: str = ""  # "": a temporary folder
+    precision: str = checked("fp32", OneOf(("fp32", "bf16", "fp16")))
+    bucket_mb: float = checked(25.0, Range(gt=0))
     prefetch: bool = True
     unit: str = "blocks"  # module holding the stage-3 units: each child is all-gathered as one
 
 
 @dataclass(frozen=True)
 class PSConfig:
-    servers: int = 1
-    mode: str = "sync"  # sync | async
-    max_staleness: int = 4
+    servers: int = checked(1, Range(ge=1))
+    mode: str = checked("sync", OneOf(("sync", "async")))
+    max_staleness: int = checked(4, Range(ge=0))
     # async: a push s versions behind is applied with lr / (1 + s) (Zhang et al., 2016); false: lr as is
     staleness_lr: bool = True
 
@@ -173,24 +277,24 @@ class PSConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = ""  # empty: <run_dir>/checkpoints
-    every: int = 0  # steps between checkpoints; 0 = only at the end when dir is set
-    keep: int = 3
+    every: int = checked(0, Range(ge=0))  # steps between checkpoints; 0 = only at the end when dir is set
+    keep: int = checked(3, Range(ge=0))  # the newest ones kept; 0 keeps all
     async_save: bool = False
     resume: bool = True
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    strategy: str = "ddp"
-    steps: int = 40
-    seed: int = 0
-    dtype: str = "float32"  # float32 | float64
-    eval_every: int = 10
-    eval_batches: int = 4
-    log_every: int = 1
-    run_dir: str = "runs/latest"
-    timeout_s: float = 300.0
-    max_restarts: int = 0
+    strategy: str = checked("ddp", OneOf(STRATEGIES))
+    steps: int = checked(40, Range(ge=1))
+    seed: int = checked(0, Range(ge=0, le=MAX_SEED))
+    dtype: str = checked("float32", OneOf(("float32", "float64")))
+    eval_every: int = checked(10, Range(ge=0))  # 0: no held-out evaluation
+    eval_batches: int = checked(4, Range(ge=1))
+    log_every: int = checked(1, Range(ge=1))
+    run_dir: str = checked("runs/latest", NonEmpty("a folder path"))
+    timeout_s: float = checked(300.0, Range(ge=MIN_TIMEOUT_S))
+    max_restarts: int = checked(0, Range(ge=0))
     sync_batchnorm: bool = False  # BatchNorm layers use the global batch's statistics (over dp)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -203,18 +307,13 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self, world_size: int) -> TrainConfig:
-        """Check the config against a world of ``world_size`` ranks; return it with dp resolved."""
-        _check_choice("strategy", self.strategy, STRATEGIES)
-        _check_choice("comm.algorithm", self.comm.algorithm, ALGORITHMS)
-        _check_choice("dtype", self.dtype, ("float32", "float64"))
-        _check_choice("model.kind", self.model.kind, ("gpt", "mlp"))
-        _check_choice("optim.name", self.optim.name, ("adamw", "adam", "sgd"))
+        """Check the config against a world of ``world_size`` ranks; return it with dp resolved.
+
+        Pure: every field's type and declared rule, then what fields mean together. No filesystem
+        (``preflight`` tries the folders).
+        """
+        check_values(self)
         self._check_schedule()
-        _check_choice("zero.offload", self.zero.offload, ("none", "cpu", "disk"))
-        _check_choice("zero.precision", self.zero.precision, ("fp32", "bf16", "fp16"))
-        _check_choice("ps.mode", self.ps.mode, ("sync", "async"))
-        if self.steps < 1:
-            raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if world_size < 1:
             raise ConfigError(f"the world needs at least one rank, got {world_size}")
         if (
@@ -229,6 +328,7 @@ class TrainConfig:
         self._check_applies()
         dims = self.dims(world_size)
         self._check_batch(dims.dp)
+        self._check_corpus()
         return replace(self, parallel=replace(self.parallel, dp=dims.dp))
 
     def dims(self, world_size: int) -> ParallelDims:
@@ -236,20 +336,16 @@ class TrainConfig:
         return ParallelDims.build(self.parallel, world_size, self.ps.servers if self.strategy == "ps" else 0)
 
     def _check_schedule(self) -> None:
+        """What the schedule's fields mean together (each field's own range is declared on it)."""
         optim = self.optim
-        _check_choice("optim.lr_schedule", optim.lr_schedule, ("constant", "linear", "cosine"))
-        if not optim.clip_grad_norm >= 0:  # also refuses NaN
-            raise ConfigError(
-                f"optim.clip_grad_norm must be >= 0 (0 or inf: do not clip), got {optim.clip_grad_norm}"
-            )
-        if not 0 <= optim.warmup_steps < self.steps:
+        if optim.warmup_steps >= self.steps:
             raise ConfigError(
                 f"optim.warmup_steps must be in [0, steps({self.steps})), got {optim.warmup_steps}: "
                 "a warm-up as long as the run never reaches the learning rate"
             )
-        if not 0 <= optim.min_lr <= optim.lr:
+        if optim.min_lr > optim.lr:
             raise ConfigError(f"optim.min_lr must be in [0, optim.lr({optim.lr})], got {optim.min_lr}")
-        if self.strategy == "ps" and self.ps.mode == "async" and 0 < optim.clip_grad_norm < float("inf"):
+        if self.strategy == "ps" and self.ps.mode == "async" and 0 < optim.clip_grad_norm < math.inf:
             raise ConfigError(
                 "gradient clipping with the asynchronous parameter server is not built yet; "
                 "use ps.mode = sync or optim.clip_grad_norm = 0"
@@ -273,35 +369,104 @@ class TrainConfig:
             )
         if data.weights and (min(data.weights) < 0 or sum(data.weights) <= 0):
             raise ConfigError(f"data.weights must be >= 0 with a positive sum, got {list(data.weights)}")
-        if data.micro_batches < 1:
-            raise ConfigError(f"data.micro_batches must be >= 1, got {data.micro_batches}")
         if data.global_batch < dp and not data.weights:
             raise ConfigError(
                 f"data.global_batch({data.global_batch}) is smaller than the {dp} data-parallel ranks: "
                 f"every rank needs at least one sequence"
             )
 
+    def _check_corpus(self) -> None:
+        """A window of seq_len + 1 tokens must fit in the held-out share of the corpus."""
+        held_out = int(self.data.corpus_bytes * VAL_FRACTION)
+        if held_out < self.model.seq_len + 1:
+            need = math.ceil((self.model.seq_len + 1) / VAL_FRACTION)
+            raise ConfigError(
+                f"model.seq_len({self.model.seq_len}) + 1 tokens do not fit in the held-out "
+                f"{VAL_FRACTION:.0%} of data.corpus_bytes({self.data.corpus_bytes}); raise "
+                f"data.corpus_bytes to at least {need} or lower model.seq_len"
+            )
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+def check_values(config: Any, prefix: str = "") -> None:
+    """Every field of ``config`` (tables too): its type, then the rule its field declares."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        key, value, hint = prefix + f.name, getattr(config, f.name), hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a table
+            if type(value) is not hint:
+                raise ConfigError(_table_message(key, value, hint))
+            check_values(value, f"{key}.")
+            continue
+        _check_type(key, value, hint)
+        rule = f.metadata.get(RULE)
+        if rule is not None:
+            rule.check(key, value)
+
+
+def _check_type(key: str, value: Any, hint: Any) -> None:
+    if typing.get_origin(hint) is tuple:
+        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
+        if not isinstance(value, tuple) or not all(_is_a(v, item) for v in value):
+            raise ConfigError(f"{key} must be a list of {_type_name(item)}, got {value!r}")
+    elif not _is_a(value, hint):
+        raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r}")
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        hint, getattr(hint, "__name__", str(hint))
+    )
+
+
+def _table_message(key: str, value: Any, table: Any) -> str:
+    """What to say when a whole table is given one plain value (``--set model=gpt``)."""
+    example = next(f for f in fields(table) if f.default not in ("", (), dataclasses.MISSING))
+    default = str(example.default).lower() if isinstance(example.default, bool) else example.default
+    return (
+        f"{key} is a table, not a value (got {value!r}); set its keys, e.g. "
+        f"--set {key}.{example.name}={default}, or {example.name} = ... under [{key}] in a TOML file"
+    )
 
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
     """Read a TOML file (optional) and apply dotted-key overrides on top of the defaults."""
     config = TrainConfig()
     if path is not None:
-        try:
-            with open(path, "rb") as f:
-                table = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        config = _merge(config, table, prefix="")
+        config = _merge(config, read_toml(path), prefix="")
     for key, value in (overrides or {}).items():
         config = set_key(config, key, value)
     return config
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML file at ``path`` as a dict, or a one-line ``ConfigError`` saying why it cannot be."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path} is a folder; give a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"--config {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"--config {path} is not a text file (byte {exc.start} is not UTF-8); give a TOML file"
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        reason = " ".join(str(exc).split())  # one line, whatever the parser says
+        raise ConfigError(f"--config {path} is not valid TOML: {reason}") from None
 
 
 def set_key(config: Any, dotted: str, value: Any, _prefix: str = "") -> Any:
@@ -316,6 +481,8 @@ def set_key(config: Any, dotted: str, value: Any, _prefix: str = "") -> Any:
         if not dataclasses.is_dataclass(current):
             raise ConfigError(f"{_prefix + head!r} has no sub-keys (got {_prefix + dotted!r})")
         return replace(config, **{head: set_key(current, rest, value, f"{_prefix}{head}.")})
+    if dataclasses.is_dataclass(current):
+        raise ConfigError(_table_message(_prefix + head, value, type(current)))
     hint = typing.get_type_hints(type(config))[head]
     return replace(config, **{head: _coerce(_prefix + dotted, value, hint)})
 
@@ -348,20 +515,34 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
             if isinstance(value, str):
                 value = [v for v in value.split(",") if v.strip()]
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(value)
             return tuple(_coerce(name, v, item) for v in value)
         if hint is bool:
             if isinstance(value, str):
                 if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
                     raise ValueError(value)
                 return value.lower() in ("1", "true", "yes")
-            return bool(value)
+            if not isinstance(value, bool):  # TOML says true/false; 2 is not a yes
+                raise TypeError(value)
+            return value
+        # TOML values must already be of the field's kind (a CLI string is parsed): true is no number
+        if isinstance(value, bool) or (hint is str and not isinstance(value, str)):
+            raise TypeError(value)
         if hint is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
         return hint(value)
     except ConfigError:
         raise  # an item of a tuple, already named
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} expects {getattr(hint, '__name__', hint)}, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{name} expects {_expected(hint)}, got {value!r}") from None
+
+
+def _expected(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        items = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return f"a comma-separated list of {_expected(items[0])}"
+    return str(getattr(hint, "__name__", hint))
 
 
 def to_dict(config: Any) -> dict[str, Any]:

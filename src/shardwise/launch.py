@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -25,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shardwise import signals
 
 
 class LaunchError(RuntimeError):
@@ -55,6 +59,11 @@ def running_under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def torchrun_world_size() -> int:
+    """The job's world size as torchrun gives it to each rank (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def threads_per_rank(nproc: int) -> int:
     """Cores divided among local ranks, so N ranks never oversubscribe the machine."""
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
@@ -63,7 +72,12 @@ def threads_per_rank(nproc: int) -> int:
 def launch_local(
     fn: Callable[..., Any], args: tuple[Any, ...], nproc: int, max_restarts: int = 0
 ) -> dict[int, Any]:
-    """Run ``fn(*args)`` on ``nproc`` local ranks; return each rank's return value by rank."""
+    """Run ``fn(*args)`` on ``nproc`` local ranks; return each rank's return value by rank.
+
+    SIGINT and SIGTERM raise ``signals.Interrupted`` here as everywhere in the command line: the agent
+    then stops the ranks (SIGTERM, SIGKILL after ``shutdown_timeout``) on its way out, and the caller
+    exits with the code of the signal that came.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -87,13 +101,36 @@ def launch_local(
         start_method="spawn",
         local_addr="127.0.0.1",
         shutdown_timeout=3,
+        # The agent would answer SIGINT and SIGTERM itself by forwarding them to the ranks, and SIGINT
+        # to a rank still importing torch prints a traceback. Ours raise Interrupted instead (already
+        # so under the command line; installed below for library callers), and the agent's cleanup
+        # on the way out stops the ranks with SIGTERM, which ends them quietly at any point.
+        signals_to_handle="SIGHUP,SIGQUIT",
     )
+    before = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    ours = signals.install()
     try:
         return elastic_launch(config, _RankMain(fn))(*args)
     except ChildFailedError as exc:
         raise LaunchError(_describe_failure(exc), _user_error(exc)) from None
-    except SignalException:  # Ctrl-C or SIGTERM: the agent has already stopped the ranks
-        raise KeyboardInterrupt from None
+    except SignalException as exc:  # a signal the agent handled: it has already stopped the ranks
+        raise signals.Interrupted(int(exc.sigval)) from None
+    finally:
+        signals.restore(ours)
+        _drop_agent_handlers(before)
+
+
+_AGENT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"))
+
+
+def _drop_agent_handlers(before: dict[Any, Any]) -> None:
+    """The agent leaves its handlers installed; after the launch they would raise its exception."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # the agent installs handlers only from the main thread
+    for sig, handler in before.items():
+        current = signal.getsignal(sig)
+        if getattr(current, "__module__", "").startswith("torch.distributed.elastic"):
+            signal.signal(sig, handler)
 
 
 # What a rank says when it only lost a peer: a consequence of another rank's failure, not a cause.
@@ -118,6 +155,9 @@ class _RankMain:
         functools.update_wrapper(self, fn)  # the agent names the entry point by __name__
 
     def __call__(self, *args: Any) -> Any:
+        # The agent stops ranks; a Ctrl-C reaching the whole process group (or the parent-death
+        # signal torch sets, SIGINT) ends a rank at once, even inside a collective, with no traceback.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         try:
             return self.fn(*args)
         except Exception as exc:

@@ -20,7 +20,7 @@ TOL = 1e-10
 
 
 def _config(**overrides: str) -> TrainConfig:
-    return load_config(None, {**VERIFY_DEFAULTS, "run_dir": "", **overrides})
+    return load_config(None, {**VERIFY_DEFAULTS, **overrides})
 
 
 def _worker(rank: int, world_size: int, config: TrainConfig):

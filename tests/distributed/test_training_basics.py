@@ -16,7 +16,7 @@ TOL = 1e-10
 
 
 def _config(**overrides: str) -> TrainConfig:
-    return load_config(None, {**VERIFY_DEFAULTS, "run_dir": "", "steps": "6", **overrides})
+    return load_config(None, {**VERIFY_DEFAULTS, "steps": "6", **overrides})
 
 
 def _worker(rank: int, world_size: int, configs: list[TrainConfig]):
@@ -75,8 +75,8 @@ def test_schedule_shapes() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "words"),
     [
-        ("optim.clip_grad_norm", "-1", "optim.clip_grad_norm must be >= 0"),
-        ("optim.clip_grad_norm", "nan", "optim.clip_grad_norm must be >= 0"),
+        ("optim.clip_grad_norm", "-1", "optim.clip_grad_norm must be a finite number >= 0"),
+        ("optim.clip_grad_norm", "nan", "optim.clip_grad_norm must be a finite number >= 0"),
         ("optim.warmup_steps", "6", "optim.warmup_steps must be in [0, steps(6))"),
         ("optim.lr_schedule", "step", "optim.lr_schedule must be one of constant, linear, cosine"),
     ],

@@ -1,8 +1,23 @@
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
+import typing
+from typing import Any
+
 import pytest
 
-from shardwise.config import ConfigError, ParallelConfig, TrainConfig, load_config
+from shardwise.config import (
+    MIN_CORPUS_BYTES,
+    RULE,
+    VAL_FRACTION,
+    ConfigError,
+    ParallelConfig,
+    Range,
+    TrainConfig,
+    load_config,
+)
 
 
 def test_mesh_arithmetic_is_spelled_out() -> None:
@@ -27,7 +42,11 @@ def test_overrides_are_typed() -> None:
         ({"nope": "1"}, 2, "unknown config key 'nope'"),
         ({"strategy": "magic"}, 2, "strategy must be one of"),
         ({"data.weights": "1,1,1"}, 2, "data.weights has 3 entries but there are 2 data-parallel ranks"),
-        ({"data.weights": "1,-1"}, 2, "must be >= 0"),
+        (
+            {"data.weights": "1,-1"},
+            2,
+            r"data.weights entries must each be a finite number >= 0, got \[1.0, -1.0\]",
+        ),
         ({"data.global_batch": "2"}, 4, r"global_batch\(2\) is smaller than the 4"),
         ({"strategy": "ps", "ps.servers": "2"}, 2, "2 ranks - 2 servers = 0 workers"),
         ({"strategy": "ps", "ps.mode": "async", "checkpoint.every": "2"}, 3, "need ps.mode = sync"),
@@ -47,3 +66,175 @@ def test_toml_file(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"unknown config table \[nosuch\]"):
         load_config(path)
     assert isinstance(TrainConfig().validate(1), TrainConfig)
+
+
+# -- every value checked before a rank starts ---------------------------------------------------------
+
+BAD_VALUES = [
+    ("optim.lr", "inf", "optim.lr must be a finite number > 0, got inf"),
+    ("optim.lr", "nan", "optim.lr must be a finite number > 0, got nan"),
+    ("optim.lr", "0", "optim.lr must be a finite number > 0, got 0.0"),
+    ("optim.beta1", "1", r"optim.beta1 must be a finite number in \[0, 1\), got 1.0"),
+    ("optim.beta2", "-0.1", r"optim.beta2 must be a finite number in \[0, 1\), got -0.1"),
+    ("optim.weight_decay", "-1", "optim.weight_decay must be a finite number >= 0, got -1.0"),
+    ("optim.momentum", "1.5", r"optim.momentum must be a finite number in \[0, 1\), got 1.5"),
+    ("model.dropout", "1", r"model.dropout must be a finite number in \[0, 1\), got 1.0"),
+    ("model.seq_len", "0", "model.seq_len must be an integer >= 1, got 0"),
+    ("data.global_batch", "0", "data.global_batch must be an integer >= 1, got 0"),
+    ("data.micro_batches", "0", "data.micro_batches must be an integer >= 1, got 0"),
+    ("data.weights", "nan", r"data.weights entries must each be a finite number >= 0, got \[nan\]"),
+    ("ddp.bucket_mb", "nan", "ddp.bucket_mb must be a finite number > 0, got nan"),
+    ("ddp.bucket_mb", "0", "ddp.bucket_mb must be a finite number > 0, got 0.0"),
+    ("ddp.first_bucket_mb", "-1", "ddp.first_bucket_mb must be a finite number > 0, got -1.0"),
+    ("zero.bucket_mb", "inf", "zero.bucket_mb must be a finite number > 0, got inf"),
+    ("ps.max_staleness", "-1", "ps.max_staleness must be an integer >= 0, got -1"),
+    ("ps.servers", "0", "ps.servers must be an integer >= 1, got 0"),
+    ("checkpoint.every", "-3", "checkpoint.every must be an integer >= 0, got -3"),
+    ("checkpoint.keep", "-1", "checkpoint.keep must be an integer >= 0, got -1"),
+    ("eval_every", "-1", "eval_every must be an integer >= 0, got -1"),
+    ("max_restarts", "-1", "max_restarts must be an integer >= 0, got -1"),
+    ("timeout_s", "0", "timeout_s must be a finite number >= 1, got 0.0"),
+    ("timeout_s", "inf", "timeout_s must be a finite number >= 1, got inf"),
+    ("seed", "-1", r"seed must be an integer in \[0, 4294967295\], got -1"),
+    ("parallel.dp", "0", "parallel.dp must be an integer >= 1, or -1 for what the world leaves, got 0"),
+    ("run_dir", "", "run_dir must be a folder path, got ''"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), BAD_VALUES)
+def test_each_bad_value_is_named_with_its_range(key: str, value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        load_config(None, {key: value}).validate(1)
+
+
+def _leaves(config: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, field, type) of every value field, tables walked."""
+    hints = typing.get_type_hints(type(config))
+    out = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _leaves(value, f"{prefix}{f.name}.")
+        else:
+            out.append((prefix + f.name, f, hints[f.name]))
+    return out
+
+
+NUMBERS = [(key, f) for key, f, hint in _leaves(TrainConfig()) if hint in (int, float, tuple[float, ...])]
+
+
+def test_every_number_declares_its_range() -> None:
+    missing = [key for key, f in NUMBERS if not isinstance(f.metadata.get(RULE), Range)]
+    assert not missing, f"numeric config fields without a declared Range: {missing}"
+
+
+@pytest.mark.parametrize("key", [key for key, f, hint in _leaves(TrainConfig()) if hint is float])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_no_float_takes_nan_or_inf(key: str, value: str) -> None:
+    rule = dict(NUMBERS)[key].metadata[RULE]
+    if float(value) in rule.also:  # declared meaningful (optim.clip_grad_norm = inf: never clip)
+        load_config(None, {key: value}).validate(1)
+        return
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)} must be a finite number"):
+        load_config(None, {key: value}).validate(1)
+
+
+def test_the_defaults_pass_and_the_corpus_constants_agree() -> None:
+    from shardwise.data import corpus
+
+    assert TrainConfig().validate(1).parallel.dp == 1
+    assert (MIN_CORPUS_BYTES, VAL_FRACTION) == (corpus.MIN_BYTES, corpus.VAL_FRACTION)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"model": "gpt"},
+            r"^model is a table, not a value \(got 'gpt'\); set its keys, e.g. --set model.kind=gpt",
+        ),
+        (
+            {"data": "32"},
+            r"^data is a table, not a value \(got '32'\); set its keys, e.g. --set data.global_batch=16",
+        ),
+        ({"model.": "gpt"}, r"^model is a table"),
+        ({"checkpoint": "x"}, r"--set checkpoint.every=0"),
+    ],
+)
+def test_a_table_given_a_plain_value_says_so(overrides: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_table_of_the_wrong_type_is_refused_by_validate() -> None:
+    config = dataclasses.replace(TrainConfig(), data=32)  # built in code, not through set_key
+    with pytest.raises(ConfigError, match=r"^data is a table, not a value \(got 32\)"):
+        config.validate(1)
+    with pytest.raises(ConfigError, match=r"^steps must be an integer, got '3'"):
+        dataclasses.replace(TrainConfig(), steps="3").validate(1)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('model = "gpt"\n', r"^model is a table, not a value \(got 'gpt'\); set its keys"),
+        ("[optim]\nlr = nan\n", "^optim.lr must be a finite number > 0, got nan$"),
+        ("[model]\nseq_len = 0\n", "^model.seq_len must be an integer >= 1, got 0$"),
+        ("[ddp]\nbucket_mb = nan\n", "^ddp.bucket_mb must be a finite number > 0, got nan$"),
+        ("steps = true\n", "^steps expects int, got True$"),
+        ("steps = 2.5\n", "^steps expects int, got 2.5$"),
+        ("steps = inf\n", "^steps expects int, got inf$"),
+        ("run_dir = 5\n", "^run_dir expects str, got 5$"),
+        ("[ddp]\nbroadcast_buffers = 1\n", "^ddp.broadcast_buffers expects bool, got 1$"),
+        ("[data]\nweights = 3\n", "^data.weights expects a comma-separated list of float, got 3$"),
+        ("[steps]\nx = 1\n", r"^unknown config table \[steps\]"),
+    ],
+)
+def test_toml_values_are_checked_like_flags(tmp_path, text: str, message: str) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path).validate(1)
+
+
+def test_a_config_that_is_no_toml_file_is_one_line(tmp_path) -> None:
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(bytes(range(256)))
+    broken = tmp_path / "broken.toml"
+    broken.write_text("steps = \n[[\n")
+    cases = {
+        tmp_path: "is a folder; give a TOML file",
+        binary: r"is not a text file \(byte 128 is not UTF-8\)",
+        tmp_path / "missing.toml": "does not exist",
+        broken: "is not valid TOML: ",
+    }
+    for path, message in cases.items():
+        with pytest.raises(ConfigError, match=f"^--config {re.escape(str(path))} {message}") as info:
+            load_config(path)
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_an_unreadable_config_is_one_line(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("steps = 3\n")
+    path.chmod(0)
+    with pytest.raises(ConfigError, match=r"cannot be read: Permission denied$"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        ({"data.weights": "0,0"}, 2, "must be >= 0 with a positive sum"),
+        (
+            {"model.seq_len": "1000", "data.corpus_bytes": "4096"},
+            1,
+            r"raise data.corpus_bytes to at least 10010",
+        ),
+        ({"data.corpus_bytes": "100"}, 1, "data.corpus_bytes must be an integer >= 1024, got 100"),
+    ],
+)
+def test_values_that_only_fail_together(overrides: dict[str, str], world: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides).validate(world)

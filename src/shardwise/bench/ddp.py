@@ -16,6 +16,7 @@ import torch
 
 from shardwise.config import TrainConfig, load_config
 from shardwise.launch import init_distributed, launch_local
+from shardwise.preflight import preflight
 
 WARMUP_STEPS = 3
 
@@ -120,7 +121,7 @@ def run_ddp_bench(
     bucket_mb: float = 25.0,
 ) -> dict[str, Any]:
     config = _bench_config(preset, global_batch, bucket_mb, steps)
-    config.validate(nproc)
+    preflight(config, nproc, writes_run_files=False)  # before any rank starts, as `shardwise train`
     runs: dict[str, list[dict[str, Any]]] = {"shardwise": [], "torch": []}
     for r in range(rounds):
         order = ("shardwise", "torch") if r % 2 == 0 else ("torch", "shardwise")

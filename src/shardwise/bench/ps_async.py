@@ -25,6 +25,7 @@ from shardwise.config import OptimizerConfig, PSConfig, TrainConfig
 from shardwise.data_parallel.param_server import ParamServerEngine
 from shardwise.engine.loss import loss_sum
 from shardwise.engine.optim import attach_optimizers, optimizer_factory
+from shardwise.preflight import preflight
 from shardwise.testing.harness import run_on_ranks
 
 
@@ -122,7 +123,8 @@ def bench_async_vs_sync(
     for seed in range(seeds):
         for label, (mode, staleness_lr) in MODES.items():
             ps = replace(base.ps, mode=mode, staleness_lr=staleness_lr)
-            config = replace(base, seed=seed, ps=ps, run_dir=f"{run_dir}/{label}-{seed}").validate(nproc)
+            # the checks `shardwise train` makes before any rank starts, the run folder tried too
+            config = preflight(replace(base, seed=seed, ps=ps, run_dir=f"{run_dir}/{label}-{seed}"), nproc)
             summary = _train_summary(config, nproc)
             losses[label].append(summary["eval_loss"])
             staleness[label].append(summary.get("max_staleness_seen", 0))

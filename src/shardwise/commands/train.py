@@ -9,13 +9,16 @@ from rich.table import Table
 
 from shardwise.commands.output import emit
 from shardwise.config import TrainConfig
-from shardwise.launch import LaunchError, launch_local, running_under_torchrun
+from shardwise.launch import LaunchError, launch_local, running_under_torchrun, torchrun_world_size
 from shardwise.preflight import preflight
 from shardwise.train.loop import train_worker
 
 
 def train_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
     if running_under_torchrun():
+        # torchrun started the ranks: each checks before it joins the group (the same verdict on every
+        # rank, and every rank writes into the run's folders), so a bad job stops at once, in one line
+        preflight(config, torchrun_world_size())
         summary = train_worker(config, show_progress=True)
         if summary is not None:
             emit(summary, as_json, render_summary)

@@ -164,7 +164,7 @@ def compare_runs(reference: dict[str, Any], candidate: dict[str, Any], tolerance
 
 
 def run_verify(config: TrainConfig, nproc: int) -> dict[str, Any]:
-    config = preflight(config, nproc)
+    config = preflight(config, nproc, writes_run_files=False)  # verify writes no run folder
     results = launch_local(verify_worker, (config,), nproc)
     candidate = next(r for r in results.values() if r is not None)
     report = compare_runs(reference_run(config), candidate, TOLERANCE)

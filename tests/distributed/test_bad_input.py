@@ -1,0 +1,41 @@
+"""Bad input through a real ``python -m shardwise``: exit 2, one stderr line, no rank started.
+
+The whole table runs in-process in tests/unit/test_cli_bad_input.py; these few check the same end to
+end, from the process's exit code to the absent ``<run-dir>/pids`` folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .cli_helpers import shardwise
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lr", "inf"], "optim.lr must be a finite number > 0, got inf"),
+        (
+            ["--set", "model=gpt"],
+            "model is a table, not a value (got 'gpt'); set its keys, e.g. --set model.kind=gpt",
+        ),
+        (["--checkpoint-dir", "{file}/sub"], "checkpoint.dir = '{file}/sub' cannot be written"),
+        (["--max-restarts", "-1"], "max_restarts must be an integer >= 0, got -1"),
+        (["--config", "{tmp}"], "--config {tmp} is a folder; give a TOML file"),
+    ],
+)
+def test_bad_input_exits_2_in_one_line_and_starts_no_rank(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    file = tmp_path / "file"
+    file.write_text("x")
+    names = {"file": str(file), "tmp": str(tmp_path)}
+    run_dir = tmp_path / "run"
+    argv = ["train", "--nproc", "2", "--preset", "tiny", "--steps", "2", "--run-dir", str(run_dir), *args]
+    result = shardwise(*(a.format(**names) for a in argv), timeout_s=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(lines) == 1 and message.format(**names) in lines[0], result.stderr[-3000:]
+    assert not (run_dir / "pids").exists()

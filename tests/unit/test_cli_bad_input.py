@@ -1,0 +1,92 @@
+"""Every bad input found by trying the command line as a new user and as an attacker would.
+
+Each one: exit code 2, exactly one line on stderr naming the key, and no rank started (no
+``<run-dir>/pids`` folder: every rank writes its pid there first). ``cli.main`` runs in this process,
+as ``python -m shardwise`` would run it; tests/distributed/test_bad_input.py runs a few for real.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli import main
+
+BAD_INPUTS = [
+    # values that used to train to the end on NaN, or never train, and exit 0
+    (["--lr", "inf"], "optim.lr must be a finite number > 0, got inf"),
+    (["--global-batch", "0", "--data-weights", "1"], "data.global_batch must be an integer >= 1, got 0"),
+    (["--nproc", "2", "--data-weights", "0,0"], "data.weights must be >= 0 with a positive sum"),
+    (["--strategy", "ps", "--nproc", "2", "--ps-mode", "async", "--max-staleness", "-1"], "ps.max_staleness"),
+    (["--checkpoint-every", "-3"], "checkpoint.every must be an integer >= 0, got -3"),
+    # a table set to a plain value
+    (
+        ["--set", "model=gpt"],
+        "model is a table, not a value (got 'gpt'); set its keys, e.g. --set model.kind=gpt",
+    ),
+    (["--set", "data=32"], "data is a table, not a value (got '32'); set its keys"),
+    (["--config", "{table_toml}"], "model is a table, not a value (got 'gpt')"),
+    # failures that came after the work
+    (["--checkpoint-dir", "{file}/sub"], "checkpoint.dir = '{file}/sub' cannot be written: Not a directory"),
+    (["--max-restarts", "-1"], "max_restarts must be an integer >= 0, got -1"),
+    # tracebacks
+    (["--config", "{tmp}"], "--config {tmp} is a folder; give a TOML file"),
+    (["--config", "{binary}"], "--config {binary} is not a text file"),
+    (["--config", "{nan_toml}"], "optim.lr must be a finite number > 0, got nan"),
+    (["--seq-len", "0"], "model.seq_len must be an integer >= 1, got 0"),
+    (["--bucket-mb", "nan"], "ddp.bucket_mb must be a finite number > 0, got nan"),
+    (["--run-dir", "{file}"], "run_dir = '{file}' is a file, not a folder"),
+    (
+        ["--strategy", "zero1", "--offload", "disk", "--set", "zero.offload_dir={file}/sub"],
+        "zero.offload_dir = '{file}/sub' cannot be written",
+    ),
+    (["--timeout-s", "0"], "timeout_s must be a finite number >= 1, got 0.0"),
+    # the rest of the ranges
+    (["--set", "checkpoint.keep=-1"], "checkpoint.keep must be an integer >= 0, got -1"),
+    (["--strategy", "ps", "--servers", "0"], "ps.servers must be an integer >= 1, got 0"),
+    (["--micro-batches", "0"], "data.micro_batches must be an integer >= 1, got 0"),
+    (["--eval-every", "-1"], "eval_every must be an integer >= 0, got -1"),
+    (["--strategy", "zero2", "--set", "zero.bucket_mb=0"], "zero.bucket_mb must be a finite number > 0"),
+    (["--set", "optim.beta1=1"], "optim.beta1 must be a finite number in [0, 1), got 1.0"),
+    (["--set", "optim.beta2=nan"], "optim.beta2 must be a finite number in [0, 1), got nan"),
+    (["--set", "optim.weight_decay=-1"], "optim.weight_decay must be a finite number >= 0, got -1.0"),
+    (
+        ["--optimizer", "sgd", "--set", "optim.momentum=-0.5"],
+        "optim.momentum must be a finite number in [0, 1)",
+    ),
+    (["--set", "model.dropout=1"], "model.dropout must be a finite number in [0, 1), got 1.0"),
+]
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> dict[str, str]:
+    file = tmp_path / "file"
+    file.write_text("x")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(bytes(range(256)))
+    table_toml = tmp_path / "table.toml"
+    table_toml.write_text('model = "gpt"\n')
+    nan_toml = tmp_path / "nan.toml"
+    nan_toml.write_text("[optim]\nlr = nan\n")
+    names = {"file": file, "binary": binary, "table_toml": table_toml, "nan_toml": nan_toml, "tmp": tmp_path}
+    return {name: str(path) for name, path in names.items()}
+
+
+@pytest.mark.parametrize("command", ["train", "verify"])
+@pytest.mark.parametrize(("args", "message"), BAD_INPUTS)
+def test_bad_input_is_one_line_exit_2_before_any_rank(
+    tmp_path: Path, inputs: dict[str, str], capsys, command: str, args: list[str], message: str
+) -> None:
+    if command == "verify" and {"--run-dir", "--checkpoint-dir"} & set(args):
+        pytest.skip("verify writes no run folder or checkpoints, so it does not try them")
+    run_dir = tmp_path / "run"
+    argv = [command, "--preset", "tiny", "--steps", "2", "--run-dir", str(run_dir), *args]
+    code = main([a.format(**inputs) for a in argv])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"shardwise {command}: error: ")
+    assert message.format(**inputs) in lines[0], err
+    assert not (run_dir / "pids").exists()  # every rank writes its pid there first: none started
