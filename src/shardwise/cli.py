@@ -45,6 +45,7 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--checkpoint-dir": ("checkpoint.dir", {}),
     "--max-restarts": ("max_restarts", {}),
     "--timeout-s": ("timeout_s", {}),
+    "--hang-timeout-s": ("hang_timeout_s", {"help": "name a hung rank after this long; 0: off; -1: auto"}),
 }
 
 
@@ -66,6 +67,13 @@ def add_train_flags(parser: argparse.ArgumentParser, defaults: dict[str, str] | 
         "--find-unused-parameters", dest="ddp.find_unused_parameters", action="store_const", const="true"
     )
     parser.add_argument(
+        "--trace",
+        dest="trace",
+        action="store_const",
+        const="true",
+        help="write <run-dir>/trace.json: every rank's compute and communication spans",
+    )
+    parser.add_argument(
         "--sync-batchnorm",
         dest="sync_batchnorm",
         action="store_const",
@@ -84,7 +92,8 @@ def _get(config: Any, dotted: str) -> Any:
 
 def config_from_args(args: argparse.Namespace, defaults: dict[str, str] | None = None) -> TrainConfig:
     overrides: dict[str, Any] = dict(defaults or {})
-    for key in [k for k, _ in TRAIN_FLAGS.values()] + ["ddp.find_unused_parameters", "sync_batchnorm"]:
+    switches = ["ddp.find_unused_parameters", "sync_batchnorm", "trace"]
+    for key in [k for k, _ in TRAIN_FLAGS.values()] + switches:
         value = getattr(args, key, None)
         if value is not None:
             overrides[key] = value

@@ -295,6 +295,10 @@ class TrainConfig:
     run_dir: str = checked("runs/latest", NonEmpty("a folder path"))
     timeout_s: float = checked(300.0, Range(ge=MIN_TIMEOUT_S))
     max_restarts: int = checked(0, Range(ge=0))
+    # a rank blocked in one call this long names the rank that holds it up and stops the job; 0: off;
+    # -1: automatic, 5 x the median step time and at least 30 s
+    trace: bool = False  # record per-rank spans into <run_dir>/trace.json (Chrome trace / Perfetto)
+    hang_timeout_s: float = checked(-1.0, Range(ge=0, also=(-1.0,), note="or -1 for automatic"))
     sync_batchnorm: bool = False  # BatchNorm layers use the global batch's statistics (over dp)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

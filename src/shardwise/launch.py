@@ -16,19 +16,23 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shardwise import signals
+from shardwise.observe.watchdog import HANG_REPORT_ENV
 
 
 class LaunchError(RuntimeError):
@@ -109,13 +113,19 @@ def launch_local(
     )
     before = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
     ours = signals.install()
+    hang_report = Path(tempfile.mkdtemp(prefix="shardwise-launch-")) / "hang.txt"
+    os.environ[HANG_REPORT_ENV] = str(hang_report)  # the watchdog's one line lands here (see below)
     try:
         return elastic_launch(config, _RankMain(fn))(*args)
     except ChildFailedError as exc:
+        if hang_report.exists():  # a rank's watchdog named the rank that held the job up
+            raise LaunchError(hang_report.read_text().strip()) from None
         raise LaunchError(_describe_failure(exc), _user_error(exc)) from None
     except SignalException as exc:  # a signal the agent handled: it has already stopped the ranks
         raise signals.Interrupted(int(exc.sigval)) from None
     finally:
+        os.environ.pop(HANG_REPORT_ENV, None)
+        shutil.rmtree(hang_report.parent, ignore_errors=True)
         signals.restore(ours)
         _drop_agent_handlers(before)
 

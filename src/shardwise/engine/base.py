@@ -42,6 +42,7 @@ from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.engine.loss import Loss, TokenLoss, run_model
+from shardwise.observe.monitor import MONITOR
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (batch, seq) long, targets (batch, seq) long
 # what a rank asks a checkpoint for: a flat range [start, stop) of a global tensor, an n-d Box of it,
@@ -154,9 +155,12 @@ class Engine(ABC):
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
             with self.no_sync() if i < last else nullcontext():
+                MONITOR.set_phase("forward")
                 loss = self.compute_loss(batch) / global_count
+                MONITOR.set_phase("backward")
                 self.backward(loss)
             share += float(loss.detach())
+        MONITOR.set_phase("gradient sync")
         self.finish_grads()
         return share
 

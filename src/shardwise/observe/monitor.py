@@ -11,6 +11,8 @@ state one call old).
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import threading
 import time
@@ -102,6 +104,8 @@ class Monitor:
         now = time.monotonic()
         blocked = self.blocked
         return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
             "step": self.step,
             "phase": self.phase,
             "phase_for_s": round(now - self.phase_since, 3),
@@ -112,9 +116,10 @@ class Monitor:
         }
 
     def main_frame(self, depth: int = 3) -> str:
-        """The main thread's innermost frames, ``file:line in function`` (where it is stuck)."""
+        """The main thread's innermost frames, ``file:line in function`` (where it is stuck); nothing
+        when asked on the main thread itself (it would only show itself asking)."""
         frame = sys._current_frames().get(self._main or -1)
-        if frame is None:
+        if frame is None or threading.get_ident() == self._main:
             return ""
         frames = traceback.extract_stack(frame)[-depth:]
         return " <- ".join(

@@ -35,6 +35,7 @@ from shardwise.engine.schedule import lr_multiplier
 from shardwise.launch import init_distributed, restart_count
 from shardwise.mesh import Mesh, build_mesh
 from shardwise.models import build_model
+from shardwise.observe.monitor import MONITOR
 from shardwise.parallelism import parallelize
 from shardwise.train.checkpointing import (
     TrainCheckpoints,
@@ -43,6 +44,7 @@ from shardwise.train.checkpointing import (
     write_pid_file,
 )
 from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step, peak_rss_mb, rss_mb
+from shardwise.train.observing import observing
 from shardwise.train.progress import Progress
 
 
@@ -156,6 +158,8 @@ class Trainer:
     def step(self, step: int, after_backward: Callable[[int], None] | None = None) -> StepRecord:
         """One optimizer step; ``after_backward(step)`` sees the global gradients before the update."""
         # every rank runs the same number of passes, empty ones included (see local_micro_batches)
+        MONITOR.set_phase("data", step)
+        begun = time.monotonic()
         micro = self.sampler.local_micro_batches(step, self.config.data.micro_batches, keep_empty=True)
         trainers = self.mesh.trainers
         if trainers is None or not self.engine.role.steps:
@@ -168,8 +172,10 @@ class Trainer:
         if after_backward is not None:
             after_backward(step)
         lr = self._lr(step)
+        MONITOR.set_phase("optimizer")
         self.engine.optimizer_step()
         elapsed = time.perf_counter() - start
+        MONITOR.set_phase("metrics")
         comm = engine_comm.stats.since(before)
         values = {
             "loss_share": share,
@@ -184,6 +190,8 @@ class Trainer:
         record.grad_norm, record.lr = self.engine.last_grad_norm, lr
         record.extra = self.engine.metrics() or None
         self.history.append(record)
+        MONITOR.step_times.append(elapsed)
+        MONITOR.span(f"step {step}", "step", "step", begun, loss=record.loss)
         return record
 
     def _lr(self, step: int) -> float:
@@ -245,17 +253,24 @@ def _fit(trainer: Trainer, show_progress: bool) -> dict[str, Any] | None:
     """The loop. With checkpointing on (``checkpoint.dir`` or ``checkpoint.every``), the run first
     resumes from the newest usable checkpoint, if any (see ``train.checkpointing``)."""
     config = trainer.config
-    run_dir = Path(config.run_dir)
     rank = dist.get_rank()
     write_pid_file(config.run_dir, rank)
     restarts = agreed_restart_count(trainer.world_comm)  # every rank, servers too: a world collective
     ckpt = TrainCheckpoints.create(trainer, rank, dist.get_world_size())
     resumed = ckpt.resume() if ckpt else None
     start = resumed.next_step if resumed else 0
-    role = trainer.engine.role
     if resumed:
         trainer.engine.resume_at(start)
         fast_forward(trainer.engine.schedulers, start)
+    with observing(trainer, getattr(trainer.engine.model, "blocks", None)):
+        return _loop(trainer, show_progress, ckpt, resumed, restarts)
+
+
+def _loop(
+    trainer: Trainer, show_progress: bool, ckpt: TrainCheckpoints | None, resumed: Any, restarts: int
+) -> dict[str, Any] | None:
+    config, role, run_dir = trainer.config, trainer.engine.role, Path(trainer.config.run_dir)
+    start = resumed.next_step if resumed else 0
     if role.serves:
         _serve(trainer, ckpt)
         return None
@@ -273,11 +288,13 @@ def _fit(trainer: Trainer, show_progress: bool) -> dict[str, Any] | None:
             record = trainer.step(step)
             last = step == config.steps - 1
             if trainer.eval_data and config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+                MONITOR.set_phase("eval", step)
                 record.eval_loss = trainer.evaluate()
                 eval_losses.append((step, record.eval_loss))
             writer.write(record)
             progress.update(record)
             if ckpt:
+                MONITOR.set_phase("checkpoint", step)
                 ckpt.after_step(record, eval_losses)
         trainer.engine.finish()  # owed to other ranks even when resumed after the last step
         if ckpt:
