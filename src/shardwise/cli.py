@@ -40,6 +40,7 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--checkpoint-dir": ("checkpoint.dir", {}),
     "--max-restarts": ("max_restarts", {}),
     "--timeout-s": ("timeout_s", {}),
+    "--on-nonfinite": ("on_nonfinite", {"help": "a NaN/inf loss or gradient: stop | skip (the step)"}),
 }
 
 

@@ -185,6 +185,7 @@ class TrainConfig:
     run_dir: str = "runs/latest"
     timeout_s: float = 300.0
     max_restarts: int = 0
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run, or skip that step's update
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -205,19 +206,11 @@ class TrainConfig:
         _check_choice("zero.offload", self.zero.offload, ("none", "cpu", "disk"))
         _check_choice("zero.precision", self.zero.precision, ("fp32", "bf16", "fp16"))
         _check_choice("ps.mode", self.ps.mode, ("sync", "async"))
+        _check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         if self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if world_size < 1:
             raise ConfigError(f"the world needs at least one rank, got {world_size}")
-        if (
-            self.strategy == "ps"
-            and self.ps.mode == "async"
-            and (self.checkpoint.dir or self.checkpoint.every)
-        ):
-            raise ConfigError(
-                "checkpoints of the parameter server need ps.mode = sync (asynchronous servers have no "
-                "common step to save at); drop checkpoint.dir/checkpoint.every or set ps.mode = sync"
-            )
         self._check_applies()
         dims = self.dims(world_size)
         self._check_batch(dims.dp)

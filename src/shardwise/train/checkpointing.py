@@ -88,6 +88,7 @@ class Resumed:
     initial_loss: float | None
     eval_losses: list[tuple[int, float]]
     last_record: StepRecord | None
+    skipped_steps: list[int] = field(default_factory=list)  # updates skipped on a non-finite value
 
 
 @dataclass
@@ -167,17 +168,20 @@ class TrainCheckpoints:
             initial_loss=meta.get("initial_loss"),
             eval_losses=[(int(s), float(v)) for s, v in meta.get("eval_losses", [])],
             last_record=StepRecord(**last) if last else None,
+            skipped_steps=[int(s) for s in meta.get("skipped_steps", [])],
         )
         self.initial_loss = self.resumed.initial_loss
         return None
 
     # -- save --------------------------------------------------------------------------------------
-    def after_step(self, record: StepRecord, eval_losses: list[tuple[int, float]]) -> None:
+    def after_step(
+        self, record: StepRecord, eval_losses: list[tuple[int, float]], skipped: list[int] | None = None
+    ) -> None:
         """Save when ``checkpoint.every`` steps have completed since the start, and after the last step."""
         if self.initial_loss is None:
             self.initial_loss = record.loss
         if self._due(record.step + 1):
-            self.save(record, eval_losses)
+            self.save(record, eval_losses, skipped or [])
 
     def serve_step(self, done: int) -> None:
         """A parameter server after ``done`` served steps: take part in the save the workers make now."""
@@ -188,14 +192,18 @@ class TrainCheckpoints:
         every = self.trainer.config.checkpoint.every
         return (every > 0 and done % every == 0) or done == self.trainer.config.steps
 
-    def save(self, record: StepRecord, eval_losses: list[tuple[int, float]]) -> SaveReport:
+    def save(
+        self, record: StepRecord, eval_losses: list[tuple[int, float]], skipped: list[int] | None = None
+    ) -> SaveReport:
         meta = {
             "sampler": self.trainer.sampler.state_dict(),
             "initial_loss": self.initial_loss,
             "eval_losses": [list(e) for e in eval_losses],
             "last_record": asdict(record),
             "restarts": restart_count(),
+            "skipped_steps": list(skipped or []),
         }
+        self.trainer.engine.before_checkpoint(record.step + 1)  # serving ranks on their own time join
         return self._write(record.step + 1, meta)
 
     def _write(self, step: int, meta: dict[str, Any] | None) -> SaveReport:

@@ -1,8 +1,10 @@
 """The training loop every strategy shares: build, step, evaluate, report.
 
 One step: draw this rank's share of the global batch, ``engine.forward_backward`` (forward, backward,
-gradient communication), ``engine.optimizer_step``, then one tiny all-gather of per-rank figures
-(see ``metrics``). Rank 0 shows a progress bar, writes ``metrics.jsonl`` and returns the summary.
+gradient communication), one tiny all-reduce agreeing whether the loss and gradients are finite (see
+``nonfinite``), ``engine.optimizer_step`` (or ``skip_update``), then one tiny all-gather of per-rank
+figures (see ``metrics``). Rank 0 shows a progress bar, writes ``metrics.jsonl`` and returns the
+summary. A run stopped on a non-finite value returns ``{"error": <one line>}`` from the reporting rank.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from shardwise.collectives.api import Comm
 from shardwise.config import TrainConfig, to_dict
 from shardwise.data.corpus import load_corpus
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
-from shardwise.engine.base import Engine, loss_sum, predicted_tokens
+from shardwise.engine.base import Engine, NonFinite, NonFiniteStop, loss_sum, predicted_tokens
 from shardwise.launch import init_distributed, restart_count
 from shardwise.mesh import Mesh, build_mesh
 from shardwise.models import build_model
@@ -37,6 +39,7 @@ from shardwise.train.checkpointing import (
     write_pid_file,
 )
 from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step, peak_rss_mb, rss_mb
+from shardwise.train.nonfinite import agree_nonfinite
 from shardwise.train.progress import Progress
 
 
@@ -113,7 +116,7 @@ class Trainer:
         share = self.engine.forward_backward(micro, self.global_tokens)
         if after_backward is not None:
             after_backward(step)
-        self.engine.optimizer_step()
+        found = self._update(trainers, share)
         elapsed = time.perf_counter() - start
         comm = engine_comm.stats.since(before)
         samples = sum(x.size(0) for x, _ in micro)
@@ -126,10 +129,23 @@ class Trainer:
             "peak_rss_mb": max(current, peak_rss_mb()),
             "samples": samples,
         }
-        record = gather_step(trainers, step, values, self.global_tokens)
+        record = gather_step(trainers, step, values, self.global_tokens, found)
         record.extra = self.engine.metrics() or None
         self.history.append(record)
         return record
+
+    def _update(self, trainers: Comm, share: float) -> NonFinite | None:
+        """Apply the step's update, unless a loss or gradient is not finite: then no rank applies it."""
+        engine = self.engine
+        if engine.optimizer_runs == "servers":  # they check the summed gradient before they step
+            engine.optimizer_step()
+            return engine.servers_nonfinite()
+        found = agree_nonfinite(trainers, engine, share, self.config.on_nonfinite)
+        if found is None:
+            engine.optimizer_step()
+        else:
+            engine.skip_update()
+        return found
 
     def evaluate(self) -> float:
         """Mean held-out loss per token over the fixed evaluation batches (every rank the same)."""
@@ -191,21 +207,31 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
     writer = MetricsWriter(run_dir, enabled=role.reports)
     progress = Progress(config.steps, enabled=role.reports and show_progress, completed=start)
     eval_losses: list[tuple[int, float]] = list(resumed.eval_losses) if resumed else []
+    skipped: list[int] = list(resumed.skipped_steps) if resumed else []
     try:
         for step in range(start, config.steps):
             record = trainer.step(step)
             last = step == config.steps - 1
+            if record.nonfinite and not record.skipped:  # every rank, this same step
+                writer.write(record)
+                raise NonFiniteStop(step, NonFinite(record.nonfinite, stop=True))
+            skipped += [step] if record.skipped else []
             if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
                 record.eval_loss = trainer.evaluate()
                 eval_losses.append((step, record.eval_loss))
             writer.write(record)
             progress.update(record)
             if ckpt:
-                ckpt.after_step(record, eval_losses)
+                ckpt.after_step(record, eval_losses, skipped)
         trainer.engine.finish()  # owed to other ranks even when resumed after the last step
         if ckpt:
             ckpt.close()
         params = trainer.engine.full_parameters()
+    except NonFiniteStop as stop:
+        trainer.engine.finish()  # what is still owed to serving ranks (a parameter server's last pull)
+        if ckpt:
+            ckpt.close()  # an asynchronous save still being written is finished, not left half done
+        return {"error": str(stop), "step": stop.step} if role.reports else None
     finally:
         progress.close()
         writer.close()
@@ -216,6 +242,9 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
         trainer.history.append(resumed.last_record)
     summary = summarize(trainer, eval_losses, param_digest(params))
     summary["restarts"] = restarts
+    summary["skipped_steps"], summary["skipped_at"] = len(skipped), skipped
+    if skipped:
+        log(f"skipped the update of {len(skipped)} of {config.steps} steps (a loss or gradient not finite)")
     if ckpt:
         summary["initial_loss"] = ckpt.initial_loss
         summary["checkpoint"] = ckpt.summary()
@@ -232,7 +261,9 @@ def _announce(config: TrainConfig, ckpt: TrainCheckpoints | None, start: int, re
         log(f"restart {restarts} of {config.max_restarts} after a rank failed; resuming{origin}")
     elif start:
         log(f"resuming at step {start}{where}")
-    if start >= config.steps:
+    if start == config.steps:
+        log(f"the checkpoint already holds the last step ({start}): the run is complete")
+    elif start > config.steps:
         log(
             f"the checkpoint is already at step {start}, past --steps {config.steps}: nothing to train "
             "(raise --steps, or use another --checkpoint-dir or --set checkpoint.resume=false)"
@@ -250,6 +281,9 @@ def _serve(trainer: Trainer, ckpt: TrainCheckpoints | None) -> None:
         if ckpt:
             ckpt.close()
         trainer.engine.full_parameters()
+    except NonFiniteStop:  # the workers stop with it, and the reporting one says why
+        if ckpt:
+            ckpt.close()
     finally:
         trainer.engine.close()
 
