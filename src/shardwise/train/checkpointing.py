@@ -11,10 +11,15 @@ same ones, whatever its view of a shared file system), then per candidate one al
 failure flags, so all ranks fall back together and the lowest failing rank names the damaged file in
 one line. Saving is the writer's: one tiny broadcast and two barriers (asynchronous mode: one
 broadcast; a background thread writes while training goes on).
+
+A save that cannot be written (a full disk, say) stops the run with one line naming the checkpoint
+and the reason (``CheckpointWriteError``); the half-written folder is never published, so the
+previous checkpoint stays the newest, and the next start removes the leftovers.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -79,6 +84,10 @@ def _row_step(line: str) -> int:
         return int(json.loads(line).get("step", -1))
     except (ValueError, AttributeError):
         return -1
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message names it, the reason, and what is kept."""
 
 
 @dataclass
@@ -212,21 +221,44 @@ class TrainCheckpoints:
         if reporter != 0:  # rank 0 publishes the manifest: it needs the reporting rank's meta
             meta = _broadcast_json(trainer.world_comm, meta, src=reporter)
         rng_state, rng_pieces = capture_rng(self.rank)
-        report = self.writer.save(
-            step,
-            trainer.engine.state_pieces(self.rank, self.world_size) + rng_pieces,
-            meta=meta,
-            rank_meta={"rng": rng_state},
-            strategy=config.strategy,
-            mesh=trainer.mesh.describe(),
-            config=to_dict(config),
-        )
+        try:
+            report = self.writer.save(
+                step,
+                trainer.engine.state_pieces(self.rank, self.world_size) + rng_pieces,
+                meta=meta,
+                rank_meta={"rng": rng_state},
+                strategy=config.strategy,
+                mesh=trainer.mesh.describe(),
+                config=to_dict(config),
+            )
+        except (OSError, CheckpointError) as err:  # CheckpointError: an asynchronous save that failed
+            raise self._write_error(err, step) from None
         self.reports.append(report)
         return report
 
     def close(self) -> None:
         """Wait for an asynchronous save still being written."""
-        self.writer.wait()
+        try:
+            self.writer.wait()
+        except CheckpointError as err:
+            raise self._write_error(err, None) from None
+
+    def _write_error(self, err: BaseException, step: int | None) -> BaseException:
+        """One line for a save that failed on its way to the disk; anything else as it was."""
+        cause = err if isinstance(err, OSError) else err.__cause__
+        if not isinstance(cause, OSError):
+            return err
+        full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        reason = "no space left on device" if full else (cause.strerror or str(cause))
+        what = f"a checkpoint in {self.root}"
+        if step is not None:
+            what = os.path.join(self.root, step_dir_name(step))
+        done = list_steps(self.root)
+        kept = f"{done[-1][1]} is kept" if done else "there is no earlier checkpoint"
+        return CheckpointWriteError(
+            f"rank {self.rank} could not write {what} ({reason}); {kept}; "
+            "free space there or choose another --checkpoint-dir"
+        )
 
     def summary(self) -> dict[str, Any]:
         """Figures for the run summary: saves, time blocked, this rank's write throughput."""
