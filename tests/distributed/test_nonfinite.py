@@ -115,6 +115,40 @@ def test_a_nan_on_one_rank_skips_the_update_on_every_rank(strategy: str, world: 
         assert results[0]["server_skipped"] == 1
 
 
+def _fp16_case(rank: int, world_size: int) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from shardwise.train.loop import Trainer
+
+    config = _config("zero2", "stop")
+    trainer = Trainer.build(replace(config, zero=replace(config.zero, precision="fp16")))
+    engine = trainer.engine
+
+    def poison(step: int) -> None:
+        if step >= 1:
+            _poison_gradient(engine, rank)
+
+    first = trainer.step(0)
+    scale, skipped = engine.scaler.scale, engine.scaler.skipped_steps
+    overflow = trainer.step(1, after_backward=poison)  # the scaler's: skip, halve the scale
+    out = {"clean": first.nonfinite, "overflow": overflow.nonfinite}
+    out["halved"] = engine.scaler.scale == scale / 2
+    out["scaler_skipped"] = engine.scaler.skipped_steps - skipped
+    engine.scaler.scale = engine.scaler.min_scale  # at the floor, an overflow is the run's to stop
+    floor = trainer.step(2, after_backward=poison)
+    out["floor"] = (floor.nonfinite, floor.skipped)
+    engine.close()
+    return out
+
+
+def test_fp16_overflow_is_the_loss_scalers_until_its_floor() -> None:
+    for got in run_on_ranks(_fp16_case, 2, timeout_s=120):
+        assert got["clean"] is None and got["overflow"] is None  # no stop: skipped by the scaler
+        assert got["halved"] and got["scaler_skipped"] == 1
+        what, skipped = got["floor"]
+        assert what is not None and what.startswith("the gradient of ") and not skipped
+
+
 @pytest.mark.parametrize(("strategy", "nproc"), [("ddp", 1), ("zero2", 2), ("ps", 3)])
 def test_a_diverging_run_stops_in_one_line_naming_the_step(tmp_path, strategy: str, nproc: int) -> None:
     run_dir = tmp_path / "run"
