@@ -25,7 +25,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -232,7 +232,7 @@ class TrainCheckpoints:
                 config=to_dict(config),
             )
         except (OSError, CheckpointError) as err:  # CheckpointError: an asynchronous save that failed
-            raise self._write_error(err, step) from None
+            self._raise_write_error(err, step)
         self.reports.append(report)
         return report
 
@@ -241,13 +241,13 @@ class TrainCheckpoints:
         try:
             self.writer.wait()
         except CheckpointError as err:
-            raise self._write_error(err, None) from None
+            self._raise_write_error(err, None)
 
-    def _write_error(self, err: BaseException, step: int | None) -> BaseException:
+    def _raise_write_error(self, err: BaseException, step: int | None) -> NoReturn:
         """One line for a save that failed on its way to the disk; anything else as it was."""
         cause = err if isinstance(err, OSError) else err.__cause__
         if not isinstance(cause, OSError):
-            return err
+            raise err
         full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
         reason = "no space left on device" if full else (cause.strerror or str(cause))
         what = f"a checkpoint in {self.root}"
@@ -255,10 +255,10 @@ class TrainCheckpoints:
             what = os.path.join(self.root, step_dir_name(step))
         done = list_steps(self.root)
         kept = f"{done[-1][1]} is kept" if done else "there is no earlier checkpoint"
-        return CheckpointWriteError(
+        raise CheckpointWriteError(
             f"rank {self.rank} could not write {what} ({reason}); {kept}; "
             "free space there or choose another --checkpoint-dir"
-        )
+        ) from None
 
     def summary(self) -> dict[str, Any]:
         """Figures for the run summary: saves, time blocked, this rank's write throughput."""
