@@ -181,7 +181,8 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
     """Train on the already-initialised process group; rank 0 returns the summary, others None.
 
     With checkpointing on (``checkpoint.dir`` or ``checkpoint.every``), the run first resumes from the
-    newest usable checkpoint, if any (see ``train.checkpointing``).
+    newest usable checkpoint, if any (see ``train.checkpointing``). A run stopped on a non-finite value
+    (``on_nonfinite = "stop"``) returns ``{"error": <one line>, "step": <step>}`` from rank 0 instead.
     """
     trainer = Trainer.build(config)
     config = trainer.config
@@ -215,7 +216,8 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
             if record.nonfinite and not record.skipped:  # every rank, this same step
                 writer.write(record)
                 raise NonFiniteStop(step, NonFinite(record.nonfinite, stop=True))
-            skipped += [step] if record.skipped else []
+            if record.skipped:
+                skipped.append(step)
             if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
                 record.eval_loss = trainer.evaluate()
                 eval_losses.append((step, record.eval_loss))
