@@ -318,6 +318,8 @@ class Engine(ABC):
         - ``optim/<key>/<name>``: each per-parameter optimizer tensor (``exp_avg``, ``exp_avg_sq``,
           ``momentum_buffer``, ...) at the parameter's global shape, in the optimizer's dtype.
         - ``optim/step/<name>``: the parameter's step count, a scalar (shape ``()``).
+        - State only one strategy has goes under its own prefix, and other layouts ignore it:
+          ``ps/version`` (each server's version), ``zero/loss_scale`` (fp16's loss scaler).
 
         Every element of every tensor must be written by exactly one rank. Replicated engines (DDP)
         spread whole tensors over ranks (``checkpoint.spread_replicated``), so no rank writes it all.

@@ -182,7 +182,8 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
 
     With checkpointing on (``checkpoint.dir`` or ``checkpoint.every``), the run first resumes from the
     newest usable checkpoint, if any (see ``train.checkpointing``). A run stopped on a non-finite value
-    (``on_nonfinite = "stop"``) returns ``{"error": <one line>, "step": <step>}`` from rank 0 instead.
+    (``on_nonfinite = "stop"``) returns ``{"error": <one line>, "step": <step>}`` from the reporting
+    rank instead.
     """
     trainer = Trainer.build(config)
     config = trainer.config
