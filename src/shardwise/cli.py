@@ -46,6 +46,7 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--max-restarts": ("max_restarts", {}),
     "--timeout-s": ("timeout_s", {}),
     "--hang-timeout-s": ("hang_timeout_s", {"help": "name a hung rank after this long; 0: off; -1: auto"}),
+    "--on-nonfinite": ("on_nonfinite", {"help": "a NaN/inf loss or gradient: stop | skip (the step)"}),
 }
 
 

@@ -300,6 +300,8 @@ class TrainConfig:
     trace: bool = False  # record per-rank spans into <run_dir>/trace.json (Chrome trace / Perfetto)
     hang_timeout_s: float = checked(-1.0, Range(ge=0, also=(-1.0,), note="or -1 for automatic"))
     sync_batchnorm: bool = False  # BatchNorm layers use the global batch's statistics (over dp)
+    # a NaN/inf loss or gradient: stop the run, or skip that step's update on every rank
+    on_nonfinite: str = checked("stop", OneOf(("stop", "skip")))
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -320,15 +322,6 @@ class TrainConfig:
         self._check_schedule()
         if world_size < 1:
             raise ConfigError(f"the world needs at least one rank, got {world_size}")
-        if (
-            self.strategy == "ps"
-            and self.ps.mode == "async"
-            and (self.checkpoint.dir or self.checkpoint.every)
-        ):
-            raise ConfigError(
-                "checkpoints of the parameter server need ps.mode = sync (asynchronous servers have no "
-                "common step to save at); drop checkpoint.dir/checkpoint.every or set ps.mode = sync"
-            )
         self._check_applies()
         dims = self.dims(world_size)
         self._check_batch(dims.dp)

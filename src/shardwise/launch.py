@@ -56,7 +56,7 @@ class LaunchError(RuntimeError):
 
 
 # exceptions that mean "the input is wrong", shown as their message alone
-USER_ERRORS = ("ConfigError", "StateMismatchError")
+USER_ERRORS = ("ConfigError", "StateMismatchError", "CheckpointWriteError")
 
 
 def running_under_torchrun() -> bool:

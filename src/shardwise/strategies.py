@@ -34,7 +34,9 @@ def _zero(stage: int) -> Builder:
 
 
 def _ps(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool) -> Engine:
-    return ParamServerEngine(model, mesh.world, config.ps, config.steps, share_gradients, mesh.servers)
+    return ParamServerEngine(
+        model, mesh.world, config.ps, config.steps, share_gradients, mesh.servers, config.on_nonfinite
+    )
 
 
 STRATEGIES: dict[str, Builder] = {

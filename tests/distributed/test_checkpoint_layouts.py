@@ -248,9 +248,10 @@ def test_zero3_checkpoint_loads_into_ddp_zero2_and_one_process(tmp_path: Path) -
 
 def _assert_ps_loaded(ranks: list[dict], loop: dict[str, torch.Tensor]) -> None:
     """Servers hold what they serve, workers the whole model; together they write each tensor once."""
-    written = [n for r in ranks for n in r["written"] if not n.startswith("rng/")]
+    own = ("rng/", "ps/")  # per-rank RNG and the servers' versions: no other layout has them
+    written = [n for r in ranks for n in r["written"] if not n.startswith(own)]
     assert len(written) == len(set(written)), "a tensor is written by two ranks"
-    union = {n: t for r in ranks for n, t in r["pieces"].items() if not n.startswith("rng/")}
+    union = {n: t for r in ranks for n, t in r["pieces"].items() if not n.startswith(own)}
     _assert_same(union, loop, "ps (1 server, 2 workers)")
     for r in ranks:
         if not r["server"]:

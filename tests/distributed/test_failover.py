@@ -9,75 +9,34 @@ ranks would otherwise read the keys of the attempt before (shardwise prefixes ea
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+from .cli_helpers import finished, free_port, last_step, metrics_steps, start, wait_for
+
 ARGS = ["train", "--steps", "60", "--preset", "tiny", "--checkpoint-every", "5",
         "--max-restarts", "2", "--eval-every", "20", "--set", "model.dropout=0.1", "--json"]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(run_dir: Path, launcher: str = "shardwise") -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    command = [sys.executable, "-m", "shardwise", *ARGS, "--nproc", "2", "--run-dir", str(run_dir)]
     if launcher == "torchrun":
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2",
                     "--max-restarts", "2", "--rdzv-backend", "c10d", "--monitor-interval", "0.1",
-                    "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--local-addr", "127.0.0.1"]  # fmt: skip
-        command = [*torchrun, "-m", "shardwise", *ARGS, "--run-dir", str(run_dir)]
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    return subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
-def _summary(proc: subprocess.Popen[str], timeout_s: float = 240) -> tuple[dict[str, Any], str]:
-    out, err = proc.communicate(timeout=timeout_s)
-    assert proc.returncode == 0, err[-3000:]
-    lines = [x for x in out.splitlines() if x.strip()]
-    return json.loads(lines[-1]), err
-
-
-def _last_step(metrics: Path) -> int:
-    try:
-        rows = metrics.read_text().splitlines()
-    except FileNotFoundError:
-        return -1
-    return json.loads(rows[-1])["step"] if rows else -1
-
-
-def _wait_for(predicate: Any, proc: subprocess.Popen[str], timeout_s: float, what: str) -> float:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"gave up waiting for {what}; stderr:\n{proc.communicate()[1][-3000:]}")
-        time.sleep(0.01)
-    return time.monotonic()
+                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1",
+                    "-m", "shardwise"]  # fmt: skip
+        return start([*ARGS, "--run-dir", str(run_dir)], prefix=torchrun, env={"GLOO_SOCKET_IFNAME": "lo"})
+    return start([*ARGS, "--nproc", "2", "--run-dir", str(run_dir)])
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, Any]:
-    summary, _ = _summary(_start(tmp_path_factory.mktemp("whole")))
+    summary, _ = finished(_start(tmp_path_factory.mktemp("whole")))
     assert summary["restarts"] == 0
     return summary
 
@@ -88,12 +47,12 @@ def test_kill_9_of_rank_1_resumes_by_itself_and_matches_uninterrupted(tmp_path, 
     killed_dir = tmp_path / "killed"
     proc = _start(killed_dir, launcher)
     try:
-        _wait_for(lambda: _last_step(killed_dir / "metrics.jsonl") >= 12, proc, 180, "step 12")
+        wait_for(lambda: last_step(killed_dir / "metrics.jsonl") >= 12, proc, 180, "step 12")
         pid = int((killed_dir / "pids" / "rank1.0").read_text())
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        restarted = _wait_for(lambda: (killed_dir / "pids" / "rank1.1").exists(), proc, 120, "a restart")
-        killed, _ = _summary(proc)
+        restarted = wait_for(lambda: (killed_dir / "pids" / "rank1.1").exists(), proc, 120, "a restart")
+        killed, _ = finished(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -102,8 +61,7 @@ def test_kill_9_of_rank_1_resumes_by_itself_and_matches_uninterrupted(tmp_path, 
     print(f"failover ({launcher}): new rank 1 running {seconds:.2f} s after the kill (noisy machine)")
     assert killed["restarts"] >= 1
     assert (killed["checkpoint"]["resumed_at_step"] or 0) >= 10
-    rows = [json.loads(x)["step"] for x in (killed_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows == list(range(60))
+    assert metrics_steps(killed_dir) == list(range(60))
 
     assert killed["final_param_digest"] == reference["final_param_digest"]
     assert killed["eval_losses"] == reference["eval_losses"]

@@ -49,7 +49,7 @@ def test_overrides_are_typed() -> None:
         ),
         ({"data.global_batch": "2"}, 4, r"global_batch\(2\) is smaller than the 4"),
         ({"strategy": "ps", "ps.servers": "2"}, 2, "2 ranks - 2 servers = 0 workers"),
-        ({"strategy": "ps", "ps.mode": "async", "checkpoint.every": "2"}, 3, "need ps.mode = sync"),
+        ({"on_nonfinite": "ignore"}, 1, "on_nonfinite must be one of stop, skip; got 'ignore'"),
     ],
 )
 def test_bad_configs_name_the_problem(overrides: dict[str, str], world: int, message: str) -> None:

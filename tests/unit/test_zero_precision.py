@@ -26,3 +26,25 @@ def test_loss_scaler_halves_on_overflow_and_grows_after_clean_steps() -> None:
     off = LossScaler(False)
     off.update(found_inf=True)
     assert off.scale == 1.0 and off.skipped_steps == 0
+
+
+def test_loss_scaler_stops_at_its_floor_and_hands_overflows_on() -> None:
+    scaler = LossScaler(True, init_scale=4.0, min_scale=1.0)
+    assert scaler.owns_overflow
+    for _ in range(3):
+        scaler.update(found_inf=True)
+    assert scaler.scale == 1.0 and scaler.skipped_steps == 3
+    assert not scaler.owns_overflow  # at the floor: non-finite values are the run's policy's
+    assert not LossScaler(False).owns_overflow
+
+
+def test_loss_scaler_state_round_trips() -> None:
+    scaler = LossScaler(True, init_scale=8.0, growth_interval=3)
+    scaler.update(found_inf=True)
+    scaler.update(found_inf=False)
+    copy = LossScaler(True, growth_interval=3)
+    copy.load(scaler.state())
+    assert copy.state().tolist() == [4.0, 1.0, 1.0]
+    copy.update(found_inf=False)
+    copy.update(found_inf=False)
+    assert copy.scale == 8.0  # the clean steps counted before the save count after it

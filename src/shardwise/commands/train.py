@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -20,15 +21,25 @@ def train_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
         # rank, and every rank writes into the run's folders), so a bad job stops at once, in one line
         preflight(config, torchrun_world_size())
         summary = train_worker(config, show_progress=True)
-        if summary is not None:
-            emit(summary, as_json, render_summary)
-        return 0
+        return _finish(summary, as_json) if summary is not None else 0
     preflight(config, nproc)  # a bad config fails here in one line, before any process starts
     try:
         results = launch_local(train_worker, (config, True), nproc, config.max_restarts)
     except LaunchError as exc:
         return exc.report("train")
-    emit(next(r for r in results.values() if r is not None), as_json, render_summary)
+    return _finish(next(r for r in results.values() if r is not None), as_json)
+
+
+def _finish(summary: dict[str, Any], as_json: bool) -> int:
+    """Print the summary (exit 0), or the one line of a run that stopped on a non-finite value (exit 1).
+
+    Every rank returned normally from such a run, so the agent does not restart it: the same steps
+    would diverge again.
+    """
+    if "error" in summary:
+        print(f"shardwise train: error: {summary['error']}", file=sys.stderr, flush=True)
+        return 1
+    emit(summary, as_json, render_summary)
     return 0
 
 

@@ -14,6 +14,20 @@ global batch), steps its optimizer and sends the new weights back. Asynchronous 
 :mod:`shardwise.data_parallel.ps_async`. At the end every server sends its shard to every live rank, so
 ``full_parameters()`` gives the same, final weights on every rank.
 
+Non-finite values: a server checks the loss and the gradient it is about to apply (sync: the sum, so
+with several servers they agree through one all-reduce of two integers over the servers each step;
+async: each push). A non-finite one is never applied; the reply says so (skipped, or the run stops)
+and names the first parameter, and the workers' per-step metrics all-gather spreads the verdict, so
+every worker skips or stops in the same step. Under ``stop`` the servers end their loop too (sync: at
+once; async: once every worker has said it is done).
+
+Checkpoints: sync servers save after each served step, where the workers save. Async servers have no
+common step, so at a checkpoint step each worker, at its step boundary, sends every server a pause
+message (``before_checkpoint``) and joins the save; a server takes part in the save once every live
+worker has paused (the pauses queue behind the pushes before them, so nothing is lost). Each server
+saves its parameters, their optimizer state and its version (``ps/version``); on resume, the servers
+load theirs and send every worker their weights and version (``resume_at``).
+
 Message layout: :mod:`shardwise.data_parallel.ps_messages`. Roles: servers serve (``serve``), the first
 worker reports, the optimizer runs on the servers (``optimizer_runs``) through the same
 ``Engine.run_optimizers`` every strategy uses.
@@ -21,6 +35,7 @@ worker reports, the optimizer runs on the servers (``optimizer_runs``) through t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,15 +47,28 @@ from shardwise.collectives.api import Comm, CommStats
 from shardwise.config import ConfigError, PSConfig
 from shardwise.data_parallel.ps_async import push_until_accepted, serve_async
 from shardwise.data_parallel.ps_messages import (
+    FINITE,
     KIND_DONE,
     KIND_GRAD,
+    KIND_PAUSE,
     PUSH_EXTRA,
     REPLY_EXTRA,
+    SKIPPED,
+    STOPPED,
     flatten,
     unflatten_into,
 )
 from shardwise.data_parallel.ps_state import load_ps_state, ps_state_pieces
-from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, grad_sq_sum
+from shardwise.engine.base import (
+    Engine,
+    NamedTensors,
+    NonFinite,
+    NonFiniteStop,
+    Role,
+    StateReader,
+    describe_nonfinite,
+    grad_sq_sum,
+)
 
 
 def assign_to_servers(sizes: Mapping[str, int], servers: int) -> list[list[str]]:
@@ -68,6 +96,7 @@ class ParamServerEngine(Engine):
     in the final weight distribution by itself (or call :meth:`finish` to stop early). ``share_gradients``
     (sync only, for verification) makes the servers send the summed gradient back so that
     ``full_gradients()`` works on workers; it costs one more message per server per step.
+    ``on_nonfinite``: what a non-finite loss or gradient does, ``"stop"`` the run or ``"skip"`` the update.
     """
 
     name = "ps"
@@ -83,6 +112,7 @@ class ParamServerEngine(Engine):
         steps: int,
         share_gradients: bool = False,
         server_comm: Comm | None = None,
+        on_nonfinite: str = "stop",
     ) -> None:
         serves = comm.rank < config.servers
         role = Role(
@@ -96,7 +126,7 @@ class ParamServerEngine(Engine):
                 f"the parameter server needs at least one server and one worker: {comm.world_size} ranks - "
                 f"{config.servers} servers = {comm.world_size - config.servers} workers"
             )
-        self.comm, self.config, self.steps = comm, config, steps
+        self.comm, self.config, self.steps, self.on_nonfinite = comm, config, steps, on_nonfinite
         self.server_comm = server_comm  # the servers among themselves (the gradient norm's group)
         self.share_gradients = share_gradients and config.mode == "sync"
         self.servers = list(range(config.servers))
@@ -107,6 +137,7 @@ class ParamServerEngine(Engine):
         self.assignment = assign_to_servers(sizes, config.servers)
         self.shards: list[list[nn.Parameter]] = [[named[n] for n in names] for names in self.assignment]
         self._names = {id(p): n for n, p in named.items()}
+        self.trainable_names = list(named)  # a parameter's index here names it in replies
         # metrics
         self.version = 0  # server: updates applied; worker: the newest version pulled from any server
         self.server_versions = [0] * config.servers  # worker: the version of each server's weights it holds
@@ -116,6 +147,8 @@ class ParamServerEngine(Engine):
         self.rejected = 0  # async: pushes refused for staleness (server) / refusals received (worker)
         self.dropped_batches = 0  # async, worker: batches given up after MAX_ATTEMPTS refusals
         self.dead_workers: list[int] = []
+        self.nonfinite_updates = 0  # server: gradients not applied because a value was not finite
+        self._found: NonFinite | None = None  # worker: this step's verdict; server: a stop it found
         self.loss_history: list[float] = []  # server 0 in sync: the global mean loss per step
         self.last_global_loss = float("nan")
         self.step_comm: list[CommStats] = []  # communication of each step (not the start / end transfers)
@@ -184,11 +217,27 @@ class ParamServerEngine(Engine):
         for s, reply in zip(self.servers, self._replies, strict=True):
             self.load_reply(s, reply)
         self.last_global_loss = float(self._replies[0][-1]) if self._replies else float("nan")
+        self._found = self._verdict(self._replies)
+        if self._found is not None and self._found.stop and self.config.mode == "sync":
+            self._finished = True  # the servers stopped with this step: no final weights come
         self.model.zero_grad(set_to_none=True)
         self.step_comm.append(self.comm.stats.since(self._step_start))
         self._steps_done += 1
         if self._steps_done >= self.steps:
             self.finish()
+
+    def _verdict(self, replies: Sequence[torch.Tensor]) -> NonFinite | None:
+        """What the servers found not finite in this step's push (the gravest of their replies)."""
+        status = max((int(r[-6]) for r in replies), default=FINITE)
+        if status == FINITE:
+            return None
+        bad = [int(r[-5]) for r in replies if int(r[-5]) >= 0]
+        name = self.trainable_names[min(bad)] if bad else None
+        loss_ok = math.isfinite(float(replies[0][-1]))
+        return NonFinite(describe_nonfinite(loss_ok, name), stop=status == STOPPED)
+
+    def servers_nonfinite(self) -> NonFinite | None:
+        return self._found
 
     def _push_message(self, s: int, scale: float) -> torch.Tensor:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.shards[s]]
@@ -211,7 +260,7 @@ class ParamServerEngine(Engine):
         staleness = int(reply[-3])
         self.server_versions[s] = int(reply[-4])
         if s == 0:  # every server holds the global norm (sync); the first one's is reported
-            self.last_grad_norm = float(reply[-5])
+            self.last_grad_norm = float(reply[-7])
         self.version = max(self.server_versions)
         self.last_staleness = staleness if s == 0 else max(self.last_staleness, staleness)
         self.max_staleness_seen = max(self.max_staleness_seen, staleness)
@@ -223,6 +272,15 @@ class ParamServerEngine(Engine):
         unflatten_into(buf, grads)
         for p, grad in zip(self.shards[s], grads, strict=True):
             p.grad = grad
+
+    def before_checkpoint(self, done: int) -> None:
+        """Async: pause at this step boundary; the servers save with the workers once all have paused."""
+        if self.config.mode != "async" or self.is_server or self._finished:
+            return  # sync servers are in step already; after the last step the final save follows
+        for s in self.servers:
+            pause = torch.zeros(sum(p.numel() for p in self.shards[s]) + PUSH_EXTRA, dtype=self._dtype())
+            pause[-2:] = torch.tensor([done, KIND_PAUSE], dtype=pause.dtype)
+            self.comm.send(pause, s)
 
     def finish(self) -> None:
         """Tell the servers this worker is done (async) and receive the final weights. Idempotent."""
@@ -253,22 +311,29 @@ class ParamServerEngine(Engine):
         """
         if not self.is_server:
             raise RuntimeError(f"rank {self.comm.rank} is a worker: it steps, it does not serve")
+        first = self._steps_done  # resumed: steps already done; == steps when nothing is left to serve
         if self.config.mode == "sync":
-            for done in range(self._steps_done + 1, self.steps + 1):
-                self._serve_sync_step()
+            for done in range(first + 1, self.steps + 1):
+                found = self._serve_sync_step()
                 self._steps_done = done
+                if found is not None and found.stop:
+                    raise NonFiniteStop(done - 1, found)  # the workers stop on this step's replies
                 if after_step is not None and done < self.steps:
                     after_step(done)
             dead: Sequence[int] = ()
         else:
-            dead = serve_async(self)
+            dead = serve_async(self, after_step)
         self.dead_workers = sorted(dead)
         self._finished = True
+        stop = self._agreed_stop() if self.config.mode == "async" else None
         self._distribute_final(dead)
-        if after_step is not None and self.config.mode == "sync" and self.steps > 0:
+        if stop is not None:
+            raise NonFiniteStop(self._steps_done, stop)  # after the final weights the workers wait for
+        if after_step is not None and first < self.steps:  # a complete run saved its last step already
             after_step(self.steps)
 
-    def _serve_sync_step(self) -> None:
+    def _serve_sync_step(self) -> NonFinite | None:
+        """Sum the workers' pushes, apply the sum unless it is not finite, reply; return the verdict."""
         start = self.comm.stats.snapshot()
         n_own = sum(p.numel() for p in self.own)
         total: torch.Tensor | None = None
@@ -284,11 +349,73 @@ class ParamServerEngine(Engine):
                 self.comm.send(total[:n_own].clone(), w)
         loss_total = float(total[-3])
         self.loss_history.append(loss_total)
-        self.apply_gradient(total)
-        reply = self.reply_message(staleness=0, accepted=True, loss_total=loss_total)
+        loss_ok, first = self._agree_among_servers(*self.check_push(total, loss_total))
+        status = self._status(loss_ok, first)
+        if status == FINITE:
+            self.apply_gradient(total)
+        else:
+            self.version += 1  # a served step all the same (sync versions count steps)
+            self.nonfinite_updates += 1
+        reply = self.reply_message(0, True, loss_total, status, first)
         for w in self.workers:
             self.comm.send(reply, w)
         self.step_comm.append(self.comm.stats.since(start))
+        if status == FINITE:
+            return None
+        name = self.trainable_names[first] if first < len(self.trainable_names) else None
+        return NonFinite(describe_nonfinite(loss_ok, name), stop=status == STOPPED)
+
+    def check_push(self, flat: torch.Tensor, loss: float) -> tuple[bool, int]:
+        """Whether ``loss`` is finite, and the index (trainable order) of the first served parameter
+        whose gradient in ``flat`` is not (``len(trainable_names)``: none)."""
+        offset = 0
+        for p in self.own:
+            if not bool(torch.isfinite(flat[offset : offset + p.numel()]).all()):
+                return math.isfinite(loss), self.trainable_names.index(self._names[id(p)])
+            offset += p.numel()
+        return math.isfinite(loss), len(self.trainable_names)
+
+    def _status(self, loss_ok: bool, first: int) -> int:
+        if loss_ok and first == len(self.trainable_names):
+            return FINITE
+        return STOPPED if self.on_nonfinite == "stop" else SKIPPED
+
+    def _agree_among_servers(self, loss_ok: bool, first: int) -> tuple[bool, int]:
+        """Sync: one verdict for all servers (each sees only its parameters): a min over them."""
+        if len(self.servers) == 1:
+            return loss_ok, first
+        flags = torch.tensor([int(loss_ok), first], dtype=torch.int64)
+        if self.server_comm is not None:
+            self.server_comm.all_reduce(flags, "min")
+        else:  # built without the servers' group (unit tests): through server 0
+            self._min_through_server0(flags)
+        return bool(flags[0]), int(flags[1])
+
+    def _min_through_server0(self, flags: torch.Tensor) -> None:
+        if self.comm.rank != self.servers[0]:
+            self.comm.send(flags, self.servers[0])
+            self.comm.recv(flags, self.servers[0])
+            return
+        other = torch.empty_like(flags)
+        for s in self.servers[1:]:
+            self.comm.recv(other, s)
+            torch.minimum(flags, other, out=flags)
+        for s in self.servers[1:]:
+            self.comm.send(flags, s)
+
+    def _agreed_stop(self) -> NonFinite | None:
+        """Async, after the loop: whether any server stopped the run (each saw only its own pushes)."""
+        stopped = torch.tensor([int(self._found is not None)], dtype=torch.int64)
+        if len(self.servers) > 1:
+            if self.server_comm is not None:
+                self.server_comm.all_reduce(stopped, "max")
+            else:
+                stopped.neg_()  # a max is a min of negatives
+                self._min_through_server0(stopped)
+                stopped.neg_()
+        if not int(stopped.item()):
+            return None
+        return self._found or NonFinite("a loss or gradient another server received", stop=True)
 
     def apply_gradient(self, flat: torch.Tensor, lr_scale: float = 1.0) -> None:
         """Set the served parameters' gradients from ``flat`` and step the optimizer at lr x lr_scale."""
@@ -296,16 +423,24 @@ class ParamServerEngine(Engine):
         unflatten_into(flat, grads)
         for p, grad in zip(self.own, grads, strict=True):
             p.grad = grad
-        if self.config.mode == "sync":  # async: each server steps on its own; no norm across servers
+        # async: each server steps on its own, no norm across servers; sync: every server sums its
+        # share of the norm with the others (needs server_comm when there are several)
+        if self.config.mode == "sync" and (len(self.servers) == 1 or self.server_comm is not None):
             self.clip_gradients()
+        elif 0 < self.clip_grad_norm < float("inf"):
+            raise RuntimeError("clipping with several parameter servers needs the engine's server_comm")
         self.run_optimizers(lr_scale)
         for p in self.own:
             p.grad = None
         self.version += 1
 
-    def reply_message(self, staleness: int, accepted: bool, loss_total: float = 0.0) -> torch.Tensor:
+    def reply_message(
+        self, staleness: int, accepted: bool, loss_total: float = 0.0, status: int = FINITE, bad: int = -1
+    ) -> torch.Tensor:
+        """This server's weights and header; ``bad`` (a parameter index) only counts with a status."""
         message = flatten(list(self.own), REPLY_EXTRA)
-        header = [self.last_grad_norm, self.version, staleness, float(accepted), loss_total]
+        bad = bad if status != FINITE and bad < len(self.trainable_names) else -1
+        header = [self.last_grad_norm, status, bad, self.version, staleness, float(accepted), loss_total]
         message[-REPLY_EXTRA:] = torch.tensor(header, dtype=message.dtype)
         return message
 
@@ -347,10 +482,25 @@ class ParamServerEngine(Engine):
         load_ps_state(self, read)
 
     def resume_at(self, step: int) -> None:
-        """Continue after ``step`` completed steps (a checkpoint was loaded): serve / run the rest."""
+        """Continue after ``step`` completed steps (a checkpoint was loaded): serve / run the rest.
+
+        Sync: versions count steps. Async: each server keeps the version it saved, and sends every
+        worker its weights and version (the workers pull), so their first pushes are not stale.
+        """
         self._steps_done = step
-        self.version = step if self.config.mode == "sync" else self.version
-        self.server_versions = [self.version] * len(self.servers)
+        if self.config.mode == "sync":
+            self.version = step
+            self.server_versions = [step] * len(self.servers)
+            return
+        for s in self.servers:
+            if self.comm.rank == s:
+                reply = self.reply_message(0, True)
+                for w in self.workers:
+                    self.comm.send(reply, w)
+            elif not self.is_server:
+                reply = self._reply_buffer(s)
+                self.comm.recv(reply, s)
+                self.load_reply(s, reply)
 
     # -- inspection ---------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

@@ -21,6 +21,13 @@ come with the refusal and recomputes the gradient of the same batch, then pushes
 ``MAX_ATTEMPTS`` refusals it gives the batch up (``dropped_batches``). Every applied gradient thus has
 staleness <= max_staleness. A worker whose process is gone (its receive or our reply raises) is logged in
 one line and left out; the server goes on with the others until every live worker has said it is done.
+
+A push whose loss or gradient is not finite is never applied: the reply says it was skipped (or, under
+``on_nonfinite = "stop"``, that the run stops) and the worker does not push it again. Checkpoints: a
+worker at a checkpoint step sends a pause message instead of a push; once every live worker has
+paused, the server joins their save (``after_step``) and then takes pushes again. A paused worker sends
+nothing until the save is done, so the server cannot miss a push, and workers that have not paused yet
+are still answered, so they reach the checkpoint step too: no one waits on anyone in a circle.
 """
 
 from __future__ import annotations
@@ -28,11 +35,20 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from shardwise.data_parallel.ps_messages import KIND_DONE, MAX_ATTEMPTS, PUSH_EXTRA
+from shardwise.data_parallel.ps_messages import (
+    FINITE,
+    KIND_DONE,
+    KIND_PAUSE,
+    MAX_ATTEMPTS,
+    PUSH_EXTRA,
+    STOPPED,
+)
+from shardwise.engine.base import NonFinite, describe_nonfinite
 
 if TYPE_CHECKING:
     from shardwise.data_parallel.param_server import ParamServerEngine
@@ -71,8 +87,11 @@ def push_until_accepted(engine: ParamServerEngine) -> None:
         pending = refused
 
 
-def serve_async(engine: ParamServerEngine) -> list[int]:
-    """Server side: apply pushes as they arrive until every worker is done or gone; return the gone."""
+def serve_async(engine: ParamServerEngine, after_step: Callable[[int], None] | None = None) -> list[int]:
+    """Server side: apply pushes as they arrive until every worker is done or gone; return the gone.
+
+    ``after_step(done)`` runs once every live worker has paused after ``done`` steps (a checkpoint).
+    """
     arrivals: queue.Queue[Arrival] = queue.Queue()
     n_own = sum(p.numel() for p in engine.own)
     listeners = [
@@ -81,7 +100,7 @@ def serve_async(engine: ParamServerEngine) -> list[int]:
     ]
     for thread in listeners:
         thread.start()
-    live, dead = set(engine.workers), []
+    live, dead, paused = set(engine.workers), [], set()
     while live:
         worker, message, error = arrivals.get()
         if worker not in live:
@@ -92,6 +111,13 @@ def serve_async(engine: ParamServerEngine) -> list[int]:
             dead.append(worker)
         elif message[-1] == KIND_DONE:
             live.discard(worker)
+        elif message[-1] == KIND_PAUSE:
+            paused.add(worker)
+            engine._steps_done = int(message[-2])
+        if paused and paused >= live:  # everyone still here is at the checkpoint step: save with them
+            paused.clear()
+            if after_step is not None:
+                after_step(engine._steps_done)
     for thread in listeners:
         thread.join(timeout=1.0)
     return dead
@@ -99,18 +125,25 @@ def serve_async(engine: ParamServerEngine) -> list[int]:
 
 def _answer(engine: ParamServerEngine, worker: int, message: torch.Tensor) -> bool:
     """Apply or refuse one push and reply; False when the worker cannot be reached."""
-    if message[-1] == KIND_DONE:
+    if message[-1] in (KIND_DONE, KIND_PAUSE):
         return True
     staleness = engine.version - int(message[-2])
-    accepted = staleness <= engine.config.max_staleness
-    if accepted:
+    loss_ok, first = engine.check_push(message, float(message[-3]))
+    status = engine._status(loss_ok, first)
+    accepted = status != FINITE or staleness <= engine.config.max_staleness
+    if status != FINITE:  # never applied; "accepted" so that the worker does not push it again
+        engine.nonfinite_updates += 1
+        if status == STOPPED and engine._found is None:
+            name = engine.trainable_names[first] if first < len(engine.trainable_names) else None
+            engine._found = NonFinite(describe_nonfinite(loss_ok, name), stop=True)
+    elif accepted:
         engine.apply_gradient(message, 1 / (1 + staleness) if engine.config.staleness_lr else 1.0)
         engine.staleness.append(staleness)
         engine.last_staleness = staleness
         engine.max_staleness_seen = max(engine.max_staleness_seen, staleness)
     else:
         engine.rejected += 1
-    reply = engine.reply_message(staleness, accepted, loss_total=float(message[-3]))
+    reply = engine.reply_message(staleness, accepted, float(message[-3]), status, first)
     try:
         engine.comm.send(reply, worker)
     except RuntimeError:

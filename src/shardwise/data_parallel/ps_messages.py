@@ -1,8 +1,11 @@
 """The parameter server's message layout, shared by its synchronous and asynchronous paths.
 
 Messages are flat tensors in the parameters' dtype: a push is ``[grad shard..., loss, version, kind]``
-(kind 0 = gradient, 1 = done); a reply is
-``[weights..., grad_norm, version, staleness, accepted, loss_total]``.
+(kind 0 = gradient, 1 = done, 2 = paused for a checkpoint, with the steps done in the version slot); a
+reply is ``[weights..., grad_norm, nonfinite, bad parameter, version, staleness, accepted, loss_total]``,
+where ``grad_norm`` is the global gradient norm before clipping (sync), ``nonfinite`` is 0 (finite),
+1 (skipped) or 2 (the run stops) and ``bad parameter`` the index, in the model's trainable order, of the
+first parameter whose gradient was not finite (-1: none).
 No communication here: only packing and unpacking.
 """
 
@@ -13,8 +16,9 @@ from collections.abc import Sequence
 import torch
 
 PUSH_EXTRA = 3  # loss, version, kind
-REPLY_EXTRA = 5  # grad_norm, version, staleness, accepted, loss_total
-KIND_GRAD, KIND_DONE = 0.0, 1.0
+REPLY_EXTRA = 7  # grad_norm, nonfinite, bad parameter, version, staleness, accepted, loss_total
+KIND_GRAD, KIND_DONE, KIND_PAUSE = 0.0, 1.0, 2.0
+FINITE, SKIPPED, STOPPED = 0, 1, 2  # a reply's nonfinite slot
 MAX_ATTEMPTS = 3  # async: pushes of one batch before a worker gives it up (see ps_async)
 
 

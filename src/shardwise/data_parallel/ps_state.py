@@ -1,11 +1,13 @@
 """Parameter-server checkpoints: each server writes and reads the parameters it serves.
 
 Names follow ``Engine.state_pieces``. Server ``s`` writes ``model/<name>`` and ``optim/<key>/<name>``
-for the parameters assigned to it (whole tensors: a server holds whole parameters); the first worker
-writes the frozen parameters and the buffers (workers run the forward, so theirs are the live ones);
-the other workers write nothing of the model. On load, a server reads its own parameters and their
-optimizer state; a worker reads the whole model (it computes with every parameter) and no optimizer
-state. No communication: every rank reads and writes files only.
+for the parameters assigned to it (whole tensors: a server holds whole parameters), and element ``s``
+of ``ps/version`` (one int64 per server: the updates it has applied); the first worker writes the
+frozen parameters and the buffers (workers run the forward, so theirs are the live ones); the other
+workers write nothing of the model. On load, a server reads its own parameters, their optimizer state
+and its version (saved by as many servers; otherwise the highest, so staleness never goes backwards);
+a worker reads the whole model (it computes with every parameter) and no optimizer state. No
+communication: every rank reads and writes files only.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def _worker_tensors(engine: ParamServerEngine) -> dict[str, torch.Tensor]:
     return out
 
 
+VERSION = "ps/version"
+
+
 def ps_state_pieces(engine: ParamServerEngine) -> list[Piece]:
     """This rank's pieces: its served parameters and their optimizer state, or (first worker) the rest."""
     if not engine.is_server:
@@ -42,6 +47,8 @@ def ps_state_pieces(engine: ParamServerEngine) -> list[Piece]:
         return [Piece.full(n, t) for n, t in _worker_tensors(engine).items()] if first_worker else []
     served = _served(engine)
     out = [Piece.full(f"model/{n}", p.detach()) for n, p in served.items()]
+    s, servers = engine.comm.rank, len(engine.servers)
+    out.append(Piece(VERSION, (servers,), s, s + 1, torch.tensor([engine.version], dtype=torch.int64)))
     for optimizer in engine.optimizers:
         for name, param in served.items():
             for key, value in optimizer.state.get(param, {}).items():
@@ -55,7 +62,11 @@ def load_ps_state(engine: ParamServerEngine, read: StateReader) -> None:
     if engine.is_server:
         served = _served(engine)
         optimizer = engine.optimizers[0] if engine.optimizers else None
+        versions = read({VERSION: None})[VERSION] if VERSION in read.shapes else None
         load_named_state({f"model/{n}": p for n, p in served.items()}, served, optimizer, read)
+        if versions is not None:
+            same = versions.numel() == len(engine.servers)
+            engine.version = int(versions[engine.comm.rank] if same else versions.max())
         return
     local: dict[str, torch.Tensor] = {f"model/{n}": p for n, p in engine.model.named_parameters()}
     local.update({f"model/{n}": b for n, b in engine.model.named_buffers()})

@@ -18,6 +18,12 @@ What an engine owns, and what it does not:
   every trainable parameter counted exactly once over the job) and the ``Comm`` to sum the shares
   over, so clipping and monitoring need no strategy-specific code.
 - ``role`` says whether this rank steps, reports (writes metrics, returns the summary) or serves.
+- Non-finite values: ``nonfinite_grad`` names the first parameter whose gradient, as this rank holds
+  it after ``finish_grads``, has a NaN or inf (whole tensors here; ZeRO checks its shards). The loop
+  agrees on it over the ranks that step and then runs ``optimizer_step`` or ``skip_update``. Where the
+  optimizer runs on servers, they check the summed gradient themselves and the ranks that step read
+  their verdict (``servers_nonfinite``). Under a dynamic loss scale, overflow is the scaler's
+  business (``scaler_owns_overflow``).
 
 Loss convention (exact averaging over uneven shares): each rank's loss is the *sum* of its token
 losses divided by the number of tokens in the *global* batch, and gradients are *summed* over ranks.
@@ -82,6 +88,45 @@ class StateReader(Protocol):
     def shapes(self) -> Mapping[str, tuple[int, ...]]: ...
 
     def __call__(self, requests: Mapping[str, Span]) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """What was found not finite (NaN or inf) in one step, and whether the run stops on it."""
+
+    what: str  # "the loss" | "the gradient of <parameter>"
+    stop: bool  # False: the step's update is skipped and training goes on (on_nonfinite = "skip")
+
+    def message(self, step: int) -> str:
+        """The one line a stopped run ends with."""
+        verb = "are" if " and " in self.what else "is"
+        return (
+            f"step {step}: {self.what} {verb} not finite (NaN or inf), so training stopped; lower the "
+            "learning rate (--lr), or pass --on-nonfinite skip to skip such steps"
+        )
+
+
+class NonFiniteStop(RuntimeError):
+    """Raised where a run stops on a non-finite value (``on_nonfinite = "stop"``): on every rank that
+    steps in the same step, and on the servers that found it. The run ends on its one line."""
+
+    def __init__(self, step: int, found: NonFinite) -> None:
+        super().__init__(found.message(step))
+        self.step, self.found = step, found
+
+
+def describe_nonfinite(loss_ok: bool, grad_name: str | None) -> str:
+    """What was not finite, in words: the loss, a parameter's gradient, or both."""
+    parts = ([] if loss_ok else ["the loss"]) + ([f"the gradient of {grad_name}"] if grad_name else [])
+    return " and ".join(parts) or "the loss"
+
+
+def first_nonfinite(named: Sequence[tuple[str, torch.Tensor | None]]) -> str | None:
+    """The first name whose tensor has a NaN or inf (a missing tensor counts finite)."""
+    for name, tensor in named:
+        if tensor is not None and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 def trainable(model: nn.Module) -> NamedTensors:
@@ -233,6 +278,31 @@ class Engine(ABC):
                 if tensor.grad is not None:
                     tensor.grad.mul_(factor)
 
+    def skip_update(self) -> None:
+        """Leave parameters and optimizer state as they are (a non-finite step) and clear gradients.
+
+        Every rank that steps calls it in the same step, instead of ``optimizer_step``.
+        """
+        self.after_update()
+
+    def nonfinite_grad(self) -> str | None:
+        """The first trainable parameter (``named_parameters`` order) whose gradient, as this rank
+        holds it after ``finish_grads``, has a NaN or inf; None when all are finite. Local only.
+
+        This default checks whole gradients (every replicated engine); sharded engines check their shard.
+        """
+        return first_nonfinite([(n, p.grad) for n, p in trainable(self.model)])
+
+    def scaler_owns_overflow(self) -> bool:
+        """True while a dynamic loss scale handles non-finite values itself (fp16: it skips the step
+        and lowers the scale), so they are not the run's to stop or skip. Same on every rank."""
+        return False
+
+    def servers_nonfinite(self) -> NonFinite | None:
+        """Where the optimizer runs on serving ranks (``optimizer_runs == "servers"``): what they found
+        not finite in the step just taken (its update was skipped), or None. Ask after ``optimizer_step``."""
+        return None
+
     def run_optimizers(self, lr_scale: float = 1.0) -> None:
         """Step every optimizer of this rank, each inside its unit's context (lr scaled by
         ``lr_scale``), then every learning-rate scheduler once: one place for every strategy."""
@@ -272,6 +342,12 @@ class Engine(ABC):
         """Continue after ``step`` completed steps (a checkpoint was loaded). Nothing by default."""
         return None
 
+    def before_checkpoint(self, done: int) -> None:
+        """On ranks that step, just before the checkpoint after ``done`` steps is saved: bring serving
+        ranks that run on their own time (the asynchronous parameter server) to the same point, so
+        they save with them. Nothing by default: the other engines are already in step."""
+        return None
+
     def finish(self) -> None:
         """After the last step: anything owed to other ranks (final weights, say). Idempotent."""
         return None
@@ -301,6 +377,8 @@ class Engine(ABC):
         - ``optim/<key>/<name>``: each per-parameter optimizer tensor (``exp_avg``, ``exp_avg_sq``,
           ``momentum_buffer``, ...) at the parameter's global shape, in the optimizer's dtype.
         - ``optim/step/<name>``: the parameter's step count, a scalar (shape ``()``).
+        - State only one strategy has goes under its own prefix, and other layouts ignore it:
+          ``ps/version`` (each server's version), ``zero/loss_scale`` (fp16's loss scaler).
 
         Every element of every tensor must be written by exactly one rank. Replicated engines (DDP)
         spread whole tensors over ranks (``checkpoint.spread_replicated``), so no rank writes it all.

@@ -11,16 +11,21 @@ same ones, whatever its view of a shared file system), then per candidate one al
 failure flags, so all ranks fall back together and the lowest failing rank names the damaged file in
 one line. Saving is the writer's: one tiny broadcast and two barriers (asynchronous mode: one
 broadcast; a background thread writes while training goes on).
+
+A save that cannot be written (a full disk, say) stops the run with one line naming the checkpoint
+and the reason (``CheckpointWriteError``); the half-written folder is never published, so the
+previous checkpoint stays the newest, and the next start removes the leftovers.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -81,6 +86,10 @@ def _row_step(line: str) -> int:
         return -1
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message names it, the reason, and what is kept."""
+
+
 @dataclass
 class Resumed:
     path: str
@@ -88,6 +97,7 @@ class Resumed:
     initial_loss: float | None
     eval_losses: list[tuple[int, float]]
     last_record: StepRecord | None
+    skipped_steps: list[int] = field(default_factory=list)  # updates skipped on a non-finite value
 
 
 @dataclass
@@ -167,17 +177,20 @@ class TrainCheckpoints:
             initial_loss=meta.get("initial_loss"),
             eval_losses=[(int(s), float(v)) for s, v in meta.get("eval_losses", [])],
             last_record=StepRecord(**last) if last else None,
+            skipped_steps=[int(s) for s in meta.get("skipped_steps", [])],
         )
         self.initial_loss = self.resumed.initial_loss
         return None
 
     # -- save --------------------------------------------------------------------------------------
-    def after_step(self, record: StepRecord, eval_losses: list[tuple[int, float]]) -> None:
+    def after_step(
+        self, record: StepRecord, eval_losses: list[tuple[int, float]], skipped: list[int] | None = None
+    ) -> None:
         """Save when ``checkpoint.every`` steps have completed since the start, and after the last step."""
         if self.initial_loss is None:
             self.initial_loss = record.loss
         if self._due(record.step + 1):
-            self.save(record, eval_losses)
+            self.save(record, eval_losses, skipped or [])
 
     def serve_step(self, done: int) -> None:
         """A parameter server after ``done`` served steps: take part in the save the workers make now."""
@@ -188,14 +201,18 @@ class TrainCheckpoints:
         every = self.trainer.config.checkpoint.every
         return (every > 0 and done % every == 0) or done == self.trainer.config.steps
 
-    def save(self, record: StepRecord, eval_losses: list[tuple[int, float]]) -> SaveReport:
+    def save(
+        self, record: StepRecord, eval_losses: list[tuple[int, float]], skipped: list[int] | None = None
+    ) -> SaveReport:
         meta = {
             "sampler": self.trainer.sampler.state_dict(),
             "initial_loss": self.initial_loss,
             "eval_losses": [list(e) for e in eval_losses],
             "last_record": asdict(record),
             "restarts": restart_count(),
+            "skipped_steps": list(skipped or []),
         }
+        self.trainer.engine.before_checkpoint(record.step + 1)  # serving ranks on their own time join
         return self._write(record.step + 1, meta)
 
     def _write(self, step: int, meta: dict[str, Any] | None) -> SaveReport:
@@ -204,21 +221,44 @@ class TrainCheckpoints:
         if reporter != 0:  # rank 0 publishes the manifest: it needs the reporting rank's meta
             meta = _broadcast_json(trainer.world_comm, meta, src=reporter)
         rng_state, rng_pieces = capture_rng(self.rank)
-        report = self.writer.save(
-            step,
-            trainer.engine.state_pieces(self.rank, self.world_size) + rng_pieces,
-            meta=meta,
-            rank_meta={"rng": rng_state},
-            strategy=config.strategy,
-            mesh=trainer.mesh.describe(),
-            config=to_dict(config),
-        )
+        try:
+            report = self.writer.save(
+                step,
+                trainer.engine.state_pieces(self.rank, self.world_size) + rng_pieces,
+                meta=meta,
+                rank_meta={"rng": rng_state},
+                strategy=config.strategy,
+                mesh=trainer.mesh.describe(),
+                config=to_dict(config),
+            )
+        except (OSError, CheckpointError) as err:  # CheckpointError: an asynchronous save that failed
+            self._raise_write_error(err, step)
         self.reports.append(report)
         return report
 
     def close(self) -> None:
         """Wait for an asynchronous save still being written."""
-        self.writer.wait()
+        try:
+            self.writer.wait()
+        except CheckpointError as err:
+            self._raise_write_error(err, None)
+
+    def _raise_write_error(self, err: BaseException, step: int | None) -> NoReturn:
+        """One line for a save that failed on its way to the disk; anything else as it was."""
+        cause = err if isinstance(err, OSError) else err.__cause__
+        if not isinstance(cause, OSError):
+            raise err
+        full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        reason = "no space left on device" if full else (cause.strerror or str(cause))
+        what = f"a checkpoint in {self.root}"
+        if step is not None:
+            what = os.path.join(self.root, step_dir_name(step))
+        done = list_steps(self.root)
+        kept = f"{done[-1][1]} is kept" if done else "there is no earlier checkpoint"
+        raise CheckpointWriteError(
+            f"rank {self.rank} could not write {what} ({reason}); {kept}; "
+            "free space there or choose another --checkpoint-dir"
+        ) from None
 
     def summary(self) -> dict[str, Any]:
         """Figures for the run summary: saves, time blocked, this rank's write throughput."""

@@ -1,8 +1,10 @@
 """The training loop every strategy shares: build, step, evaluate, report.
 
 One step: draw this rank's share of the global batch, ``engine.forward_backward`` (forward, backward,
-gradient communication), ``engine.optimizer_step``, then one tiny all-gather of per-rank figures
-(see ``metrics``). Rank 0 shows a progress bar, writes ``metrics.jsonl`` and returns the summary.
+gradient communication), one tiny all-reduce agreeing whether the loss and gradients are finite (see
+``nonfinite``), ``engine.optimizer_step`` (or ``skip_update``), then one tiny all-gather of per-rank
+figures (see ``metrics``). Rank 0 shows a progress bar, writes ``metrics.jsonl`` and returns the
+summary. A run stopped on a non-finite value returns ``{"error": <one line>}`` from the reporting rank.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from shardwise.config import TrainConfig, to_dict
 from shardwise.data.corpus import load_corpus
 from shardwise.data.dataset import DatasetSampler, MapDataset
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
-from shardwise.engine.base import Engine
+from shardwise.engine.base import Engine, NonFinite, NonFiniteStop
 from shardwise.engine.loss import AutoLoss, Loss, TokenLoss, as_loss, rows, run_model
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, fast_forward
 from shardwise.engine.schedule import lr_multiplier
@@ -44,6 +46,7 @@ from shardwise.train.checkpointing import (
     write_pid_file,
 )
 from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step, peak_rss_mb, rss_mb
+from shardwise.train.nonfinite import agree_nonfinite
 from shardwise.train.observing import observing
 from shardwise.train.progress import Progress
 
@@ -173,7 +176,7 @@ class Trainer:
             after_backward(step)
         lr = self._lr(step)
         MONITOR.set_phase("optimizer")
-        self.engine.optimizer_step()
+        found = self._update(trainers, share)
         elapsed = time.perf_counter() - start
         MONITOR.set_phase("metrics")
         comm = engine_comm.stats.since(before)
@@ -186,7 +189,7 @@ class Trainer:
             "peak_rss_mb": max(current, peak_rss_mb()),
             "samples": sum(rows(batch) for batch in micro),
         }
-        record = gather_step(trainers, step, values, count)
+        record = gather_step(trainers, step, values, count, found)
         record.grad_norm, record.lr = self.engine.last_grad_norm, lr
         record.extra = self.engine.metrics() or None
         self.history.append(record)
@@ -202,6 +205,19 @@ class Trainer:
         if self.custom_schedule:  # the user's scheduler lives on the servers only
             return float("nan")
         return self.config.optim.lr * lr_multiplier(self.config.optim, self.config.steps)(step)
+
+    def _update(self, trainers: Comm, share: float) -> NonFinite | None:
+        """Apply the step's update, unless a loss or gradient is not finite: then no rank applies it."""
+        engine = self.engine
+        if engine.optimizer_runs == "servers":  # they check the summed gradient before they step
+            engine.optimizer_step()
+            return engine.servers_nonfinite()
+        found = agree_nonfinite(trainers, engine, share, self.config.on_nonfinite)
+        if found is None:
+            engine.optimizer_step()
+        else:
+            engine.skip_update()
+        return found
 
     def evaluate(self) -> float:
         """Mean held-out loss per counted item over the fixed evaluation batches (every rank the same)."""
@@ -251,7 +267,9 @@ def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, A
 
 def _fit(trainer: Trainer, show_progress: bool) -> dict[str, Any] | None:
     """The loop. With checkpointing on (``checkpoint.dir`` or ``checkpoint.every``), the run first
-    resumes from the newest usable checkpoint, if any (see ``train.checkpointing``)."""
+    resumes from the newest usable checkpoint, if any (see ``train.checkpointing``). A run stopped on
+    a non-finite value (``on_nonfinite = "stop"``) returns ``{"error": <one line>, "step": <step>}``
+    from the reporting rank instead."""
     config = trainer.config
     rank = dist.get_rank()
     write_pid_file(config.run_dir, rank)
@@ -283,10 +301,16 @@ def _loop(
     writer = MetricsWriter(run_dir, enabled=role.reports)
     progress = Progress(config.steps, enabled=role.reports and show_progress, completed=start)
     eval_losses: list[tuple[int, float]] = list(resumed.eval_losses) if resumed else []
+    skipped: list[int] = list(resumed.skipped_steps) if resumed else []
     try:
         for step in range(start, config.steps):
             record = trainer.step(step)
             last = step == config.steps - 1
+            if record.nonfinite and not record.skipped:  # every rank, this same step
+                writer.write(record)
+                raise NonFiniteStop(step, NonFinite(record.nonfinite, stop=True))
+            if record.skipped:
+                skipped.append(step)
             if trainer.eval_data and config.eval_every and ((step + 1) % config.eval_every == 0 or last):
                 MONITOR.set_phase("eval", step)
                 record.eval_loss = trainer.evaluate()
@@ -295,11 +319,16 @@ def _loop(
             progress.update(record)
             if ckpt:
                 MONITOR.set_phase("checkpoint", step)
-                ckpt.after_step(record, eval_losses)
+                ckpt.after_step(record, eval_losses, skipped)
         trainer.engine.finish()  # owed to other ranks even when resumed after the last step
         if ckpt:
             ckpt.close()
         params = trainer.engine.full_parameters()
+    except NonFiniteStop as stop:
+        trainer.engine.finish()  # what is still owed to serving ranks (a parameter server's last pull)
+        if ckpt:
+            ckpt.close()  # an asynchronous save still being written is finished, not left half done
+        return {"error": str(stop), "step": stop.step} if role.reports else None
     finally:
         progress.close()
         writer.close()
@@ -310,6 +339,9 @@ def _loop(
         trainer.history.append(resumed.last_record)
     summary = summarize(trainer, eval_losses, param_digest(params))
     summary["restarts"] = restarts
+    summary["skipped_steps"], summary["skipped_at"] = len(skipped), skipped
+    if skipped:
+        log(f"skipped the update of {len(skipped)} of {config.steps} steps (a loss or gradient not finite)")
     if ckpt:
         summary["initial_loss"] = ckpt.initial_loss
         summary["checkpoint"] = ckpt.summary()
@@ -326,7 +358,9 @@ def _announce(config: TrainConfig, ckpt: TrainCheckpoints | None, start: int, re
         log(f"restart {restarts} of {config.max_restarts} after a rank failed; resuming{origin}")
     elif start:
         log(f"resuming at step {start}{where}")
-    if start >= config.steps:
+    if start == config.steps:
+        log(f"the checkpoint already holds the last step ({start}): the run is complete")
+    elif start > config.steps:
         log(
             f"the checkpoint is already at step {start}, past --steps {config.steps}: nothing to train "
             "(raise --steps, or use another --checkpoint-dir or --set checkpoint.resume=false)"
@@ -344,6 +378,9 @@ def _serve(trainer: Trainer, ckpt: TrainCheckpoints | None) -> None:
         if ckpt:
             ckpt.close()
         trainer.engine.full_parameters()
+    except NonFiniteStop:  # the workers stop with it, and the reporting one says why
+        if ckpt:
+            ckpt.close()
     finally:
         trainer.engine.close()
 

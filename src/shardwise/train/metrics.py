@@ -1,9 +1,11 @@
 """Per-step figures: time, tokens/s, communication, memory; gathered from every rank to rank 0.
 
 Each step every rank contributes one small float64 vector (its loss share, step time, time blocked in
-communication, bytes sent, current and peak RSS, samples); one all-gather brings them to every rank,
-which gives the global loss (sum of shares) and per-rank figures at the cost of a single tiny
-collective.
+communication, bytes sent, current and peak RSS, samples, and whether it saw a non-finite value: 0
+none, 1 skipped, 2 stop); one all-gather brings them to every rank, which gives the global loss (sum
+of shares), per-rank figures, and one verdict on non-finite values for all (ranks whose verdicts may
+differ, asynchronous parameter-server workers, thus stop in the same step) at the cost of a single
+tiny collective.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import psutil
 import torch
 
 from shardwise.collectives.api import Comm
+from shardwise.engine.base import NonFinite
 
-FIELDS = ("loss_share", "step_s", "comm_s", "bytes_sent", "rss_mb", "peak_rss_mb", "samples")
+FIELDS = ("loss_share", "step_s", "comm_s", "bytes_sent", "rss_mb", "peak_rss_mb", "samples", "nonfinite")
+# what another rank found not finite, where this one found nothing (asynchronous workers differ)
+ELSEWHERE = "a loss or gradient of another worker"
 
 
 def peak_rss_mb() -> float:
@@ -51,16 +56,25 @@ class StepRecord:
     grad_norm: float | None = None  # the global gradient norm before clipping
     lr: float | None = None  # the learning rate this step's update used
     extra: dict[str, Any] | None = None
+    nonfinite: str | None = None  # what was not finite this step ("the loss", "the gradient of ...")
+    skipped: bool = False  # the update was skipped for it (on_nonfinite = "skip")
 
 
-def gather_step(comm: Comm, step: int, values: dict[str, float], global_tokens: float) -> StepRecord:
-    """All-gather each rank's figures and combine them (every rank gets the same record)."""
+def gather_step(
+    comm: Comm, step: int, values: dict[str, float], global_tokens: float, found: NonFinite | None = None
+) -> StepRecord:
+    """All-gather each rank's figures and combine them (every rank gets the same record).
+
+    ``found``: what this rank saw not finite this step; the record's verdict is the gravest of all.
+    """
+    values = {**values, "nonfinite": 0 if found is None else 2 if found.stop else 1}
     mine = torch.tensor([float(values[f]) for f in FIELDS], dtype=torch.float64)
     everyone = torch.empty(comm.world_size * len(FIELDS), dtype=torch.float64)
     comm.all_gather(everyone, mine)
     rows = everyone.view(comm.world_size, len(FIELDS)).T.tolist()
     column = dict(zip(FIELDS, rows, strict=True))
     step_s = max(column["step_s"])
+    verdict = int(max(column["nonfinite"]))
     return StepRecord(
         step=step,
         loss=sum(column["loss_share"]),
@@ -73,6 +87,8 @@ def gather_step(comm: Comm, step: int, values: dict[str, float], global_tokens: 
         rss_mb_by_rank=column["rss_mb"],
         peak_rss_mb_by_rank=column["peak_rss_mb"],
         samples_by_rank=[int(s) for s in column["samples"]],
+        nonfinite=(found.what if found else ELSEWHERE) if verdict else None,
+        skipped=verdict == 1,
     )
 
 

@@ -127,6 +127,22 @@ class ZeroBase(Engine):
             if group.grad_shard is not None:
                 group.grad_shard.mul_(factor)
 
+    def nonfinite_grad(self) -> str | None:
+        """This rank's gradient shards (what it holds after ``finish_grads``); of the parameters with a
+        NaN or inf in this rank's range, the first in ``named_parameters`` order."""
+        bad: set[str] = set()
+        for group in self.groups:
+            shard = group.grad_shard
+            if shard is None or bool(torch.isfinite(shard).all()):
+                continue
+            for piece in group.layout.pieces(self.comm.rank):
+                if not bool(torch.isfinite(shard[piece.shard_start : piece.shard_end]).all()):
+                    bad.add(piece.name)
+        return next((name for name, _ in self.trainable if name in bad), None)
+
+    def scaler_owns_overflow(self) -> bool:
+        return self.scaler.owns_overflow
+
     def prepare_update(self) -> bool:
         self._memory = memory_report(self)  # gradients are live now: the moment the formula describes
         return not self._overflowed()
@@ -175,8 +191,12 @@ class ZeroBase(Engine):
         return out
 
     def metrics(self) -> dict[str, float]:
-        """Model-state bytes by component beside the ZeRO formula, taken just before the last update."""
-        return dict(self._memory)
+        """Model-state bytes by component beside the ZeRO formula, taken just before the last update;
+        in fp16, the loss scale and the steps its overflows skipped."""
+        out = dict(self._memory)
+        if self.scaler.enabled:
+            out.update(loss_scale=self.scaler.scale, scaler_skipped_steps=self.scaler.skipped_steps)
+        return out
 
     # -- checkpoints (see shardwise.zero.state) ----------------------------------------------------
     def state_pieces(self, rank: int, world_size: int) -> list[Piece]:

@@ -32,20 +32,34 @@ def resolve_precision(name: str, model_dtype: torch.dtype) -> Precision:
 
 class LossScaler:
     """Multiply the loss by ``scale``; halve it on overflow (skipping the step), double it after
-    ``growth_interval`` clean steps."""
+    ``growth_interval`` clean steps.
 
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000) -> None:
+    The scale never goes below ``min_scale`` (DeepSpeed's floor): an overflow there is no longer a
+    scale that is too large but values that are not finite, and the run's ``on_nonfinite`` policy
+    decides (see ``owns_overflow``). Its whole state is three numbers (``state`` / ``load``), saved
+    in checkpoints so a resumed run goes on with the same scale.
+    """
+
+    def __init__(
+        self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000, min_scale: float = 1.0
+    ) -> None:
         self.enabled = enabled
         self.scale = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
+        self.min_scale = min_scale
         self._clean_steps = 0
         self.skipped_steps = 0
+
+    @property
+    def owns_overflow(self) -> bool:
+        """Whether an overflow now is the scaler's to handle (it can still lower the scale)."""
+        return self.enabled and self.scale > self.min_scale
 
     def update(self, found_inf: bool) -> None:
         if not self.enabled:
             return
         if found_inf:
-            self.scale /= 2.0
+            self.scale = max(self.scale / 2.0, self.min_scale)
             self._clean_steps = 0
             self.skipped_steps += 1
             return
@@ -53,3 +67,11 @@ class LossScaler:
         if self._clean_steps >= self.growth_interval:
             self.scale *= 2.0
             self._clean_steps = 0
+
+    def state(self) -> torch.Tensor:
+        """``[scale, clean steps since the last change, skipped steps]`` as float64 (exact integers)."""
+        return torch.tensor([self.scale, self._clean_steps, self.skipped_steps], dtype=torch.float64)
+
+    def load(self, state: torch.Tensor) -> None:
+        scale, clean, skipped = state.double().tolist()
+        self.scale, self._clean_steps, self.skipped_steps = scale, int(clean), int(skipped)

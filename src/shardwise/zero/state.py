@@ -6,7 +6,9 @@ shard arithmetic is :mod:`shardwise.zero.flat_param`'s (``FlatLayout.pieces``): 
 parameters overlapping this rank's shard become flat ranges ``[a, b)`` of those parameters; padding is
 never written, and a scalar (the group's step) goes to the rank holding the parameter's first element.
 Frozen parameters and buffers are whole on every rank: they are spread over ranks by bytes, so each is
-written once. Loading asks for exactly the same ranges in the loading engine's own layout (any world
+written once. In fp16, rank 0 also writes the loss scaler's state (``zero/loss_scale``), so a resumed
+run goes on with the same scale; a checkpoint without it (another precision or strategy) keeps a
+fresh scaler. Loading asks for exactly the same ranges in the loading engine's own layout (any world
 size), so checkpoints of any strategy load here and ours load anywhere. Mixed precision: the checkpoint
 holds the master weights; the compute copies are re-derived by the stage's ``after_step`` (an
 all-gather in stages 1-2; stage 3 gathers at the next forward). Disk offload: every group is mapped in
@@ -31,6 +33,7 @@ from shardwise.zero.group import FlatGroup
 if TYPE_CHECKING:
     from shardwise.zero.base import ZeroBase
 
+LOSS_SCALE = "zero/loss_scale"  # fp16: the loss scaler's state (LossScaler.state), written by rank 0
 SCALAR_KEYS = ("step",)  # per-parameter scalars; everything else of the master's shape is per element
 
 
@@ -73,6 +76,8 @@ def zero_state_pieces(engine: ZeroBase, rank: int, world_size: int) -> list[Save
                     out.append(SavedPiece(f"optim/{key}/{piece.name}", shape, a, b, value[span]))
                 if a == 0:
                     out.extend(SavedPiece.full(f"optim/{k}/{piece.name}", v) for k, v in scalars.items())
+    if engine.scaler.enabled and rank == 0:  # the same on every rank: one writes it
+        out.append(SavedPiece.full(LOSS_SCALE, engine.scaler.state()))
     return out
 
 
@@ -155,7 +160,12 @@ def load_zero_state(engine: ZeroBase, read: StateReader) -> None:
     shapes = {name: tuple(shape) for name, shape in read.shapes.items()}
     _check_model_shapes(engine, shapes)
     requests, keys = _requests(engine, shapes)
+    scaled = engine.scaler.enabled and LOSS_SCALE in shapes  # absent: another precision saved it
+    if scaled:
+        requests[LOSS_SCALE] = None
     tensors = read(requests)  # every read before any change: a damaged file leaves the engine as it was
+    if scaled:
+        engine.scaler.load(tensors[LOSS_SCALE])
     with torch.no_grad():
         for name, target in replicated_tensors(engine).items():
             target.copy_(tensors[name])

@@ -1,0 +1,37 @@
+"""Non-finite losses and gradients: the ranks that step agree, in the same step, to go on, skip or stop.
+
+Communication: one all-reduce (min) of two integers over the ranks that step, between the gradient
+exchange and the update, and only for engines whose optimizer runs on those ranks. (The per-step
+metrics all-gather cannot carry it: it runs after the update so that it times the whole step, and the
+verdict is needed before.) Each rank contributes whether its loss share is finite and the index of
+the first parameter whose gradient, as it holds it, is not (``Engine.nonfinite_grad``); the minimum
+over ranks is the same verdict everywhere. A parameter server's servers check the summed gradient
+themselves and send their verdict with the weights (``Engine.servers_nonfinite``): no message more.
+Under fp16 dynamic loss scaling the scaler owns overflows (it skips the step and lowers the scale),
+until its scale reaches its floor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardwise.collectives.api import Comm
+from shardwise.engine.base import Engine, NonFinite, describe_nonfinite, trainable
+
+
+def agree_nonfinite(comm: Comm, engine: Engine, loss_share: float, policy: str) -> NonFinite | None:
+    """After ``finish_grads``: what any rank found not finite this step (the same on every rank), or None."""
+    names = [name for name, _ in trainable(engine.model)]
+    scaled = engine.scaler_owns_overflow()
+    bad = None if scaled else engine.nonfinite_grad()
+    loss_ok = scaled or math.isfinite(loss_share)
+    flags = torch.tensor([int(loss_ok), names.index(bad) if bad else len(names)], dtype=torch.int64)
+    comm.all_reduce(flags, "min")
+    loss_ok, first = bool(flags[0]), int(flags[1])
+    if loss_ok and first == len(names):
+        return None
+    grad_name = names[first] if first < len(names) else None
+    return NonFinite(describe_nonfinite(loss_ok, grad_name), stop=policy == "stop")
+

@@ -1,0 +1,179 @@
+"""Non-finite values at run time: every rank sees them in the same step and stops, or skips the update.
+
+A NaN is put into one rank's gradient (DDP: its reduced gradient; ZeRO: its gradient shard) or, on
+a parameter server, into one worker's weights before its forward (the server then receives a NaN loss
+and gradient). With ``on_nonfinite = "skip"`` no rank's parameters or optimizer state change in that
+step and training goes on; with ``"stop"`` the CLI ends in one line naming the step, exit code 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from shardwise.config import load_config
+from shardwise.testing import run_on_ranks
+
+from .cli_helpers import shardwise
+
+BAD_STEP = 2
+
+
+def _config(strategy: str, policy: str) -> Any:
+    return load_config(
+        None,
+        {
+            "strategy": strategy,
+            "steps": "4",
+            "model.preset": "tiny",
+            "data.global_batch": "4",
+            "data.corpus_bytes": "100000",
+            "eval_every": "0",
+            "on_nonfinite": policy,
+            "run_dir": "/nonexistent",
+        },
+    )
+
+
+def _state(engine: Any) -> list[torch.Tensor]:
+    """The parameters and this rank's optimizer state (a parameter server's worker: its model copy)."""
+    params = list(engine.full_parameters().values())
+    optim = [
+        t.detach().clone()
+        for optimizer in engine.optimizers
+        for state in optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t)
+    ]
+    return params + optim
+
+
+def _poison_gradient(engine: Any, rank: int) -> str:
+    """Put a NaN in one element of what rank 1 holds after the gradient exchange; return its name."""
+    if not hasattr(engine, "groups"):  # whole-tensor engine: rank 1's copy of the reduced gradient
+        name, param = next((n, p) for n, p in engine.model.named_parameters() if n.startswith("blocks.1"))
+        if rank == 1:
+            param.grad.view(-1)[0] = float("nan")
+        return name
+    group = engine.groups[0]
+    piece = group.layout.pieces(1)[0]  # the first parameter overlapping rank 1's shard
+    if rank == 1:
+        group.grad_shard[piece.shard_start] = float("nan")
+    return piece.name
+
+
+def _skip_case(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
+    from shardwise.train.loop import Trainer
+
+    trainer = Trainer.build(_config(strategy, "skip"))
+    engine, out = trainer.engine, {}
+    if engine.role.serves:
+        engine.serve()
+        return {"server_skipped": engine.nonfinite_updates}
+    poisoned: dict[str, str] = {}
+
+    def poison(step: int) -> None:
+        if step == BAD_STEP and strategy != "ps":
+            poisoned["name"] = _poison_gradient(engine, rank)
+
+    for step in range(4):
+        if step == BAD_STEP:
+            before = _state(engine)
+            if strategy == "ps" and rank == world_size - 1:  # this worker's weights only: the next
+                dict(engine.model.named_parameters())["ln_f.weight"].data.fill_(float("nan"))  # pull mends
+        record = trainer.step(step, after_backward=poison)
+        if step == BAD_STEP:
+            after = _state(engine)  # a worker's copy: the servers' weights, pulled after the step
+            out["unchanged"] = len(before) == len(after) and all(map(torch.equal, before, after))
+            out["record"] = (record.nonfinite, record.skipped)
+            out["expected"] = poisoned.get("name")
+        out["loss"] = record.loss
+    engine.finish()
+    out["finite"] = all(bool(p.isfinite().all()) for p in engine.full_parameters().values())
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize(("strategy", "world"), [("ddp", 2), ("zero2", 2), ("zero3", 2), ("ps", 3)])
+def test_a_nan_on_one_rank_skips_the_update_on_every_rank(strategy: str, world: int) -> None:
+    results = run_on_ranks(_skip_case, world, strategy, timeout_s=120)
+    trainers = [r for r in results if "record" in r]
+    assert len(trainers) == (world - 1 if strategy == "ps" else world)
+    for got in trainers:
+        what, skipped = got["record"]
+        assert skipped, got
+        assert got["unchanged"], f"{strategy}: a skipped step changed parameters or optimizer state"
+        assert got["finite"] and math.isfinite(got["loss"])  # training went on after the bad step
+        if strategy == "ps":
+            assert what.startswith("the loss and the gradient of "), what
+        else:
+            assert what == f"the gradient of {got['expected']}", what  # the same name on every rank
+    if strategy == "ps":
+        assert results[0]["server_skipped"] == 1
+
+
+def _fp16_case(rank: int, world_size: int) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from shardwise.train.loop import Trainer
+
+    config = _config("zero2", "stop")
+    trainer = Trainer.build(replace(config, zero=replace(config.zero, precision="fp16")))
+    engine = trainer.engine
+
+    def poison(step: int) -> None:
+        if step >= 1:
+            _poison_gradient(engine, rank)
+
+    first = trainer.step(0)
+    scale, skipped = engine.scaler.scale, engine.scaler.skipped_steps
+    overflow = trainer.step(1, after_backward=poison)  # the scaler's: skip, halve the scale
+    out = {"clean": first.nonfinite, "overflow": overflow.nonfinite}
+    out["halved"] = engine.scaler.scale == scale / 2
+    out["scaler_skipped"] = engine.scaler.skipped_steps - skipped
+    engine.scaler.scale = engine.scaler.min_scale  # at the floor, an overflow is the run's to stop
+    floor = trainer.step(2, after_backward=poison)
+    out["floor"] = (floor.nonfinite, floor.skipped)
+    engine.close()
+    return out
+
+
+def test_fp16_overflow_is_the_loss_scalers_until_its_floor() -> None:
+    for got in run_on_ranks(_fp16_case, 2, timeout_s=120):
+        assert got["clean"] is None and got["overflow"] is None  # no stop: skipped by the scaler
+        assert got["halved"] and got["scaler_skipped"] == 1
+        what, skipped = got["floor"]
+        assert what is not None and what.startswith("the gradient of ") and not skipped
+
+
+@pytest.mark.parametrize(("strategy", "nproc"), [("ddp", 1), ("zero2", 2), ("ps", 3)])
+def test_a_diverging_run_stops_in_one_line_naming_the_step(tmp_path, strategy: str, nproc: int) -> None:
+    run_dir = tmp_path / "run"
+    result = shardwise(
+        "train", "--strategy", strategy, "--nproc", str(nproc), "--preset", "tiny", "--optimizer", "sgd",
+        "--lr", "1e12", "--steps", "5", "--eval-every", "0", "--run-dir", str(run_dir), "--json",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stdout.strip() == ""  # no summary of a run that diverged
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert errors[0].startswith("shardwise train: error: step 1: the loss"), errors[0]
+    assert "--on-nonfinite skip" in errors[0]
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 2  # step 0, then the step that stopped it
+
+
+def test_skip_goes_on_and_counts_the_skipped_steps(tmp_path) -> None:
+    result = shardwise(
+        "train", "--preset", "tiny", "--optimizer", "sgd", "--lr", "1e12", "--steps", "4",
+        "--eval-every", "0", "--run-dir", str(tmp_path), "--on-nonfinite", "skip", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    from .cli_helpers import last_json
+
+    summary = last_json(result)
+    assert summary["skipped_steps"] == 3 and summary["skipped_at"] == [1, 2, 3]
+    assert "skipped the update of 3 of 4 steps" in result.stderr
