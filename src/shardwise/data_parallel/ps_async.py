@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardwise.data_parallel.ps_messages import KIND_DONE, MAX_ATTEMPTS, PUSH_EXTRA
+from shardwise.data_parallel.ps_messages import KIND_DONE, MAX_ATTEMPTS, push_numel
 
 if TYPE_CHECKING:
     from shardwise.data_parallel.param_server import ParamServerEngine
@@ -74,9 +74,9 @@ def push_until_accepted(engine: ParamServerEngine) -> None:
 def serve_async(engine: ParamServerEngine) -> list[int]:
     """Server side: apply pushes as they arrive until every worker is done or gone; return the gone."""
     arrivals: queue.Queue[Arrival] = queue.Queue()
-    n_own = sum(p.numel() for p in engine.own)
+    size = push_numel(engine.own)
     listeners = [
-        threading.Thread(target=_listen, args=(engine, w, n_own, arrivals), daemon=True)
+        threading.Thread(target=_listen, args=(engine, w, size, arrivals), daemon=True)
         for w in engine.workers
     ]
     for thread in listeners:
@@ -118,10 +118,10 @@ def _answer(engine: ParamServerEngine, worker: int, message: torch.Tensor) -> bo
     return True
 
 
-def _listen(engine: ParamServerEngine, worker: int, n_own: int, arrivals: queue.Queue[Arrival]) -> None:
+def _listen(engine: ParamServerEngine, worker: int, size: int, arrivals: queue.Queue[Arrival]) -> None:
     """Receive one worker's pushes in order until it says it is done or its connection fails."""
     while True:
-        message = torch.zeros(n_own + PUSH_EXTRA, dtype=engine._dtype())
+        message = torch.zeros(size, dtype=engine._dtype())
         try:
             engine.comm.irecv(message, worker).wait()
         except RuntimeError as exc:

@@ -1,8 +1,10 @@
 """The parameter server's message layout, shared by its synchronous and asynchronous paths.
 
-Messages are flat tensors in the parameters' dtype: a push is ``[grad shard..., loss, version, kind]``
-(kind 0 = gradient, 1 = done); a reply is ``[weights..., version, staleness, accepted, loss_total]``.
-No communication here: only packing and unpacking.
+Messages are flat tensors in the parameters' dtype: a push is ``[grad shard..., used..., loss, version,
+kind]`` (used: one flag per parameter of the shard, 1 when this worker's backward reached it, so a
+parameter no worker used keeps ``grad = None`` on the server and the optimizer skips it, as in one
+process; kind 0 = gradient, 1 = done); a reply is ``[weights..., version, staleness, accepted,
+loss_total]``. No communication here: only packing and unpacking.
 """
 
 from __future__ import annotations
@@ -22,6 +24,25 @@ def flatten(tensors: Sequence[torch.Tensor], extra: int) -> torch.Tensor:
     parts = [t.detach().reshape(-1) for t in tensors]
     dtype = tensors[0].dtype if tensors else torch.float64
     return torch.cat([*parts, torch.zeros(extra, dtype=dtype)])
+
+
+def push_numel(params: Sequence[torch.Tensor]) -> int:
+    """Elements of a push to the server holding ``params``: gradients, one flag each, the header."""
+    return sum(p.numel() for p in params) + len(params) + PUSH_EXTRA
+
+
+def pack_push(params: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """A push of ``params``' gradients (zeros where None) and their used flags; the header left zero."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    used = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype)
+    parts = [g.detach().reshape(-1).to(dtype) for g in grads]
+    return torch.cat([*parts, used, torch.zeros(PUSH_EXTRA, dtype=dtype)])
+
+
+def used_flags(message: torch.Tensor, params: Sequence[torch.Tensor]) -> list[bool]:
+    """Which of ``params`` a push (or a sum of pushes) says got a gradient."""
+    start = sum(p.numel() for p in params)
+    return [bool(v != 0) for v in message[start : start + len(params)].tolist()]
 
 
 def unflatten_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:

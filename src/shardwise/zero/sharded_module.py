@@ -16,8 +16,10 @@ start of forward and kept until the step's gradients are reduced. Communication,
   (its final norm's arrives first, its embeddings' last), then go out the same way;
 * step: each rank updates its own master shard; nothing is gathered until the next forward.
 
-Limitation: ``no_sync`` does not skip communication here; each micro-batch's gradients are
+Limitations: ``no_sync`` does not skip communication here; each micro-batch's gradients are
 reduce-scattered and summed into the shard (correct, but no saving). Frozen parameters are not sharded.
+Every rank must run the same units (gathers are collectives); a parameter no rank used is left alone
+by the optimizer (:mod:`shardwise.zero.unused`).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class ShardedModule(ZeroBase):
 
     # -- gradients ----------------------------------------------------------------------------------
     def _on_grad(self, index: int, param_index: int) -> None:
+        self.mark_used(index, param_index)
         if index != self._root:
             # a unit's gradients arrive together: flatten each at once and free it. The root's arrive
             # at both ends of backward (final norm first, embeddings last): they stay as .grad until
@@ -169,6 +172,7 @@ class ShardedModule(ZeroBase):
                 self.launch_reduce(group, release=True)
                 self._missing[index] = len(group.params)
         self.wait_reduces()
+        self.share_usage()
         self.after_step()
 
     def after_step(self) -> None:
