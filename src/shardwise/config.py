@@ -152,7 +152,9 @@ class ZeroConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16
     bucket_mb: float = 25.0
     prefetch: bool = True
-    unit: str = "blocks"  # module holding the stage-3 units: each child is all-gathered as one
+    # dotted path of the list whose children are the stage-3 units, each all-gathered as one
+    # ("transformer.h"); empty: the largest ModuleList/Sequential of one class of blocks (zero/units.py)
+    unit: str = ""
 
 
 @dataclass(frozen=True)
