@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "gpt"  # gpt | mlp
+    kind: str = "gpt"  # gpt | mlp | hf:PATH/config.json | hf:tiny-gpt2 | package.module:function
     preset: str = "small"  # see shardwise.models.PRESETS
     seq_len: int = 64
     dropout: float = 0.0
@@ -202,7 +202,7 @@ class TrainConfig:
         _check_choice("strategy", self.strategy, STRATEGIES)
         _check_choice("comm.algorithm", self.comm.algorithm, ALGORITHMS)
         _check_choice("dtype", self.dtype, ("float32", "float64"))
-        _check_choice("model.kind", self.model.kind, ("gpt", "mlp"))
+        check_model_kind(self.model.kind)
         _check_choice("optim.name", self.optim.name, ("adamw", "adam", "sgd"))
         _check_choice("zero.offload", self.zero.offload, ("none", "cpu", "disk"))
         _check_choice("zero.precision", self.zero.precision, ("fp32", "bf16", "fp16"))
@@ -254,6 +254,26 @@ class TrainConfig:
                 f"data.global_batch({data.global_batch}) is smaller than the {dp} data-parallel ranks: "
                 f"every rank needs at least one sequence"
             )
+
+
+def model_source(kind: str) -> str:
+    """Where ``model.kind`` comes from: "builtin" (gpt, mlp), "hf" (``hf:PATH`` or a shipped config's
+    name) or "factory" (``package.module:function``); "" when it is none of them."""
+    if kind in ("gpt", "mlp"):
+        return "builtin"
+    if kind.startswith("hf:") and len(kind) > 3:
+        return "hf"
+    module, sep, function = kind.partition(":")
+    dotted = all(part.isidentifier() for part in module.split(".") + function.split("."))
+    return "factory" if sep and dotted else ""
+
+
+def check_model_kind(kind: str) -> None:
+    if not model_source(kind):
+        raise ConfigError(
+            "model.kind must be gpt, mlp, hf:PATH/config.json (or a shipped one: hf:tiny-gpt2, "
+            f"hf:tiny-llama) or package.module:function; got {kind!r}"
+        )
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
