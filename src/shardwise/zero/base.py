@@ -1,7 +1,9 @@
 """What every ZeRO stage shares: start from rank 0's weights, step sharded optimizers, inspect.
 
-Communication: one broadcast per parameter and buffer at start (rank 0's initial weights); in fp16,
-one all-reduce (max) of the overflow flag per step; the inspection calls (``full_parameters``,
+Communication: one broadcast per parameter and buffer at start (rank 0's initial weights); one
+all-reduce (max) per step of which parameters got a gradient (:mod:`shardwise.zero.unused`: those no
+rank used are left alone, as torch leaves ``grad = None``); in fp16, one all-reduce (max) of the
+overflow flag per step; the inspection calls (``full_parameters``,
 ``full_gradients``) all-gather shards. Stage-specific gradient and parameter traffic lives in
 :mod:`shardwise.zero.optimizer` (stages 1-2) and :mod:`shardwise.zero.sharded_module` (stage 3).
 Stages follow Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
