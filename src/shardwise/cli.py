@@ -20,7 +20,10 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--steps": ("steps", {"help": "optimizer steps"}),
     "--seed": ("seed", {}),
     "--dtype": ("dtype", {"help": "float32 | float64"}),
-    "--model": ("model.kind", {"help": "gpt | mlp"}),
+    "--model": (
+        "model.kind",
+        {"help": "gpt | mlp | hf:PATH/config.json | hf:tiny-gpt2 | hf:tiny-llama | package.module:function"},
+    ),
     "--preset": ("model.preset", {"help": "model size: tiny | odd | small | base | medium | large"}),
     "--seq-len": ("model.seq_len", {}),
     "--global-batch": ("data.global_batch", {"help": "sequences per step over all ranks"}),
@@ -113,9 +116,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from shardwise.commands.verify import VERIFY_DEFAULTS, verify_command
+    from shardwise.commands.verify import VERIFY_DEFAULTS, verify_command, verify_defaults
 
-    return verify_command(config_from_args(args, VERIFY_DEFAULTS), args.nproc, args.json)
+    kind = config_from_args(args, VERIFY_DEFAULTS).model.kind  # the defaults depend on the model
+    return verify_command(config_from_args(args, verify_defaults(kind)), args.nproc, args.json)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

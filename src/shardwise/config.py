@@ -131,7 +131,8 @@ VAL_FRACTION = 0.1  # = shardwise.data.corpus.VAL_FRACTION: the held-out share o
 
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str = checked("gpt", OneOf(("gpt", "mlp")))
+    # gpt | mlp | hf:PATH/config.json | hf:tiny-gpt2 | hf:tiny-llama | package.module:function
+    kind: str = "gpt"  # checked by check_model_kind
     preset: str = "small"  # see shardwise.models.PRESETS (checked there)
     seq_len: int = checked(64, Range(ge=1))
     dropout: float = checked(0.0, Range(ge=0, lt=1))
@@ -262,7 +263,9 @@ class ZeroConfig:
     precision: str = checked("fp32", OneOf(("fp32", "bf16", "fp16")))
     bucket_mb: float = checked(25.0, Range(gt=0))
     prefetch: bool = True
-    unit: str = "blocks"  # module holding the stage-3 units: each child is all-gathered as one
+    # dotted path of the list whose children are the stage-3 units, each all-gathered as one
+    # ("transformer.h"); empty: the largest ModuleList/Sequential of one class of blocks (zero/units.py)
+    unit: str = ""
 
 
 @dataclass(frozen=True)
@@ -320,6 +323,7 @@ class TrainConfig:
         """
         check_values(self)
         self._check_schedule()
+        check_model_kind(self.model.kind)
         if world_size < 1:
             raise ConfigError(f"the world needs at least one rank, got {world_size}")
         self._check_applies()
@@ -431,6 +435,26 @@ def _table_message(key: str, value: Any, table: Any) -> str:
         f"{key} is a table, not a value (got {value!r}); set its keys, e.g. "
         f"--set {key}.{example.name}={default}, or {example.name} = ... under [{key}] in a TOML file"
     )
+
+
+def model_source(kind: str) -> str:
+    """Where ``model.kind`` comes from: "builtin" (gpt, mlp), "hf" (``hf:PATH`` or a shipped config's
+    name) or "factory" (``package.module:function``); "" when it is none of them."""
+    if kind in ("gpt", "mlp"):
+        return "builtin"
+    if kind.startswith("hf:") and len(kind) > 3:
+        return "hf"
+    module, sep, function = kind.partition(":")
+    dotted = all(part.isidentifier() for part in module.split(".") + function.split("."))
+    return "factory" if sep and dotted else ""
+
+
+def check_model_kind(kind: str) -> None:
+    if not model_source(kind):
+        raise ConfigError(
+            "model.kind must be gpt, mlp, hf:PATH/config.json (or a shipped one: hf:tiny-gpt2, "
+            f"hf:tiny-llama) or package.module:function; got {kind!r}"
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:

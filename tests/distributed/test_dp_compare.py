@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.bench.dp_compare import run_dp_compare
-from shardwise.data_parallel.param_server import PUSH_EXTRA, REPLY_EXTRA
+from shardwise.bench.dp_compare import run_dp_compare, tiny_model
+from shardwise.data_parallel.ps_messages import PUSH_EXTRA, REPLY_EXTRA
 
 
 @pytest.mark.slow  # two spawns of three ranks
@@ -16,8 +16,10 @@ def test_measured_bytes_match_theory() -> None:
     assert single["bytes_sent_per_step"] == single["theory_bytes_sent_per_step"]
     ps = rows["parameter_server"]
     assert ps["roles"] == ["server", "worker", "worker"]
-    # the only difference from theory is the few header slots (float32) carried by each message
-    header_out = [2 * REPLY_EXTRA * 4, PUSH_EXTRA * 4, PUSH_EXTRA * 4]
+    # the only difference from theory is the few header slots (float32) carried by each message, and
+    # a push's used flag per parameter
+    push_extra = (PUSH_EXTRA + len(list(tiny_model(16, 8).parameters()))) * 4
+    header_out = [2 * REPLY_EXTRA * 4, push_extra, push_extra]
     for got, theory, header in zip(
         ps["bytes_sent_per_step"], ps["theory_bytes_sent_per_step"], header_out, strict=True
     ):

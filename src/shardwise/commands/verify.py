@@ -23,11 +23,18 @@ VERIFY_DEFAULTS = {
     "dtype": "float64",
     "steps": "5",
     "model.preset": "odd",  # parameter sizes that divide no world size
-    "model.freeze": "wpe",  # a frozen parameter must stay equal and untouched
+    "model.freeze": "wpe",  # a frozen parameter must stay equal and untouched (the built-in GPT's)
     "data.global_batch": "12",
     "eval_every": "0",
     "run_dir": "runs/verify",
 }
+
+
+def verify_defaults(kind: str) -> dict[str, str]:
+    """The defaults for ``model.kind``: only the built-in GPT has ``wpe`` to freeze."""
+    if kind == "gpt":
+        return VERIFY_DEFAULTS
+    return {k: v for k, v in VERIFY_DEFAULTS.items() if k != "model.freeze"}
 
 
 def collect_run(config: TrainConfig) -> dict[str, Any] | None:
@@ -84,7 +91,7 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
     from shardwise.data.corpus import load_corpus
     from shardwise.data.sampler import DataSampler
     from shardwise.engine.base import predicted_tokens
-    from shardwise.engine.loss import loss_sum
+    from shardwise.engine.loss import logits_of, loss_sum
     from shardwise.engine.optim import build_optimizer, named
     from shardwise.engine.schedule import lr_multiplier
     from shardwise.models import build_model
@@ -109,7 +116,7 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
     losses, grads, norms, lrs = [], {}, [], []
     for step in range(config.steps):
         inputs, targets = sampler.global_batch(step)
-        loss = loss_sum(model(inputs), targets) / tokens
+        loss = loss_sum(logits_of(model(inputs)), targets) / tokens
         loss.backward()
         if step == 0:
             grads = {

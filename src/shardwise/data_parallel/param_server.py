@@ -51,12 +51,14 @@ from shardwise.data_parallel.ps_messages import (
     KIND_DONE,
     KIND_GRAD,
     KIND_PAUSE,
-    PUSH_EXTRA,
     REPLY_EXTRA,
     SKIPPED,
     STOPPED,
     flatten,
+    pack_push,
+    push_numel,
     unflatten_into,
+    used_flags,
 )
 from shardwise.data_parallel.ps_state import load_ps_state, ps_state_pieces
 from shardwise.engine.base import (
@@ -240,10 +242,9 @@ class ParamServerEngine(Engine):
         return self._found
 
     def _push_message(self, s: int, scale: float) -> torch.Tensor:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.shards[s]]
-        message = flatten(grads, PUSH_EXTRA)
+        message = pack_push(self.shards[s], self._dtype())
         if scale != 1.0:
-            message.mul_(scale)
+            message.mul_(scale)  # the used flags stay non-zero exactly where they were
         message[-3:] = torch.tensor(
             [self._loss_share * scale, self.server_versions[s], KIND_GRAD], dtype=message.dtype
         )
@@ -278,7 +279,7 @@ class ParamServerEngine(Engine):
         if self.config.mode != "async" or self.is_server or self._finished:
             return  # sync servers are in step already; after the last step the final save follows
         for s in self.servers:
-            pause = torch.zeros(sum(p.numel() for p in self.shards[s]) + PUSH_EXTRA, dtype=self._dtype())
+            pause = torch.zeros(push_numel(self.shards[s]), dtype=self._dtype())
             pause[-2:] = torch.tensor([done, KIND_PAUSE], dtype=pause.dtype)
             self.comm.send(pause, s)
 
@@ -289,7 +290,7 @@ class ParamServerEngine(Engine):
         self._finished = True
         if self.config.mode == "async":
             for s in self.servers:
-                done = torch.zeros(sum(p.numel() for p in self.shards[s]) + PUSH_EXTRA, dtype=self._dtype())
+                done = torch.zeros(push_numel(self.shards[s]), dtype=self._dtype())
                 done[-1] = KIND_DONE
                 self.comm.send(done, s)
         self._distribute_final(dead=())
@@ -338,7 +339,7 @@ class ParamServerEngine(Engine):
         n_own = sum(p.numel() for p in self.own)
         total: torch.Tensor | None = None
         for w in self.workers:
-            buf = torch.zeros(n_own + PUSH_EXTRA, dtype=self._dtype())
+            buf = torch.zeros(push_numel(self.own), dtype=self._dtype())
             self.comm.recv(buf, w)
             if buf[-1] != KIND_GRAD:
                 raise RuntimeError(f"worker {w} stopped before step {self.version + 1} in synchronous mode")
@@ -418,11 +419,12 @@ class ParamServerEngine(Engine):
         return self._found or NonFinite("a loss or gradient another server received", stop=True)
 
     def apply_gradient(self, flat: torch.Tensor, lr_scale: float = 1.0) -> None:
-        """Set the served parameters' gradients from ``flat`` and step the optimizer at lr x lr_scale."""
+        """Set the served parameters' gradients from a push (or a sum of pushes) ``flat`` and step the
+        optimizer at lr x lr_scale; a parameter no push used keeps ``grad = None``: the optimizer skips it."""
         grads = [torch.empty_like(p) for p in self.own]
         unflatten_into(flat, grads)
-        for p, grad in zip(self.own, grads, strict=True):
-            p.grad = grad
+        for p, grad, used in zip(self.own, grads, used_flags(flat, self.own), strict=True):
+            p.grad = grad if used else None
         # async: each server steps on its own, no norm across servers; sync: every server sums its
         # share of the norm with the others (needs server_comm when there are several)
         if self.config.mode == "sync" and (len(self.servers) == 1 or self.server_comm is not None):

@@ -45,8 +45,8 @@ from shardwise.data_parallel.ps_messages import (
     KIND_DONE,
     KIND_PAUSE,
     MAX_ATTEMPTS,
-    PUSH_EXTRA,
     STOPPED,
+    push_numel,
 )
 from shardwise.engine.base import NonFinite, describe_nonfinite
 
@@ -93,9 +93,9 @@ def serve_async(engine: ParamServerEngine, after_step: Callable[[int], None] | N
     ``after_step(done)`` runs once every live worker has paused after ``done`` steps (a checkpoint).
     """
     arrivals: queue.Queue[Arrival] = queue.Queue()
-    n_own = sum(p.numel() for p in engine.own)
+    size = push_numel(engine.own)
     listeners = [
-        threading.Thread(target=_listen, args=(engine, w, n_own, arrivals), daemon=True)
+        threading.Thread(target=_listen, args=(engine, w, size, arrivals), daemon=True)
         for w in engine.workers
     ]
     for thread in listeners:
@@ -151,10 +151,10 @@ def _answer(engine: ParamServerEngine, worker: int, message: torch.Tensor) -> bo
     return True
 
 
-def _listen(engine: ParamServerEngine, worker: int, n_own: int, arrivals: queue.Queue[Arrival]) -> None:
+def _listen(engine: ParamServerEngine, worker: int, size: int, arrivals: queue.Queue[Arrival]) -> None:
     """Receive one worker's pushes in order until it says it is done or its connection fails."""
     while True:
-        message = torch.zeros(n_own + PUSH_EXTRA, dtype=engine._dtype())
+        message = torch.zeros(size, dtype=engine._dtype())
         try:
             engine.comm.irecv(message, worker).wait()
         except RuntimeError as exc:

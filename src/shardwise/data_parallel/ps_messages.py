@@ -1,11 +1,13 @@
 """The parameter server's message layout, shared by its synchronous and asynchronous paths.
 
-Messages are flat tensors in the parameters' dtype: a push is ``[grad shard..., loss, version, kind]``
-(kind 0 = gradient, 1 = done, 2 = paused for a checkpoint, with the steps done in the version slot); a
-reply is ``[weights..., grad_norm, nonfinite, bad parameter, version, staleness, accepted, loss_total]``,
-where ``grad_norm`` is the global gradient norm before clipping (sync), ``nonfinite`` is 0 (finite),
-1 (skipped) or 2 (the run stops) and ``bad parameter`` the index, in the model's trainable order, of the
-first parameter whose gradient was not finite (-1: none).
+Messages are flat tensors in the parameters' dtype. A push is ``[grad shard..., used..., loss, version,
+kind]``: used holds one flag per parameter of the shard, 1 when this worker's backward reached it, so a
+parameter no worker used keeps ``grad = None`` on the server and the optimizer skips it, as in one
+process; kind 0 = gradient, 1 = done, 2 = paused for a checkpoint (the steps done in the version slot).
+A reply is ``[weights..., grad_norm, nonfinite, bad parameter, version, staleness, accepted,
+loss_total]``, where ``grad_norm`` is the global gradient norm before clipping (sync), ``nonfinite`` is
+0 (finite), 1 (skipped) or 2 (the run stops) and ``bad parameter`` the index, in the model's trainable
+order, of the first parameter whose gradient was not finite (-1: none).
 No communication here: only packing and unpacking.
 """
 
@@ -27,6 +29,25 @@ def flatten(tensors: Sequence[torch.Tensor], extra: int) -> torch.Tensor:
     parts = [t.detach().reshape(-1) for t in tensors]
     dtype = tensors[0].dtype if tensors else torch.float64
     return torch.cat([*parts, torch.zeros(extra, dtype=dtype)])
+
+
+def push_numel(params: Sequence[torch.Tensor]) -> int:
+    """Elements of a push to the server holding ``params``: gradients, one flag each, the header."""
+    return sum(p.numel() for p in params) + len(params) + PUSH_EXTRA
+
+
+def pack_push(params: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """A push of ``params``' gradients (zeros where None) and their used flags; the header left zero."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    used = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype)
+    parts = [g.detach().reshape(-1).to(dtype) for g in grads]
+    return torch.cat([*parts, used, torch.zeros(PUSH_EXTRA, dtype=dtype)])
+
+
+def used_flags(message: torch.Tensor, params: Sequence[torch.Tensor]) -> list[bool]:
+    """Which of ``params`` a push (or a sum of pushes) says got a gradient."""
+    start = sum(p.numel() for p in params)
+    return [bool(v != 0) for v in message[start : start + len(params)].tolist()]
 
 
 def unflatten_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:

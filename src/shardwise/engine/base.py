@@ -145,8 +145,9 @@ def grad_sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def predicted_tokens(model_kind: str, batch: int, seq_len: int) -> int:
-    """Tokens that carry a loss in a batch: every position for GPT, the last one for the MLP."""
-    return batch * (seq_len if model_kind == "gpt" else 1)
+    """Tokens that carry a loss in a batch: the last one for the MLP, every position for the other
+    kinds (the built-in GPT, Hugging Face causal LMs, a factory's model)."""
+    return batch * (1 if model_kind == "mlp" else seq_len)
 
 
 class Engine(ABC):

@@ -1,4 +1,8 @@
-"""The built-in models, their size presets, and ``build_model(ModelConfig)``.
+"""The built-in models, their size presets, and ``build_model(ModelConfig)`` for any model kind.
+
+``model.kind`` is ``gpt`` or ``mlp`` (built in, sized by ``model.preset``), ``hf:PATH`` (a Hugging Face
+causal LM from a config file, random weights: :mod:`shardwise.models.hf`) or
+``package.module:function`` (a user's factory: :mod:`shardwise.models.factory`).
 
 No communication: the model is built identically on every rank (same seed, same values) and the
 strategies distribute it afterwards. Parameter counts at vocab 256, seq_len 64 (ties counted once):
@@ -14,8 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.config import ConfigError, ModelConfig
+from shardwise.config import ConfigError, ModelConfig, check_model_kind, model_source
+from shardwise.models.factory import build_factory_model, check_factory
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.hf import build_hf_model, load_hf_config, shipped_configs
 from shardwise.models.mlp import MLP, MLPConfig
 
 __all__ = [
@@ -27,6 +33,7 @@ __all__ = [
     "build_model",
     "check_model_config",
     "count_parameters",
+    "shipped_configs",
 ]
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -50,7 +57,25 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def check_model_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The preset's sizes, or a ``ConfigError`` naming the known kinds and presets."""
+    """Check that ``cfg`` builds, without building it; a one-line ``ConfigError`` otherwise.
+
+    Built-in kinds: returns the preset's sizes. ``hf:``: the config file loads in transformers, is a
+    causal LM and fits ``seq_len`` and the byte vocabulary (returns {}). A factory: it imports, and
+    returns a module when called on the meta device (returns {}).
+    """
+    check_model_kind(cfg.kind)
+    source = model_source(cfg.kind)
+    if source == "hf":
+        load_hf_config(cfg)
+        return {}
+    if source == "factory":
+        check_factory(cfg)
+        return {}
+    return _preset(cfg)
+
+
+def _preset(cfg: ModelConfig) -> dict[str, Any]:
+    """The built-in model's preset sizes, or a ``ConfigError`` naming the known presets."""
     presets = PRESETS.get(cfg.kind)
     if presets is None:
         raise ConfigError(f"model.kind must be one of {', '.join(PRESETS)}; got {cfg.kind!r}")
@@ -62,14 +87,21 @@ def check_model_config(cfg: ModelConfig) -> dict[str, Any]:
 def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Build the model ``cfg`` describes, under the caller's torch seed, then apply ``cfg.freeze``.
 
-    Parameters are drawn in float32 and then cast, so a float64 model holds exactly the float32
-    model's initial values.
+    Parameters are drawn in float32 (a Hugging Face model: in its config's dtype) and then cast, so
+    a float64 model holds exactly the float32 model's initial values.
     """
-    sizes = check_model_config(cfg)
+    check_model_kind(cfg.kind)
     model: nn.Module
-    if cfg.kind == "gpt":
+    source = model_source(cfg.kind)
+    if source == "hf":
+        model = build_hf_model(cfg)
+    elif source == "factory":
+        model = build_factory_model(cfg)
+    elif cfg.kind == "gpt":
+        sizes = _preset(cfg)
         model = GPT(GPTConfig(**sizes, seq_len=cfg.seq_len, dropout=cfg.dropout, tie_weights=cfg.tie_weights))
     else:
+        sizes = _preset(cfg)
         mlp_config = MLPConfig(**sizes, dropout=cfg.dropout)
         if mlp_config.context > cfg.seq_len:
             raise ConfigError(

@@ -87,7 +87,7 @@ def default_loss(config: TrainConfig, user_model: bool) -> Loss:
     (labels -100 ignored) and token cross-entropy on (inputs, targets) batches."""
     if user_model:
         return AutoLoss()
-    return TokenLoss(positions=None if config.model.kind == "gpt" else 1)
+    return TokenLoss(positions=1 if config.model.kind == "mlp" else None)
 
 
 @dataclass

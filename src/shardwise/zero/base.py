@@ -1,7 +1,9 @@
 """What every ZeRO stage shares: start from rank 0's weights, step sharded optimizers, inspect.
 
-Communication: one broadcast per parameter and buffer at start (rank 0's initial weights); in fp16,
-one all-reduce (max) of the overflow flag per step; the inspection calls (``full_parameters``,
+Communication: one broadcast per parameter and buffer at start (rank 0's initial weights); one
+all-reduce (max) per step of which parameters got a gradient (:mod:`shardwise.zero.unused`: those no
+rank used are left alone, as torch leaves ``grad = None``); in fp16, one all-reduce (max) of the
+overflow flag per step; the inspection calls (``full_parameters``,
 ``full_gradients``) all-gather shards. Stage-specific gradient and parameter traffic lives in
 :mod:`shardwise.zero.optimizer` (stages 1-2) and :mod:`shardwise.zero.sharded_module` (stage 3).
 Stages follow Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
@@ -11,7 +13,7 @@ Models" (SC 2020).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -27,6 +29,7 @@ from shardwise.zero.memory import memory_report
 from shardwise.zero.offload import CpuOffload, NoOffload, Offload, build_offload
 from shardwise.zero.precision import LossScaler, resolve_precision
 from shardwise.zero.state import gathered_state, load_zero_state, zero_state_pieces
+from shardwise.zero.unused import group_usage, isolated, plan_passes, share, stepped
 
 
 def broadcast_initial_state(model: nn.Module, comm: Comm) -> None:
@@ -58,6 +61,7 @@ class ZeroBase(Engine):
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._in_flight: list[FlatGroup] = []  # groups whose gradient reduce-scatter has started
         self.groups: list[FlatGroup] = self.build_groups()
+        self.usage = [group_usage(g) for g in self.groups]  # who got a gradient: see zero.unused
         self._cast_frozen()
         if config.offload == "cpu":  # before any optimizer exists, so its state is made in host memory
             CpuOffload(self.groups)
@@ -78,6 +82,14 @@ class ZeroBase(Engine):
         self._in_flight.append(group)
         if self.reduce_window is not None and len(self._in_flight) > self.reduce_window:
             self._in_flight.pop(0).wait_grads()
+
+    def mark_used(self, index: int, param_index: int) -> None:
+        """Parameter ``param_index`` of group ``index`` got a gradient on this rank (from its hook)."""
+        self.usage[index].used[param_index] = True
+
+    def share_usage(self) -> None:
+        """After the step's gradients: which parameters got one on any rank (one small all-reduce)."""
+        share(self.usage, self.comm)
 
     def wait_reduces(self) -> None:
         for group in self._in_flight:
@@ -149,14 +161,23 @@ class ZeroBase(Engine):
 
     @contextmanager
     def unit_update(self, index: int) -> Iterator[None]:
-        group = self.groups[index]
+        """Group ``index``'s update, leaving parameters that got no gradient alone (``zero.unused``):
+        passes before the last step here; the caller's ``optimizer.step()`` is the last."""
+        group, optimizer, usage = self.groups[index], self.optimizers[index], self.usage[index]
         with self.offload.resident(index):
             shard, master = group.grad_shard, group.master
-            master.grad = torch.zeros_like(master) if shard is None else shard.to(master.device)
+            passes = plan_passes(usage, optimizer.state.get(master, {}))
+            grad = torch.zeros_like(master) if shard is None else shard.to(master.device)
+            master.grad = grad if passes else None  # nothing used anywhere: torch skips the group
             try:
-                yield
+                for one in passes[:-1]:
+                    with isolated(one, optimizer, master):
+                        optimizer.step()
+                with isolated(passes[-1], optimizer, master) if passes else nullcontext():
+                    yield
             finally:
                 master.grad = None
+            stepped(usage, optimizer.state.get(master, {}))
             self.after_group_step(index)
 
     def after_update(self) -> None:

@@ -89,6 +89,7 @@ class ZeroEngine(ZeroBase):
         self._missing = [len(g.params) for g in self.groups]
 
     def _on_grad(self, index: int, param_index: int) -> None:
+        self.mark_used(index, param_index)  # under no_sync too: any micro-batch counts
         if not self._sync:
             return
         if self.stage == 2:  # flatten now: the full gradient lives only until its bucket is sent
@@ -110,6 +111,7 @@ class ZeroEngine(ZeroBase):
         for group in self.groups[self._launched :]:
             self.launch_reduce(group, release=self.stage == 2)
         self.wait_reduces()
+        self.share_usage()
         self._reset_counts()
 
     def after_group_step(self, index: int) -> None:

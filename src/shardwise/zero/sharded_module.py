@@ -1,9 +1,11 @@
 """ZeRO stage 3: parameters sharded too, gathered one unit at a time.
 
-Each child of ``model.<config.unit>`` (the transformer blocks by default) is one unit, a
-:class:`~shardwise.zero.group.FlatGroup`. Parameters outside the units (embeddings, final norm, a head
-tied to the embedding) and any parameter shared between units form the root unit, all-gathered at the
-start of forward and kept until the step's gradients are reduced. Communication, all through ``Comm``:
+Each child of the model's block list is one unit, a :class:`~shardwise.zero.group.FlatGroup`: the
+list ``zero.unit`` names by dotted path (``transformer.h``, ``model.layers``), or, with ``zero.unit``
+empty, the largest ModuleList/Sequential of one class of blocks (:mod:`shardwise.zero.units`; a model
+without one is a single unit). Parameters outside the units (embeddings, final norm, a head tied to the
+embedding) and any parameter shared between units form the root unit, all-gathered at the start of
+forward and kept until the step's gradients are reduced. Communication, all through ``Comm``:
 
 * forward: all-gather unit ``i`` just before it runs (prefetching unit ``i + 1``), free it after;
 * backward: all-gather unit ``i`` again when the gradient of its output arrives; when its first
@@ -16,12 +18,16 @@ start of forward and kept until the step's gradients are reduced. Communication,
   (its final norm's arrives first, its embeddings' last), then go out the same way;
 * step: each rank updates its own master shard; nothing is gathered until the next forward.
 
-Limitation: ``no_sync`` does not skip communication here; each micro-batch's gradients are
+Limitations: ``no_sync`` does not skip communication here; each micro-batch's gradients are
 reduce-scattered and summed into the shard (correct, but no saving). Frozen parameters are not sharded.
+Every rank must run the same units (gathers are collectives); a parameter no rank used is left alone
+by the optimizer (:mod:`shardwise.zero.unused`).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +38,7 @@ from shardwise.config import ZeroConfig
 from shardwise.engine.base import Role
 from shardwise.zero.base import ZeroBase
 from shardwise.zero.group import FlatGroup
+from shardwise.zero.units import resolve_units
 
 
 class ShardedModule(ZeroBase):
@@ -43,6 +50,7 @@ class ShardedModule(ZeroBase):
 
     def __init__(self, model: nn.Module, comm: Comm, config: ZeroConfig, role: Role | None = None) -> None:
         self._unit_group: list[int | None] = []  # unit index -> group index (None: nothing to shard)
+        self._unit_modules: list[nn.Module] | None = None
         super().__init__(model, comm, config, role)
         self._gathering: set[int] = set()  # groups whose gather has started since they were last freed
         self._missing = [len(g.params) for g in self.groups]
@@ -51,14 +59,19 @@ class ShardedModule(ZeroBase):
         self.after_step()
 
     # -- units --------------------------------------------------------------------------------------
-    def _units(self) -> nn.ModuleList | nn.Sequential:
-        units = getattr(self.model, self.config.unit, None)
-        if not isinstance(units, nn.ModuleList | nn.Sequential):
-            raise ValueError(
-                f"zero3 gathers one child of model.{self.config.unit} at a time, but the model has no "
-                f"ModuleList there; set zero.unit to the name of the module holding the blocks"
-            )
-        return units
+    def _units(self) -> list[nn.Module]:
+        """The modules gathered one at a time (empty: the whole model is one unit, the root)."""
+        if self._unit_modules is None:
+            found = resolve_units(self.model, self.config.unit)
+            self._unit_modules = list(found.container) if found is not None else []
+            if found is None and self.comm.rank == 0:
+                print(
+                    f"shardwise: zero3: {type(self.model).__name__} has no ModuleList/Sequential of blocks, "
+                    "so it is gathered whole, as one unit (set zero.unit to a block list to shard it finer)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return self._unit_modules
 
     def build_groups(self) -> list[FlatGroup]:
         owners: dict[int, set[int]] = {}
@@ -129,8 +142,10 @@ class ShardedModule(ZeroBase):
             self._start(self._neighbour(unit, +1))
 
     def _unit_forward(self, unit: int, output: Any) -> None:
-        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda _grad: self._unit_pre_backward(unit))
+        if torch.is_grad_enabled():  # a block may return a tuple or a dict (Hugging Face's do)
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda _grad: self._unit_pre_backward(unit))
         self._free(self._unit_group[unit])  # type: ignore[arg-type]
 
     def _unit_pre_backward(self, unit: int) -> None:
@@ -138,6 +153,7 @@ class ShardedModule(ZeroBase):
 
     # -- gradients ----------------------------------------------------------------------------------
     def _on_grad(self, index: int, param_index: int) -> None:
+        self.mark_used(index, param_index)
         if index != self._root:
             # a unit's gradients arrive together: flatten each at once and free it. The root's arrive
             # at both ends of backward (final norm first, embeddings last): they stay as .grad until
@@ -169,9 +185,22 @@ class ShardedModule(ZeroBase):
                 self.launch_reduce(group, release=True)
                 self._missing[index] = len(group.params)
         self.wait_reduces()
+        self.share_usage()
         self.after_step()
 
     def after_step(self) -> None:
         """Free every full buffer: the next forward gathers the updated shards."""
         for index in range(len(self.groups)):
             self._free(index)
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a block's output: a tensor, or inside tuples, lists and dicts."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, tuple | list):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):  # ModelOutput is a dict too
+        for item in output.values():
+            yield from _tensors(item)
