@@ -41,7 +41,7 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--ps-mode": ("ps.mode", {"help": "sync | async"}),
     "--max-staleness": ("ps.max_staleness", {}),
     "--offload": ("zero.offload", {"help": "none | cpu | disk"}),
-    "--precision": ("zero.precision", {"help": "fp32 | bf16 | fp16"}),
+    "--precision": ("precision", {"help": "fp32 | bf16 | fp16 (compute dtype; fp32 masters)"}),
     "--eval-every": ("eval_every", {}),
     "--run-dir": ("run_dir", {}),
     "--checkpoint-every": ("checkpoint.every", {}),

@@ -260,6 +260,7 @@ class CommConfig:
 class ZeroConfig:
     offload: str = checked("none", OneOf(("none", "cpu", "disk")))
     offload_dir: str = ""  # "": a temporary folder
+    # deprecated: the top-level ``precision`` (read when that is left at fp32, with a notice)
     precision: str = checked("fp32", OneOf(("fp32", "bf16", "fp16")))
     bucket_mb: float = checked(25.0, Range(gt=0))
     prefetch: bool = True
@@ -302,6 +303,9 @@ class TrainConfig:
     # -1: automatic, 5 x the median step time and at least 30 s
     trace: bool = False  # record per-rank spans into <run_dir>/trace.json (Chrome trace / Perfetto)
     hang_timeout_s: float = checked(-1.0, Range(ge=0, also=(-1.0,), note="or -1 for automatic"))
+    # compute in fp32 (the model's own dtype), or bf16/fp16 with fp32 masters (ZeRO: master shards and
+    # compute copies; the others: fp32 parameters under autocast); fp16 scales the loss dynamically
+    precision: str = checked("fp32", OneOf(("fp32", "bf16", "fp16")))
     sync_batchnorm: bool = False  # BatchNorm layers use the global batch's statistics (over dp)
     # a NaN/inf loss or gradient: stop the run, or skip that step's update on every rank
     on_nonfinite: str = checked("stop", OneOf(("stop", "skip")))
@@ -352,15 +356,27 @@ class TrainConfig:
                 "use ps.mode = sync or optim.clip_grad_norm = 0"
             )
 
+    @property
+    def compute_precision(self) -> str:
+        """``precision``, or the deprecated ``zero.precision`` when only that one is set."""
+        return self.precision if self.precision != "fp32" else self.zero.precision
+
     def _check_applies(self) -> None:
         """Refuse settings the chosen strategy would silently ignore."""
-        zero_only = {
-            "zero.precision": (self.zero.precision, "fp32"),
-            "zero.offload": (self.zero.offload, "none"),
-        }
-        for key, (value, default) in zero_only.items():
-            if value != default and not self.strategy.startswith("zero"):
-                raise ConfigError(f"{key} = {value!r} applies to zero1/zero2/zero3, not to {self.strategy}")
+        if self.zero.offload != "none" and not self.strategy.startswith("zero"):
+            raise ConfigError(
+                f"zero.offload = {self.zero.offload!r} applies to zero1/zero2/zero3, not to {self.strategy}"
+            )
+        if self.strategy == "ps" and self.compute_precision == "fp16":
+            raise ConfigError(
+                "fp16 with the parameter server is not built yet (its loss scale would travel with every "
+                "push); use precision = bf16"
+            )
+        if self.precision != "fp32" and self.zero.precision not in ("fp32", self.precision):
+            raise ConfigError(
+                f"precision = {self.precision!r} and the deprecated zero.precision = {self.zero.precision!r} "
+                "disagree; set only precision"
+            )
 
     def _check_batch(self, dp: int) -> None:
         data = self.data

@@ -121,6 +121,8 @@ def parallelize(
     engine = build_data_parallel(config, model, mesh, share_gradients)
     engine.count_comm = mesh.comm("dp") if mesh.in_mesh else None  # the ranks that split each batch
     engine.clip_grad_norm = config.optim.clip_grad_norm
+    if engine.units_are_parameters:  # ZeRO took the precision at construction (compute copies)
+        engine.use_precision(config.compute_precision)
     if loss is not None:
         engine.loss = as_loss(loss)
     if scheduler is None and not is_constant(config.optim):

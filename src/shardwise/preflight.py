@@ -11,6 +11,7 @@ read-only mounts, a file where a folder should be, root or not). The ranks run t
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,13 @@ def preflight(config: TrainConfig, world_size: int, writes_run_files: bool = Tru
     ``verify`` does not).
     """
     config = config.validate(world_size)
+    if config.zero.precision != "fp32":
+        print(
+            f"shardwise: zero.precision is deprecated: read as precision = {config.compute_precision} "
+            "(use --precision)",
+            file=sys.stderr,
+            flush=True,
+        )
     check_model_config(config.model)
     check_parallelism(config)
     for key, folder in output_folders(config, writes_run_files):

@@ -9,6 +9,7 @@ engine does at construction (rank 0's initial weights are broadcast, or the serv
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from torch import nn
 
@@ -28,7 +29,8 @@ def _ddp(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: boo
 
 def _zero(stage: int) -> Builder:
     def build(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool) -> Engine:
-        return build_zero_engine(model, mesh.comm("dp"), stage, config.zero, Role.trainer(mesh.rank))
+        zero = replace(config.zero, precision=config.compute_precision)
+        return build_zero_engine(model, mesh.comm("dp"), stage, zero, Role.trainer(mesh.rank))
 
     return build
 

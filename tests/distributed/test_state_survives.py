@@ -53,10 +53,10 @@ def _fp16_cases(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     import shardwise.zero.base as zero_base
     from shardwise.train.loop import run_training
-    from shardwise.zero.precision import LossScaler
+    from shardwise.engine.precision import LossScaler
 
     zero_base.LossScaler = functools.partial(LossScaler, growth_interval=2)  # type: ignore[misc]
-    extra = {"strategy": "zero2", "zero.precision": "fp16", "steps": "7", "checkpoint.every": "3"}
+    extra = {"strategy": "zero2", "precision": "fp16", "steps": "7", "checkpoint.every": "3"}
     full = run_training(_config(Path(root) / "full", **extra), show_progress=False)
     if rank == 0:
         _cut(Path(root) / "full", Path(root) / "cut", keep_step=3)
@@ -77,7 +77,7 @@ def test_fp16_loss_scale_is_saved_and_restored(tmp_path) -> None:
     assert cut["scaler_skipped_steps"] == full["scaler_skipped_steps"]
     assert cut["final_param_digest"] == full["final_param_digest"]
     step3 = list_steps(str(tmp_path / "full" / "checkpoints"))[0][1]
-    saved = load(step3, {"zero/loss_scale": None})["zero/loss_scale"]
+    saved = load(step3, {"precision/loss_scale": None})["precision/loss_scale"]
     assert saved.tolist() != [2.0**16, 0.0, 0.0]  # the scaler after 3 steps, not a fresh one
 
 

@@ -113,3 +113,34 @@ def test_plain_batchnorm_differs_from_one_process_and_says_so() -> None:
     results = run_on_ranks(_worker, 2, [config], timeout_s=180)
     report = compare_runs(reference_run(config.validate(2)), results[0][0], TOL)
     assert not report["ok"] and report["max_param_diff"] > 1e-6
+
+
+# -- mixed precision for every strategy ------------------------------------------------------------------
+def _summary(rank: int, world_size: int, config: TrainConfig) -> dict | None:
+    from shardwise.train.loop import Trainer
+
+    return Trainer.build(config).fit(show_progress=False)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world", "precision"),
+    [("ddp", 2, "bf16"), ("ddp", 2, "fp16"), ("zero2", 2, "bf16"), ("ps", 3, "bf16")],
+)
+def test_mixed_precision_trains_close_to_fp32(tmp_path, strategy: str, world: int, precision: str) -> None:
+    losses = {}
+    for name in ("fp32", precision):
+        overrides = {"strategy": strategy, "precision": name, "model.preset": "tiny", "steps": "25"}
+        config = load_config(None, {**overrides, "eval_every": "0", "run_dir": str(tmp_path / name)})
+        summary = next(s for s in run_on_ranks(_summary, world, config, timeout_s=240) if s)
+        losses[name] = summary["final_loss"]
+        assert summary["compute_dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[name]
+    assert losses[precision] == pytest.approx(losses["fp32"], rel=0.02)
+
+
+def test_precision_settings_that_cannot_apply_are_refused() -> None:
+    with pytest.raises(ConfigError, match="fp16 with the parameter server is not built yet"):
+        load_config(None, {"strategy": "ps", "precision": "fp16"}).validate(3)
+    with pytest.raises(ConfigError, match="disagree"):
+        load_config(None, {"precision": "bf16", "zero.precision": "fp16", "strategy": "zero1"}).validate(2)
+    old = load_config(None, {"zero.precision": "bf16", "strategy": "ddp"}).validate(2)
+    assert old.compute_precision == "bf16"  # the old key is still read, for every strategy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.zero.precision import LossScaler, Precision, resolve_precision
+from shardwise.engine.precision import LossScaler, Precision, resolve_precision
 
 
 def test_precision_keeps_fp32_masters() -> None:

@@ -38,6 +38,7 @@ from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.config import DDPConfig
 from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, grad_sq_sum
 from shardwise.engine.full_state import full_state_tensors, load_full_state, replicated_pieces
+from shardwise.engine.precision import LOSS_SCALE
 
 
 @dataclass
@@ -190,6 +191,18 @@ class DDPEngine(Engine):
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         return grad_sq_sum(self.params), None  # every rank holds the whole, reduced gradient
 
+    def prepare_update(self) -> bool:
+        """fp16: unscale the reduced gradients; an inf or NaN skips the update and lowers the scale.
+        The buckets are the same on every rank after the all-reduce, so every rank agrees alone."""
+        if not self.scaler.enabled:
+            return True
+        finite = True
+        for bucket in self.buckets:
+            bucket.buffer.div_(self.scaler.scale)
+            finite = finite and bool(torch.isfinite(bucket.buffer).all())
+        self.scaler.update(found_inf=not finite)
+        return finite
+
     def after_update(self) -> None:
         for bucket in self.buckets:
             bucket.buffer.zero_()
@@ -207,10 +220,22 @@ class DDPEngine(Engine):
 
     # -- checkpoints (every rank holds everything; ranks split the writing by bytes) ------------------
     def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
-        return replicated_pieces(full_state_tensors(self.model, self.optimizers[0]), rank, world_size)
+        pieces = replicated_pieces(full_state_tensors(self.model, self.optimizers[0]), rank, world_size)
+        if self.scaler.enabled and rank == 0:  # the same on every rank: one writes it
+            pieces.append(Piece.full(LOSS_SCALE, self.scaler.state()))
+        return pieces
 
     def load_state(self, read: StateReader) -> None:
+        saved = self.scaler.enabled and LOSS_SCALE in read.shapes  # absent: another precision saved it
+        scale = read({LOSS_SCALE: None})[LOSS_SCALE] if saved else None
         load_full_state(self.model, self.optimizers[0], read)
+        if scale is not None:
+            self.scaler.load(scale)
+
+    def metrics(self) -> dict[str, float]:
+        if not self.scaler.enabled:
+            return {}
+        return {"loss_scale": self.scaler.scale, "scaler_skipped_steps": self.scaler.skipped_steps}
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -48,6 +48,7 @@ from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.engine.loss import Loss, TokenLoss, run_model
+from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.observe.monitor import MONITOR
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (batch, seq) long, targets (batch, seq) long
@@ -168,6 +169,10 @@ class Engine(ABC):
         self.loss: Loss = TokenLoss()  # the user's loss: a SUM over items and a count (engine.loss)
         self.count_comm: Comm | None = None  # the ranks that share a batch: where counts are summed
         self.clip_grad_norm = 0.0  # 0 or inf: measure the global norm, never clip
+        dtype = next((p.dtype for p in model.parameters()), torch.float32)
+        self.precision = resolve_precision("fp32", dtype)
+        self.autocast_dtype: torch.dtype | None = None  # bf16/fp16 compute over fp32 parameters
+        self.scaler = LossScaler(False)
         self.last_grad_norm = float("nan")  # the global norm before clipping, of the last update
 
     # -- the step ---------------------------------------------------------------------------------
@@ -211,12 +216,36 @@ class Engine(ABC):
         return share
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The summed loss of one micro-batch: the model on the batch, then ``self.loss``."""
-        return self.loss(run_model(self.model, batch), batch)
+        """The summed loss of one micro-batch: the model on the batch (under autocast when the engine
+        computes in bf16/fp16 from fp32 parameters), then ``self.loss`` (which sums in fp32)."""
+        if self.autocast_dtype is None:
+            return self.loss(run_model(self.model, batch), batch)
+        with torch.autocast(self._device_type(), dtype=self.autocast_dtype):
+            outputs = run_model(self.model, batch)
+        return self.loss(outputs, batch)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of this micro-batch's share of the mean loss (mixed precision scales it)."""
-        loss.backward()
+        """Backward of this micro-batch's share of the mean loss; fp16 scales it first so that small
+        gradients survive (``prepare_update`` unscales)."""
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+
+    def use_precision(self, name: str) -> None:
+        """Compute in ``name`` (fp32 | bf16 | fp16) under autocast, parameters and gradients staying in
+        their own dtype; fp16 adds a dynamic loss scale. Engines that cast their own compute copies
+        (ZeRO) take the precision at construction instead."""
+        if name == "fp32":
+            return
+        self.precision = resolve_precision(name, next(self.model.parameters()).dtype)
+        self.autocast_dtype = self.precision.compute
+        self.scaler = LossScaler(self.precision.scaled)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype forward and backward actually compute in (the summary reports it)."""
+        return self.autocast_dtype or self.precision.compute
+
+    def _device_type(self) -> str:
+        return next(self.model.parameters()).device.type
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -297,7 +326,7 @@ class Engine(ABC):
     def scaler_owns_overflow(self) -> bool:
         """True while a dynamic loss scale handles non-finite values itself (fp16: it skips the step
         and lowers the scale), so they are not the run's to stop or skip. Same on every rank."""
-        return False
+        return self.scaler.owns_overflow
 
     def servers_nonfinite(self) -> NonFinite | None:
         """Where the optimizer runs on serving ranks (``optimizer_runs == "servers"``): what they found
@@ -379,7 +408,7 @@ class Engine(ABC):
           ``momentum_buffer``, ...) at the parameter's global shape, in the optimizer's dtype.
         - ``optim/step/<name>``: the parameter's step count, a scalar (shape ``()``).
         - State only one strategy has goes under its own prefix, and other layouts ignore it:
-          ``ps/version`` (each server's version), ``zero/loss_scale`` (fp16's loss scaler).
+          ``ps/version`` (each server's version), ``precision/loss_scale`` (fp16's loss scaler).
 
         Every element of every tensor must be written by exactly one rank. Replicated engines (DDP)
         spread whole tensors over ranks (``checkpoint.spread_replicated``), so no rank writes it all.

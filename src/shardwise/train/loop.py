@@ -393,6 +393,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
     ranks = len(history[-1].peak_rss_mb_by_rank)
     return {
         "strategy": config.strategy,
+        "compute_dtype": str(trainer.engine.compute_dtype).removeprefix("torch."),
         "world_size": dist.get_world_size(),
         "training_ranks": ranks,
         "steps": history[-1].step + 1,

@@ -23,11 +23,11 @@ from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Engine, NamedTensors, Role, StateReader
+from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
 from shardwise.zero.memory import memory_report
 from shardwise.zero.offload import CpuOffload, NoOffload, Offload, build_offload
-from shardwise.zero.precision import LossScaler, resolve_precision
 from shardwise.zero.state import gathered_state, load_zero_state, zero_state_pieces
 from shardwise.zero.unused import group_usage, isolated, plan_passes, share, stepped
 
@@ -102,9 +102,6 @@ class ZeroBase(Engine):
                 p.data = p.data.to(self.precision.compute)
 
     # -- the step ---------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """fp16: the loss is scaled so small gradients survive; the update unscales (``_overflowed``)."""
-        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
 
     def _overflowed(self) -> bool:
         """Unscale fp16 gradient shards; True (on every rank) when any is inf or NaN."""
@@ -152,8 +149,6 @@ class ZeroBase(Engine):
                     bad.add(piece.name)
         return next((name for name, _ in self.trainable if name in bad), None)
 
-    def scaler_owns_overflow(self) -> bool:
-        return self.scaler.owns_overflow
 
     def prepare_update(self) -> bool:
         self._memory = memory_report(self)  # gradients are live now: the moment the formula describes

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.collectives.api import Comm, Work
+from shardwise.engine.precision import Precision
 from shardwise.zero.flat_param import FlatLayout, layout_of
-from shardwise.zero.precision import Precision
 
 
 @dataclass

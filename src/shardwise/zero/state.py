@@ -6,7 +6,7 @@ shard arithmetic is :mod:`shardwise.zero.flat_param`'s (``FlatLayout.pieces``): 
 parameters overlapping this rank's shard become flat ranges ``[a, b)`` of those parameters; padding is
 never written, and a scalar (the group's step) goes to the rank holding the parameter's first element.
 Frozen parameters and buffers are whole on every rank: they are spread over ranks by bytes, so each is
-written once. In fp16, rank 0 also writes the loss scaler's state (``zero/loss_scale``), so a resumed
+written once. In fp16, rank 0 also writes the loss scaler's state (``precision/loss_scale``), so a resumed
 run goes on with the same scale; a checkpoint without it (another precision or strategy) keeps a
 fresh scaler. Loading asks for exactly the same ranges in the loading engine's own layout (any world
 size), so checkpoints of any strategy load here and ours load anywhere. Mixed precision: the checkpoint
@@ -27,13 +27,13 @@ import torch
 from shardwise.checkpoint.manager import Piece as SavedPiece
 from shardwise.engine.base import Span, StateReader
 from shardwise.engine.full_state import StateMismatchError, replicated_pieces
+from shardwise.engine.precision import LOSS_SCALE
 from shardwise.zero.flat_param import FlatLayout
 from shardwise.zero.group import FlatGroup
 
 if TYPE_CHECKING:
     from shardwise.zero.base import ZeroBase
 
-LOSS_SCALE = "zero/loss_scale"  # fp16: the loss scaler's state (LossScaler.state), written by rank 0
 SCALAR_KEYS = ("step",)  # per-parameter scalars; everything else of the master's shape is per element
 
 

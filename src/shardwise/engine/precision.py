@@ -1,7 +1,10 @@
-"""Mixed precision for ZeRO: compute in bf16/fp16, keep master shards in fp32, scale fp16 losses.
+"""Mixed precision for every strategy: compute in bf16/fp16, keep fp32 masters, scale fp16 losses.
 
-No communication of its own: the engine all-reduces the loss scaler's overflow flag through its Comm.
-Dynamic loss scaling follows Micikevicius et al., "Mixed Precision Training" (2018).
+ZeRO keeps fp32 master shards and computes with bf16/fp16 copies of the parameters; the replicated
+strategies (DDP, the parameter server) keep fp32 parameters and compute under ``torch.autocast``. fp16
+losses are multiplied by a dynamic scale (Micikevicius et al., "Mixed Precision Training", 2018) whose
+state travels in checkpoints (``LOSS_SCALE``). No communication of its own: ZeRO all-reduces the
+overflow flag through its Comm; DDP's gradients are already the same on every rank.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 _COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOSS_SCALE = "precision/loss_scale"  # fp16: the loss scaler's state (LossScaler.state), written by rank 0
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,7 @@ def resolve_precision(name: str, model_dtype: torch.dtype) -> Precision:
     if name == "fp32":
         return Precision(model_dtype, model_dtype, False)
     if name not in _COMPUTE:
-        raise ValueError(f"zero.precision must be fp32, bf16 or fp16; got {name!r}")
+        raise ValueError(f"precision must be fp32, bf16 or fp16; got {name!r}")
     master = model_dtype if model_dtype == torch.float64 else torch.float32
     return Precision(_COMPUTE[name], master, name == "fp16")
 
