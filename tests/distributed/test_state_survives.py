@@ -52,8 +52,8 @@ def _fp16_cases(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import shardwise.zero.base as zero_base
-    from shardwise.train.loop import run_training
     from shardwise.engine.precision import LossScaler
+    from shardwise.train.loop import run_training
 
     zero_base.LossScaler = functools.partial(LossScaler, growth_interval=2)  # type: ignore[misc]
     extra = {"strategy": "zero2", "precision": "fp16", "steps": "7", "checkpoint.every": "3"}
