@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shardwise.commands.ckpt import add_ckpt_parser
 
     add_ckpt_parser(sub)
+    from shardwise.commands.plot import add_plot_parser
+
+    add_plot_parser(sub)
     return parser
 
 

@@ -20,6 +20,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+# phases spent waiting for other ranks rather than computing: drawn as communication in timelines
+WAITING_PHASES = {"gradient sync": "comm", "metrics": "comm"}
+
 
 @dataclass
 class Call:
@@ -87,9 +90,8 @@ class Monitor:
         """Enter ``phase`` (forward, backward, optimizer, checkpoint, eval, ...) of ``step``."""
         now = time.monotonic()
         if self.tracing and self.phase not in ("start", "idle"):
-            self.spans.append(
-                Span(self.phase, "compute", "compute", self.phase_since, now - self.phase_since)
-            )
+            category = WAITING_PHASES.get(self.phase, "compute")
+            self.spans.append(Span(self.phase, category, "compute", self.phase_since, now - self.phase_since))
         if step is not None:
             self.step = step
         self.phase, self.phase_since = phase, now

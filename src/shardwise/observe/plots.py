@@ -1,0 +1,155 @@
+"""Pictures of a run, from its files: curves from ``metrics.jsonl``, lanes from ``trace.json``.
+
+``plot_run`` draws four PNGs (train and held-out loss; tokens/s; per-rank step time with the share of
+it spent blocked in communication; per-rank memory) and ``plot_timeline`` one (each rank a lane,
+compute and communication in their own rows and colours, the time no span covers shaded as idle).
+Both read only what the run wrote, so they work on a finished run and on one still running (a row
+still being written is skipped). matplotlib (the ``plot`` extra) is imported only here. No
+communication.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+COLORS = {
+    "compute": "#4C72B0",
+    "comm": "#DD8452",
+    "step": "#BBBBBB",
+    "checkpoint": "#55A868",
+    "eval": "#8172B3",
+}
+
+
+class PlotError(RuntimeError):
+    """Nothing to plot, or matplotlib missing; the message says which and what to do."""
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files, never a window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotError("plots need matplotlib: pip install shardwise[plot]") from None
+    return plt
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl``; a last row still being written is left out."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise PlotError(f"{path} does not exist: is {run_dir} a run folder (shardwise train --run-dir)?")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a row being written right now
+    if not rows:
+        raise PlotError(f"{path} has no rows yet")
+    return rows
+
+
+def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
+    """loss.png, throughput.png, ranks.png and memory.png under ``out_dir`` (default: the run's
+    ``plots/``); returns their paths."""
+    plt, rows = _pyplot(), read_metrics(run_dir)
+    out = out_dir or run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in rows]
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["loss"] for r in rows], label="train")
+    evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="held-out")
+    _finish(ax, "loss per item", "step", "loss")
+    written.append(_save(fig, out / "loss.png"))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["tokens_per_s"] for r in rows])
+    _finish(ax, "throughput", "step", "tokens / s")
+    written.append(_save(fig, out / "throughput.png"))
+    written.append(_ranks(plt, rows, steps, out / "ranks.png"))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for rank, series in enumerate(zip(*[r["rss_mb_by_rank"] for r in rows], strict=True)):
+        ax.plot(steps, series, label=f"rank {rank}")
+    _finish(ax, "resident memory", "step", "MB")
+    written.append(_save(fig, out / "memory.png"))
+    return written
+
+
+def _ranks(plt: Any, rows: list[dict[str, Any]], steps: list[int], path: Path) -> Path:
+    """Per-rank step time (top) and the share of it blocked in communication (bottom)."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    by_rank = list(zip(*[r["step_s_by_rank"] for r in rows], strict=True))
+    comm = list(zip(*[r["comm_s_by_rank"] for r in rows], strict=True))
+    for rank, (times, blocked) in enumerate(zip(by_rank, comm, strict=True)):
+        top.plot(steps, [1000 * t for t in times], label=f"rank {rank}")
+        bottom.plot(steps, [100 * b / t if t else 0.0 for b, t in zip(blocked, times, strict=True)])
+    _finish(top, "step time per rank", None, "ms")
+    _finish(bottom, "share of the step blocked in communication", "step", "%", legend=False)
+    return _save(fig, path)
+
+
+def _finish(ax: Any, title: str, xlabel: str | None, ylabel: str, legend: bool = True) -> None:
+    ax.set_title(title)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend and ax.get_legend_handles_labels()[0]:
+        ax.legend()
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    fig.clf()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def plot_timeline(run_dir: Path, out: Path | None = None, last_steps: int = 3) -> Path:
+    """timeline.png: the last ``last_steps`` steps of ``trace.json``, one lane per rank."""
+    plt = _pyplot()
+    path = run_dir / "trace.json"
+    if not path.exists():
+        raise PlotError(f"{path} does not exist: train with --trace to record one")
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    window = _window(events, last_steps)
+    ranks = sorted({e["pid"] for e in events})
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.9 * len(ranks)))
+    for lane, rank in enumerate(ranks):
+        mine = [e for e in events if e["pid"] == rank and window[0] <= e["ts"] <= window[1]]
+        _lane(ax, lane, mine, window)
+    ax.set_yticks([lane for lane in range(len(ranks))], [f"rank {r}" for r in ranks])
+    ax.set_xlabel("ms")
+    ax.set_title(f"timeline of the last {last_steps} steps (blue compute, orange communication, grey idle)")
+    ax.invert_yaxis()
+    return _save(fig, out or run_dir / "plots" / "timeline.png")
+
+
+def _window(events: list[dict[str, Any]], last_steps: int) -> tuple[float, float]:
+    steps = sorted((e for e in events if e.get("cat") == "step"), key=lambda e: e["ts"])
+    chosen = steps[-last_steps:] if steps else events
+    return min(e["ts"] for e in chosen), max(e["ts"] + e["dur"] for e in chosen)
+
+
+def _lane(ax: Any, lane: int, events: list[dict[str, Any]], window: tuple[float, float]) -> None:
+    """A rank's row: compute above, communication below, idle (no compute span) shaded."""
+    start = window[0]
+    ax.broken_barh([(0, (window[1] - start) / 1000)], (lane - 0.4, 0.8), color="#EEEEEE")  # idle
+    for category, offset in (("compute", -0.4), ("comm", 0.0)):
+        spans = [
+            ((e["ts"] - start) / 1000, (min(e["ts"] + e["dur"], window[1]) - e["ts"]) / 1000)
+            for e in events
+            if e.get("cat") == category
+        ]
+        ax.broken_barh(spans, (lane + offset, 0.4), color=COLORS[category])
