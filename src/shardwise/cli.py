@@ -71,6 +71,13 @@ def add_train_flags(parser: argparse.ArgumentParser, defaults: dict[str, str] | 
         "--find-unused-parameters", dest="ddp.find_unused_parameters", action="store_const", const="true"
     )
     parser.add_argument(
+        "--tensorboard",
+        dest="tensorboard",
+        action="store_const",
+        const="true",
+        help="also write the metrics as TensorBoard events in <run-dir>/tensorboard",
+    )
+    parser.add_argument(
         "--trace",
         dest="trace",
         action="store_const",
@@ -96,7 +103,7 @@ def _get(config: Any, dotted: str) -> Any:
 
 def config_from_args(args: argparse.Namespace, defaults: dict[str, str] | None = None) -> TrainConfig:
     overrides: dict[str, Any] = dict(defaults or {})
-    switches = ["ddp.find_unused_parameters", "sync_batchnorm", "trace"]
+    switches = ["ddp.find_unused_parameters", "sync_batchnorm", "trace", "tensorboard"]
     for key in [k for k, _ in TRAIN_FLAGS.values()] + switches:
         value = getattr(args, key, None)
         if value is not None:

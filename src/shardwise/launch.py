@@ -118,8 +118,8 @@ def launch_local(
     try:
         return elastic_launch(config, _RankMain(fn))(*args)
     except ChildFailedError as exc:
-        if hang_report.exists():  # a rank's watchdog named the rank that held the job up
-            raise LaunchError(hang_report.read_text().strip()) from None
+        if hang_report.exists():  # a rank's watchdog named (above) the rank that held the job up
+            raise LaunchError("the job stopped on the hang named above") from None
         raise LaunchError(_describe_failure(exc), _user_error(exc)) from None
     except SignalException as exc:  # a signal the agent handled: it has already stopped the ranks
         raise signals.Interrupted(int(exc.sigval)) from None
@@ -165,9 +165,12 @@ class _RankMain:
         functools.update_wrapper(self, fn)  # the agent names the entry point by __name__
 
     def __call__(self, *args: Any) -> Any:
-        # The agent stops ranks; a Ctrl-C reaching the whole process group (or the parent-death
-        # signal torch sets, SIGINT) ends a rank at once, even inside a collective, with no traceback.
+        # The agent stops ranks with SIGTERM; a Ctrl-C reaching the whole process group (or the
+        # parent-death signal torch sets, SIGINT) too. Either ends a rank at once, even blocked inside a
+        # collective (where a Python handler would wait for the collective's own timeout), with no
+        # traceback. Checkpoints are published atomically, so nothing is left half-written.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
             return self.fn(*args)
         except Exception as exc:

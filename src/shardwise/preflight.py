@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.models import check_model_config
+from shardwise.observe.tensorboard import available as tensorboard_available
 from shardwise.parallelism import check as check_parallelism
 
 
@@ -27,6 +28,8 @@ def preflight(config: TrainConfig, world_size: int, writes_run_files: bool = Tru
     ``verify`` does not).
     """
     config = config.validate(world_size)
+    if config.tensorboard and not tensorboard_available():
+        raise ConfigError("--tensorboard needs tensorboardX: pip install shardwise[tensorboard]")
     if config.zero.precision != "fp32":
         print(
             f"shardwise: zero.precision is deprecated: read as precision = {config.compute_precision} "

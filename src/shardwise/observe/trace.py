@@ -30,7 +30,15 @@ def rank_events(spans: Iterable[Span], rank: int, origin: float) -> list[dict[st
     """Chrome trace events (complete events, microseconds) of one rank's spans."""
     lanes: dict[str, int] = {}
     events: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}
+        {
+            "name": "process_name",
+            "ph": "M",
+            "ts": 0,
+            "dur": 0,
+            "pid": rank,
+            "tid": 0,
+            "args": {"name": f"rank {rank}"},
+        }
     ]
     for span in spans:
         if span.lane not in lanes:
@@ -39,6 +47,8 @@ def rank_events(spans: Iterable[Span], rank: int, origin: float) -> list[dict[st
                 {
                     "name": "thread_name",
                     "ph": "M",
+                    "ts": 0,
+                    "dur": 0,
                     "pid": rank,
                     "tid": lanes[span.lane],
                     "args": {"name": span.lane},

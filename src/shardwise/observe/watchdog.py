@@ -37,8 +37,7 @@ from typing import Any, Protocol
 from shardwise.observe.monitor import MONITOR, Monitor
 
 HANG_EXIT_CODE = 86
-# set by shardwise's launcher: the file where the line goes, for the launcher to print as the job's one
-# error line; without it (torchrun) the reporting rank prints it
+# set by shardwise's launcher: the file the line also goes to, so the launcher knows why the job ended
 HANG_REPORT_ENV = "SHARDWISE_HANG_REPORT"
 STALE_AFTER_INTERVALS = 4  # a snapshot this many publishing intervals old: the rank has stopped
 
@@ -151,12 +150,16 @@ class Watchdog:
         return max(30.0, 5 * median)
 
     def tick(self) -> None:
-        snapshot = self.monitor.snapshot()
-        snapshot["seq"] = time.monotonic()  # changes every publish: a stopped rank's does not
-        self.store.set(f"watchdog/rank{self.rank}", json.dumps(snapshot))
+        snapshot = self.publish()
         limit = self.timeout()
         if snapshot["blocked"] and limit > 0 and snapshot["blocked_for_s"] > limit:
             self.report(snapshot)
+
+    def publish(self) -> dict[str, Any]:
+        snapshot = self.monitor.snapshot()
+        snapshot["seq"] = time.monotonic()  # changes every publish: a stopped rank's does not
+        self.store.set(f"watchdog/rank{self.rank}", json.dumps(snapshot))
+        return snapshot
 
     def states(self) -> dict[int, dict[str, Any] | None]:
         """Every rank's newest snapshot, with ``age_s``: how long it has stayed the same here."""
@@ -174,8 +177,10 @@ class Watchdog:
         return out
 
     def report(self, mine: dict[str, Any]) -> None:
-        states = self.states()
-        time.sleep(self.interval_s * (STALE_AFTER_INTERVALS + 1))  # long enough to tell a stopped rank
+        self.states()
+        for _ in range(STALE_AFTER_INTERVALS + 1):  # long enough to tell a stopped rank from a live one
+            time.sleep(self.interval_s)
+            self.publish()  # this rank is alive: the others, looking too, must see it change
         states = self.states()
         stale_s = self.interval_s * STALE_AFTER_INTERVALS
         line = diagnose(self.rank, mine, states, stale_s)
@@ -186,9 +191,14 @@ class Watchdog:
 def _kill_stopped(states: Mapping[int, State | None], stale_s: float) -> None:
     """End this host's ranks that stopped responding (SIGSTOP, a debugger): a stopped process ignores
     the launcher's SIGTERM until someone continues it, which would hold the job's end for long."""
-    host = socket.gethostname()
+    host, me = socket.gethostname(), os.getpid()
     for state in states.values():
-        if state and state["age_s"] > stale_s and state.get("host") == host and state.get("pid"):
+        if (
+            state
+            and state["age_s"] > stale_s
+            and state.get("host") == host
+            and state.get("pid") not in (None, me)
+        ):
             with contextlib.suppress(OSError):
                 os.kill(int(state["pid"]), signal.SIGKILL)
 
@@ -197,12 +207,11 @@ def _exit(line: str | None, states: Mapping[int, State | None], stale_s: float) 
     """Say it once (the first rank that saw it), end this host's stopped ranks, then leave: the
     launcher stops or restarts the job."""
     if line:
+        print(f"shardwise: {line}", file=sys.stderr, flush=True)  # now, not when the job has ended
         report = os.environ.get(HANG_REPORT_ENV)
         if report:
             with contextlib.suppress(OSError):
                 Path(report).write_text(line + "\n")
-        else:
-            print(f"shardwise: {line}", file=sys.stderr, flush=True)
         _kill_stopped(states, stale_s)
     else:
         time.sleep(0.5)  # let the first reporter's line out before the agent stops everyone

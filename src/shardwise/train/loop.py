@@ -298,7 +298,7 @@ def _loop(
         truncate_metrics(run_dir / "metrics.jsonl", start)
         (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
         _announce(config, ckpt, start, restarts)
-    writer = MetricsWriter(run_dir, enabled=role.reports)
+    writer = MetricsWriter(run_dir, enabled=role.reports, tensorboard=config.tensorboard)
     progress = Progress(config.steps, enabled=role.reports and show_progress, completed=start)
     eval_losses: list[tuple[int, float]] = list(resumed.eval_losses) if resumed else []
     skipped: list[int] = list(resumed.skipped_steps) if resumed else []

@@ -22,6 +22,7 @@ import torch
 
 from shardwise.collectives.api import Comm
 from shardwise.engine.base import NonFinite
+from shardwise.observe.tensorboard import TensorBoard
 
 FIELDS = ("loss_share", "step_s", "comm_s", "bytes_sent", "rss_mb", "peak_rss_mb", "samples", "nonfinite")
 # what another rank found not finite, where this one found nothing (asynchronous workers differ)
@@ -93,21 +94,28 @@ def gather_step(
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to ``<run_dir>/metrics.jsonl`` (rank 0 only)."""
+    """Appends one JSON object per record to ``<run_dir>/metrics.jsonl`` (the reporting rank only),
+    and the same scalars to TensorBoard event files when ``tensorboard`` is set."""
 
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = False) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled
+        self._board = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._board = TensorBoard(run_dir) if tensorboard else None
 
     def write(self, record: StepRecord | dict[str, Any]) -> None:
         if self.enabled:
             row = asdict(record) if isinstance(record, StepRecord) else record
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
+            if self._board is not None:
+                self._board.write(row)
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
+            if self._board is not None:
+                self._board.close()
