@@ -22,7 +22,7 @@ LLAMA = "hf:tiny-llama"  # a shipped config by name (grouped-query attention)
 def _config(kind: str, **overrides: str) -> TrainConfig:
     # 3 steps of a 6-sequence batch keep the time down; seq_len 32 fits the configs' 128 positions
     small = {"steps": "3", "data.global_batch": "6", "model.seq_len": "32"}
-    defaults = {**verify_defaults(kind), "run_dir": "", "model.kind": kind}
+    defaults = {**verify_defaults(kind), "run_dir": "runs/verify", "model.kind": kind}
     return load_config(None, {**defaults, **small, **overrides})
 
 
