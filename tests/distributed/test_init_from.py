@@ -150,3 +150,23 @@ def test_an_init_from_without_safetensors_is_one_line_before_any_rank_starts(tmp
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "holds no .safetensors file" in lines[0], lines
+
+
+@pytest.mark.slow
+def test_a_shardwise_export_is_a_starting_point_too(tmp_path: Path) -> None:
+    """Train, export the checkpoint to one file, load it: the parameters are the trained ones (the
+    tied head is in the file once, as wte.weight)."""
+    from shardwise.checkpoint.pretrained import load_pretrained
+    from shardwise.train.loop import param_digest
+
+    run = tmp_path / "run"
+    result = shardwise(
+        "train", "--preset", "tiny", "--strategy", "zero3", "--nproc", "2", "--steps", "2",
+        "--checkpoint-every", "2", "--run-dir", str(run), "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    exported = tmp_path / "model.safetensors"
+    assert shardwise("ckpt", "export", str(run), str(exported)).returncode == 0
+    model = build_model(load_config(None, {"model.preset": "tiny"}).model, meta=True)
+    load_pretrained(model, str(exported))
+    assert param_digest(dict(model.named_parameters())) == last_json(result)["final_param_digest"]
