@@ -26,6 +26,10 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--preset": ("model.preset", {"help": "model size: tiny | odd | small | base | medium | large"}),
     "--seq-len": ("model.seq_len", {}),
+    "--init-from": (
+        "model.init_from",
+        {"help": "start from local weights: a Hugging Face folder of safetensors or an exported file"},
+    ),
     "--global-batch": ("data.global_batch", {"help": "sequences per step over all ranks"}),
     "--micro-batches": ("data.micro_batches", {"help": "gradient accumulation (no_sync) steps"}),
     "--data-weights": ("data.weights", {"help": "per-rank shares, e.g. .25,.25,.10,.40"}),

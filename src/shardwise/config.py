@@ -138,6 +138,9 @@ class ModelConfig:
     dropout: float = checked(0.0, Range(ge=0, lt=1))
     tie_weights: bool = True
     freeze: tuple[str, ...] = ()  # parameter-name prefixes that stay frozen
+    # local weights to start from (a Hugging Face folder of safetensors, or a `shardwise ckpt export`
+    # file); "": the model's own random initialisation. See shardwise.checkpoint.pretrained
+    init_from: str = ""
 
 
 @dataclass(frozen=True)

@@ -9,21 +9,26 @@ The steps run in one fixed order (torchtitan's ``parallelize``), each on its own
    BatchNorm layers first become synchronous over ``dp`` (else a one-line notice: per-rank statistics);
 
 then the optimizers, built by one factory over what the rank holds after all four (so they compose),
-and handed to the engine. A step that is not built yet refuses in one line (``NotBuiltError``) when
-the config asks for it, rather than being silently skipped. ``check`` runs the same refusals on the
-config alone, so commands can fail before any rank starts. Communication: only the data-parallel
-engine's start-up (initial weights from rank 0, or from the servers).
+and handed to the engine. With ``model.init_from``, step 4 also gives the model its initial values from
+that file, each rank reading what it holds (ZeRO-3: its shards only; every other strategy: whole
+tensors), so a model built with its parameters on the meta device never exists whole on a ZeRO-3 rank.
+A step that is not built yet refuses in one line (``NotBuiltError``) when the config asks for it,
+rather than being silently skipped. ``check`` runs the same refusals on the config alone, so commands
+can fail before any rank starts. Communication: only the data-parallel engine's start-up (initial
+weights from rank 0, or from the servers).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
 from shardwise.engine.base import Engine
@@ -31,6 +36,7 @@ from shardwise.engine.loss import Loss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
 from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.mesh import Mesh
+from shardwise.models.meta import meta_parameters
 from shardwise.strategies import build_data_parallel
 
 
@@ -97,6 +103,26 @@ def apply_batchnorm(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
         )
 
 
+@contextmanager
+def _initial_weights(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Iterator[PretrainedWeights | None]:
+    """``model.init_from``'s files matched to the model, open while the engine reads them (None: the
+    model keeps its own values, which must then exist)."""
+    path = config.model.init_from
+    if not path:
+        if empty := meta_parameters(model):
+            raise ConfigError(
+                f"the model's parameters are on the meta device, with no values ({', '.join(empty[:3])}); "
+                "set model.init_from to the weights to load, or build the model on a real device"
+            )
+        yield None
+        return
+    with PretrainedWeights.open(path, model) as weights:
+        note = weights.cast_note()
+        if note and mesh.rank == 0:
+            print(f"shardwise: {note}", file=sys.stderr, flush=True)
+        yield weights
+
+
 def parallelize(
     model: nn.Module,
     mesh: Mesh,
@@ -118,7 +144,10 @@ def parallelize(
     apply_pipeline(model, mesh, config)
     apply_activation_checkpointing(model, config)
     apply_batchnorm(model, mesh, config)
-    engine = build_data_parallel(config, model, mesh, share_gradients)
+    with _initial_weights(model, mesh, config) as weights:
+        engine = build_data_parallel(config, model, mesh, share_gradients, weights)
+    if left := meta_parameters(model):  # a strategy that did not read them: never train on no data
+        raise RuntimeError(f"{config.strategy} left parameters on the meta device: {', '.join(left[:3])}")
     engine.count_comm = mesh.comm("dp") if mesh.in_mesh else None  # the ranks that split each batch
     engine.clip_grad_norm = config.optim.clip_grad_norm
     if engine.units_are_parameters:  # ZeRO took the precision at construction (compute copies)

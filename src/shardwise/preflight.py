@@ -1,7 +1,8 @@
 """One check of a whole job before any rank starts: values, degrees, model, parallelism, folders.
 
 Commands call ``preflight`` before launching, so a job that cannot run fails in one line at once
-instead of inside N ranks, or after training. The values are checked by ``TrainConfig.validate``
+instead of inside N ranks, or after training: ``model.init_from``'s weights are matched against the
+model (built on the meta device) here too. The values are checked by ``TrainConfig.validate``
 (pure, the ranges declared on the config's fields); the folders the run will write are *tried* here:
 created if missing and written to, since only a write says whether a write will work (permissions,
 read-only mounts, a file where a folder should be, root or not). The ranks run the value checks again
@@ -15,8 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.config import ConfigError, TrainConfig
-from shardwise.models import check_model_config
+from shardwise.models import build_model, check_model_config
 from shardwise.observe.tensorboard import available as tensorboard_available
 from shardwise.parallelism import check as check_parallelism
 
@@ -38,10 +42,20 @@ def preflight(config: TrainConfig, world_size: int, writes_run_files: bool = Tru
             flush=True,
         )
     check_model_config(config.model)
+    if config.model.init_from:
+        check_init_from(config)
     check_parallelism(config)
     for key, folder in output_folders(config, writes_run_files):
         check_writable(key, folder)
     return config
+
+
+def check_init_from(config: TrainConfig) -> None:
+    """The weights of ``model.init_from`` fit the model: the files' headers against the model built
+    with its parameters on the meta device (no values drawn, no tensor data read)."""
+    dtype = torch.float64 if config.dtype == "float64" else torch.float32
+    with PretrainedWeights.open(config.model.init_from, build_model(config.model, dtype, meta=True)):
+        pass
 
 
 def output_folders(config: TrainConfig, writes_run_files: bool = True) -> list[tuple[str, str]]:

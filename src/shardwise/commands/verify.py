@@ -88,6 +88,7 @@ def verify_worker(config: TrainConfig) -> dict[str, Any] | None:
 
 def reference_run(config: TrainConfig) -> dict[str, Any]:
     """Plain single-process PyTorch on the whole global batch: the answer every strategy must give."""
+    from shardwise.checkpoint.pretrained import load_pretrained
     from shardwise.data.corpus import load_corpus
     from shardwise.data.sampler import DataSampler
     from shardwise.engine.base import predicted_tokens
@@ -98,7 +99,10 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
     from shardwise.train.loop import seed_everything, torch_dtype
 
     seed_everything(config.seed)
-    model = build_model(config.model, torch_dtype(config.dtype))
+    init_from = config.model.init_from  # built as the ranks build it: no values drawn, then loaded
+    model = build_model(config.model, torch_dtype(config.dtype), meta=bool(init_from))
+    if init_from:
+        load_pretrained(model, init_from)
     optimizer = build_optimizer(named(model), config.optim)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config.optim, config.steps))
     trainable = [p for p in model.parameters() if p.requires_grad]

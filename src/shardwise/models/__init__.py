@@ -22,6 +22,7 @@ from shardwise.config import ConfigError, ModelConfig, check_model_kind, model_s
 from shardwise.models.factory import build_factory_model, check_factory
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.hf import build_hf_model, load_hf_config, shipped_configs
+from shardwise.models.meta import parameters_on_meta
 from shardwise.models.mlp import MLP, MLPConfig
 
 __all__ = [
@@ -84,12 +85,16 @@ def _preset(cfg: ModelConfig) -> dict[str, Any]:
     return presets[cfg.preset]
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, meta: bool = False) -> nn.Module:
     """Build the model ``cfg`` describes, under the caller's torch seed, then apply ``cfg.freeze``.
 
     Parameters are drawn in float32 (a Hugging Face model: in its config's dtype) and then cast, so
-    a float64 model holds exactly the float32 model's initial values.
+    a float64 model holds exactly the float32 model's initial values. ``meta``: parameters on the meta
+    device, no values drawn (buffers are real); they are loaded from ``cfg.init_from`` later.
     """
+    if meta:
+        with parameters_on_meta():
+            return build_model(cfg, dtype)
     check_model_kind(cfg.kind)
     model: nn.Module
     source = model_source(cfg.kind)

@@ -138,7 +138,9 @@ class Trainer:
         config = config.validate(world)
         mesh = build_mesh(config.dims(world), config.comm)
         seed_everything(config.seed)
-        net = model if model is not None else build_model(config.model, torch_dtype(config.dtype))
+        # with weights to load, parameters start on meta: each rank materialises only what it holds
+        meta = bool(config.model.init_from)
+        net = model if model is not None else build_model(config.model, torch_dtype(config.dtype), meta=meta)
         engine = parallelize(net, mesh, config, optimizer, share_gradients, scheduler=scheduler)
         engine.loss = as_loss(loss) if loss is not None else default_loss(config, model is not None)
         counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)

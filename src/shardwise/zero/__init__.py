@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Role
@@ -26,10 +27,18 @@ __all__ = [
 
 
 def build_zero_engine(
-    model: nn.Module, comm: Comm, stage: int, config: ZeroConfig, role: Role | None = None
+    model: nn.Module,
+    comm: Comm,
+    stage: int,
+    config: ZeroConfig,
+    role: Role | None = None,
+    weights: PretrainedWeights | None = None,
 ) -> ZeroBase:
     """The ZeRO engine of ``stage`` (1, 2 or 3) over the data-parallel group ``comm`` (no optimizers
-    yet: ``engine.optim.attach_optimizers`` builds them over its shards)."""
+    yet: ``engine.optim.attach_optimizers`` builds them over its shards). ``weights``: the initial
+    values, read whole by stages 1-2 (every rank holds the full model) and shard by shard by stage 3."""
     if stage == 3:
-        return ShardedModule(model, comm, config, role)
+        return ShardedModule(model, comm, config, role, weights)
+    if weights is not None:
+        weights.load_whole(model)
     return ZeroEngine(model, comm, stage, config, role)

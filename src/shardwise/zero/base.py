@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from shardwise.checkpoint.manager import Piece
+from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Engine, NamedTensors, Role, StateReader
@@ -33,10 +34,11 @@ from shardwise.zero.unused import group_usage, isolated, plan_passes, share, ste
 
 
 def broadcast_initial_state(model: nn.Module, comm: Comm) -> None:
-    """Every rank starts from rank 0's parameters and buffers."""
+    """Every rank starts from rank 0's parameters and buffers (those on meta are read from the weights
+    file by every rank instead)."""
     seen: set[int] = set()
     for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in seen:
+        if id(tensor) not in seen and not tensor.is_meta:
             seen.add(id(tensor))
             comm.broadcast(tensor.data, src=0)
 
@@ -49,9 +51,17 @@ class ZeroBase(Engine):
     stage: int = 0
     reduce_window: int | None = 2  # reduce-scatters in flight at most; None: no limit
 
-    def __init__(self, model: nn.Module, comm: Comm, config: ZeroConfig, role: Role | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        config: ZeroConfig,
+        role: Role | None = None,
+        weights: PretrainedWeights | None = None,
+    ) -> None:
         super().__init__(model, role)
         self.comm, self.config = comm, config
+        self.weights = weights  # stage 3: each group reads its shard from it (build_groups)
         broadcast_initial_state(model, comm)
         self.trainable = unique_parameters(model.named_parameters())
         if not self.trainable:
@@ -61,6 +71,9 @@ class ZeroBase(Engine):
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._in_flight: list[FlatGroup] = []  # groups whose gradient reduce-scatter has started
         self.groups: list[FlatGroup] = self.build_groups()
+        if weights is not None:  # what no group shards (frozen parameters, saved buffers): whole
+            weights.load_whole(model, skip={id(p) for g in self.groups for p in g.params})
+        self.weights = None  # read once: no file is kept open during training
         self.usage = [group_usage(g) for g in self.groups]  # who got a gradient: see zero.unused
         self._cast_frozen()
         if config.offload == "cpu":  # before any optimizer exists, so its state is made in host memory

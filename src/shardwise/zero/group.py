@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.checkpoint.pretrained import PretrainedWeights, materialize
 from shardwise.collectives.api import Comm, Work
 from shardwise.engine.precision import Precision
 from shardwise.zero.flat_param import FlatLayout, layout_of
@@ -48,23 +49,13 @@ class FlatGroup:
         comm: Comm,
         precision: Precision,
         alias_master: bool,
+        weights: PretrainedWeights | None = None,
     ) -> None:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.comm, self.precision = comm, precision
         self.layout: FlatLayout = layout_of(named, comm.world_size)
-        start, end = self.layout.shard_range(comm.rank)
-        device = self.params[0].device
-        source = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=device)
-        for slot, p in zip(self.layout.slots, self.params, strict=True):
-            source[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-        # (padded_numel,) in the compute dtype; parameters are views of it
-        self.full = source.to(precision.compute) if precision.compute != source.dtype else source
-        self._bind_views()
-        if alias_master and precision.master == precision.compute:
-            master = self.full[start:end]  # stages 1-2 in one dtype: the shard is the buffer itself
-        else:
-            master = source[start:end].to(precision.master).clone()
+        master = self._flatten_params(alias_master) if weights is None else self._read_shard(weights)
         self.master = nn.Parameter(master)
         self.grad_shard: torch.Tensor | None = None  # (shard_size,) master dtype, summed over ranks
         self.flat_grad: torch.Tensor | None = None  # stage 1: (padded_numel,) the parameters' .grad views
@@ -76,6 +67,41 @@ class FlatGroup:
         self.resident: Callable[[], AbstractContextManager[None]] = nullcontext
 
     # -- parameters ---------------------------------------------------------------------------------
+    def _flatten_params(self, alias_master: bool) -> torch.Tensor:
+        """The full buffer from the parameters' values; returns this rank's master shard."""
+        start, end = self.layout.shard_range(self.comm.rank)
+        device = self.params[0].device
+        source = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=device)
+        for slot, p in zip(self.layout.slots, self.params, strict=True):
+            source[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        # (padded_numel,) in the compute dtype; parameters are views of it
+        compute = self.precision.compute
+        self.full = source.to(compute) if compute != source.dtype else source
+        self._bind_views()
+        if alias_master and self.precision.master == compute:
+            return self.full[start:end]  # stages 1-2 in one dtype: the shard is the buffer itself
+        return source[start:end].to(self.precision.master).clone()
+
+    def _read_shard(self, weights: PretrainedWeights) -> torch.Tensor:
+        """Stage 3 from a file (``model.init_from``), parameters on meta: only this rank's shard is read
+        (each parameter's overlap with it, ``layout.pieces``) and kept as the master. The full buffer
+        exists for an instant, so that the parameters can view it, and is freed before any read: a
+        rank holds its shards plus at most one unit. The first ``gather`` fills it."""
+        device = torch.device("cpu") if self.params[0].is_meta else self.params[0].device
+        self.full = torch.empty(self.layout.padded_numel, dtype=self.precision.compute, device=device)
+        for p in self.params:  # real now, still without data: _bind_views gives each its view
+            if p.is_meta:
+                materialize(p, torch.empty(0, dtype=self.precision.compute, device=device))
+        self._bind_views()
+        self.full.untyped_storage().resize_(0)
+        start, end = self.layout.shard_range(self.comm.rank)
+        master = torch.zeros(end - start, dtype=self.precision.master, device=device)  # padding: zero
+        for piece in self.layout.pieces(self.comm.rank):
+            # read in the run's dtype, then cast to the master's, as _flatten_params does
+            values = weights.read(piece.name, piece.param_start, piece.param_end)
+            master[piece.shard_start : piece.shard_end] = values
+        return master
+
     def _bind_views(self) -> None:
         for slot, p in zip(self.layout.slots, self.params, strict=True):
             p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)

@@ -18,6 +18,10 @@ forward and kept until the step's gradients are reduced. Communication, all thro
   (its final norm's arrives first, its embeddings' last), then go out the same way;
 * step: each rank updates its own master shard; nothing is gathered until the next forward.
 
+From weights on disk (``model.init_from``, the model built with its parameters on the meta device),
+each unit reads only this rank's shard of its parameters into the master (``FlatGroup._read_shard``);
+no rank ever holds its shards plus more than one unit, and no start-up broadcast is needed.
+
 Limitations: ``no_sync`` does not skip communication here; each micro-batch's gradients are
 reduce-scattered and summed into the shard (correct, but no saving). Frozen parameters are not sharded.
 Every rank must run the same units (gathers are collectives); a parameter no rank used is left alone
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Role
@@ -48,10 +53,18 @@ class ShardedModule(ZeroBase):
     name = "zero3"
     reduce_window = 1  # with _first_grad's wait: one flat gradient buffer at a time
 
-    def __init__(self, model: nn.Module, comm: Comm, config: ZeroConfig, role: Role | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        config: ZeroConfig,
+        role: Role | None = None,
+        weights: PretrainedWeights | None = None,
+    ) -> None:
+        """``weights``: the parameters (on meta) are read from it, each rank only its shards."""
         self._unit_group: list[int | None] = []  # unit index -> group index (None: nothing to shard)
         self._unit_modules: list[nn.Module] | None = None
-        super().__init__(model, comm, config, role)
+        super().__init__(model, comm, config, role, weights)
         self._gathering: set[int] = set()  # groups whose gather has started since they were last freed
         self._missing = [len(g.params) for g in self.groups]
         self._group_unit = {g: u for u, g in enumerate(self._unit_group) if g is not None}
@@ -88,15 +101,18 @@ class ShardedModule(ZeroBase):
                 root.append((name, p))
         groups = []
         if root:
-            groups.append(FlatGroup(root, self.comm, self.precision, alias_master=False))
+            groups.append(self._group(root))
         self._root = 0 if root else None
         for named in per_unit:
             if named:
                 self._unit_group.append(len(groups))
-                groups.append(FlatGroup(named, self.comm, self.precision, alias_master=False))
+                groups.append(self._group(named))
             else:
                 self._unit_group.append(None)
         return groups
+
+    def _group(self, named: list[tuple[str, nn.Parameter]]) -> FlatGroup:
+        return FlatGroup(named, self.comm, self.precision, alias_master=False, weights=self.weights)
 
     def _register_hooks(self) -> None:
         self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._before_forward()))
