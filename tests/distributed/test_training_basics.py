@@ -144,3 +144,32 @@ def test_precision_settings_that_cannot_apply_are_refused() -> None:
         load_config(None, {"precision": "bf16", "zero.precision": "fp16", "strategy": "zero1"}).validate(2)
     old = load_config(None, {"zero.precision": "bf16", "strategy": "ddp"}).validate(2)
     assert old.compute_precision == "bf16"  # the old key is still read, for every strategy
+
+
+@pytest.mark.slow
+def test_a_checkpoint_mid_schedule_resumes_with_the_same_learning_rate(tmp_path) -> None:
+    import json
+    import shutil
+
+    from .cli_helpers import last_json, shardwise
+
+    args = ["train", "--nproc", "2", "--preset", "tiny", "--steps", "8", "--lr-schedule", "cosine"]
+    args += ["--warmup-steps", "2", "--clip-grad-norm", "1.0", "--eval-every", "0", "--json"]
+    whole = shardwise(*args, "--run-dir", str(tmp_path / "whole"))
+    ckpt = tmp_path / "ckpt"
+    first = shardwise(
+        *args, "--run-dir", str(tmp_path / "cut"), "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt)
+    )
+    assert whole.returncode == 0 and first.returncode == 0, whole.stderr + first.stderr
+    shutil.rmtree(ckpt / "step-00000008")  # as if the run had died after step 5
+    resumed = shardwise(
+        *args, "--run-dir", str(tmp_path / "cut"), "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt)
+    )
+    assert resumed.returncode == 0 and "resuming at step 5" in resumed.stderr, resumed.stderr
+    assert last_json(resumed)["final_param_digest"] == last_json(whole)["final_param_digest"]
+
+    def lrs(run: str) -> list[float]:
+        rows = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(row)["lr"] for row in rows]
+
+    assert lrs("cut") == lrs("whole") and len(lrs("whole")) == 8

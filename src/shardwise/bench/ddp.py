@@ -4,6 +4,10 @@ Each measurement is a fresh launch of N ranks running one implementation, so eac
 belongs to one implementation alone. Launches alternate (ours, torch, torch, ours, ...) to spread the
 machine's drift over both; per launch we take the median step time after warm-up (the slowest rank's),
 and across launches the median. Same model, data, optimizer, bucket size and global batch.
+
+Ours runs with the hang watchdog's thread publishing every second, as in training (and every
+collective numbered by the monitor, always on); ``watchdog=True`` adds our DDP without the watchdog
+thread, interleaved the same way, for the watchdog's cost (``watchdog_speed_ratio``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from shardwise.config import TrainConfig, load_config
 from shardwise.launch import init_distributed, launch_local
+from shardwise.observe.watchdog import Watchdog
 from shardwise.preflight import preflight
 
 WARMUP_STEPS = 3
@@ -40,8 +45,12 @@ def bench_worker(impl: str, config: TrainConfig) -> dict[str, Any]:
     from shardwise.train.metrics import peak_rss_mb
 
     init_distributed(config.timeout_s)
+    watchdog = None
+    if impl == "shardwise":  # as in training: the hang watchdog watches
+        store = dist.distributed_c10d._get_default_store()
+        watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size(), timeout_s=-1).start()
     try:
-        step_fn = _ours(config) if impl == "shardwise" else _torch_ddp(config)
+        step_fn = _torch_ddp(config) if impl == "torch" else _ours(config)
         times = []
         for step in range(config.steps):
             start = time.perf_counter()
@@ -55,6 +64,8 @@ def bench_worker(impl: str, config: TrainConfig) -> dict[str, Any]:
             "peak_rss_mb": max(float(t[1]) for t in everyone),
         }
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         dist.destroy_process_group()
 
 
@@ -119,13 +130,14 @@ def run_ddp_bench(
     preset: str = "base",
     global_batch: int = 8,
     bucket_mb: float = 25.0,
+    watchdog: bool = False,
 ) -> dict[str, Any]:
     config = _bench_config(preset, global_batch, bucket_mb, steps)
     preflight(config, nproc, writes_run_files=False)  # before any rank starts, as `shardwise train`
-    runs: dict[str, list[dict[str, Any]]] = {"shardwise": [], "torch": []}
+    impls = ["shardwise", "torch"] + (["shardwise-no-watchdog"] if watchdog else [])
+    runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in impls}
     for r in range(rounds):
-        order = ("shardwise", "torch") if r % 2 == 0 else ("torch", "shardwise")
-        for impl in order:
+        for impl in impls if r % 2 == 0 else reversed(impls):
             runs[impl].append(launch_local(bench_worker, (impl, config), nproc)[0])
     tokens = global_batch * config.model.seq_len
     result: dict[str, Any] = {
@@ -146,6 +158,9 @@ def run_ddp_bench(
         }
     result["speed_ratio"] = result["shardwise"]["tokens_per_s"] / result["torch"]["tokens_per_s"]
     result["memory_ratio"] = result["shardwise"]["peak_rss_mb"] / result["torch"]["peak_rss_mb"]
+    if watchdog:
+        without = result["shardwise-no-watchdog"]["tokens_per_s"]
+        result["watchdog_speed_ratio"] = result["shardwise"]["tokens_per_s"] / without
     return result
 
 
@@ -153,10 +168,12 @@ def render_ddp(result: dict[str, Any]) -> None:
     print(
         f"all-reduce DP on {result['nproc']} ranks, preset {result['preset']}, batch {result['global_batch']}"
     )
-    for impl in ("shardwise", "torch"):
+    for impl in [k for k in ("shardwise", "torch", "shardwise-no-watchdog") if k in result]:
         row = result[impl]
         print(
             f"  {impl:9s} {row['tokens_per_s']:>10,.0f} tokens/s  {row['step_s'] * 1e3:8.1f} ms/step  "
             f"peak RSS {row['peak_rss_mb']:.0f} MB"
         )
     print(f"  speed ratio {result['speed_ratio']:.3f}   memory ratio {result['memory_ratio']:.3f}")
+    if "watchdog_speed_ratio" in result:
+        print(f"  with the hang watchdog / without: {result['watchdog_speed_ratio']:.3f}")

@@ -28,6 +28,9 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     ddp.add_argument("--preset", default="base")
     ddp.add_argument("--global-batch", type=int, default=8)
     ddp.add_argument("--bucket-mb", type=float, default=25.0)
+    ddp.add_argument(
+        "--watchdog", action="store_true", help="also our DDP without the hang watchdog: its cost"
+    )
     comm = _kind(kinds, "comm", "collectives: native and each algorithm, nccl-tests style", run, nproc=2)
     comm.add_argument(
         "--profile", help="where to save the measured cost-model profile (default: where `auto` looks)"
@@ -77,6 +80,7 @@ def bench_command(args: argparse.Namespace) -> int:
             preset=args.preset,
             global_batch=args.global_batch,
             bucket_mb=args.bucket_mb,
+            watchdog=args.watchdog,
         )
     elif args.kind == "comm":
         from shardwise.collectives.bench import (
