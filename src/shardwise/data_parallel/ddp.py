@@ -36,7 +36,7 @@ from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm, Work
 from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.config import DDPConfig
-from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, grad_sq_sum
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
 from shardwise.engine.full_state import full_state_tensors, load_full_state, replicated_pieces
 from shardwise.engine.precision import LOSS_SCALE
 
@@ -189,7 +189,9 @@ class DDPEngine(Engine):
         return [[(self._names[id(p)], p) for p in self.params]]  # every rank: the whole model
 
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
-        return grad_sq_sum(self.params), None  # every rank holds the whole, reduced gradient
+        # every rank holds the whole, reduced gradient, in a few flat buckets (slots of unused
+        # parameters are zeros); a frozen parameter is never in one
+        return sq_sum([bucket.buffer for bucket in self.buckets]), None
 
     def prepare_update(self) -> bool:
         """fp16: unscale the reduced gradients; an inf or NaN skips the update and lowers the scale.

@@ -137,12 +137,19 @@ def trainable(model: nn.Module) -> NamedTensors:
 
 def grad_sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum of squared gradient elements of ``tensors`` (missing gradients count zero), as float64."""
-    total = torch.zeros((), dtype=torch.float64)
-    for t in tensors:
-        grad = t.grad if isinstance(t, torch.Tensor) and t.grad is not None else None
-        if grad is not None:
-            total += grad.detach().double().pow(2).sum().cpu()
-    return total
+    return sq_sum([t.grad for t in tensors if t.grad is not None])
+
+
+def sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of the squares of every element of ``tensors``, as a float64 scalar.
+
+    Each tensor's norm is taken in its own dtype (no float64 copy of a large gradient), as
+    ``torch.nn.utils.clip_grad_norm_`` does; only the per-tensor norms are squared in float64.
+    """
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm([t.detach() for t in tensors])
+    return torch.stack([n.double().cpu() for n in norms]).pow(2).sum()
 
 
 def predicted_tokens(model_kind: str, batch: int, seq_len: int) -> int:

@@ -23,7 +23,7 @@ from shardwise.checkpoint.manager import Piece
 from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
-from shardwise.engine.base import Engine, NamedTensors, Role, StateReader
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
@@ -138,11 +138,7 @@ class ZeroBase(Engine):
 
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         """Squares of this rank's gradient shards (padding is zero): each element lives in one shard."""
-        total = torch.zeros((), dtype=torch.float64)
-        for group in self.groups:
-            if group.grad_shard is not None:
-                total += group.grad_shard.detach().double().pow(2).sum().cpu()
-        return total, self.comm
+        return sq_sum([g.grad_shard for g in self.groups if g.grad_shard is not None]), self.comm
 
     def scale_grads(self, factor: float) -> None:
         for group in self.groups:
