@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3")
+STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3", "diloco")
 ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "naive", "auto")
 
 
@@ -149,6 +149,15 @@ class DDPConfig:
 class CommConfig:
     algorithm: str = "native"  # one of ALGORITHMS
     profile: str = ""  # cost-model profile for "auto"; "": the one `shardwise bench comm` saved, if any
+    # gradient compression (shardwise.compression): "" = no codec layer; NAME[:PARAM], one of none | fp16 |
+    # bf16 | int8[:CHUNK] | sign[:CHUNK] | topk:RATIO | dgc:RATIO | powersgd:RANK
+    compress: str = ""
+    compress_start_step: int = 0  # reductions of each bucket sent uncompressed first (PowerSGD's start iter)
+    compress_warmup_steps: int = 0  # topk/dgc: DGC's exponential sparsity warm-up, in reductions
+    compress_momentum: float = 0.9  # dgc: momentum correction
+    compress_min_rate: float = 2.0  # powersgd: compress a matrix only if (n + m) r * this < n m
+    compress_epsilon: float = 0.0  # powersgd: orthogonalization epsilon
+    compress_seed: int = 0  # powersgd: the seed of the initial Q
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,16 @@ class PSConfig:
     max_staleness: int = 4
     # async: a push s versions behind is applied with lr / (1 + s) (Zhang et al., 2016); false: lr as is
     staleness_lr: bool = True
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """Local SGD / DiLoCo (Douillard et al. 2023): H inner steps per rank, then an outer step."""
+
+    sync_every: int = 16  # H: inner steps between synchronisations
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9  # Nesterov momentum of the outer SGD (0: plain SGD)
+    compress: bool = True  # reduce the pseudo-gradient through comm.compress when it is set
 
 
 @dataclass(frozen=True)
@@ -200,6 +219,7 @@ class TrainConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self, world_size: int) -> TrainConfig:
@@ -227,6 +247,7 @@ class TrainConfig:
                 "common step to save at); drop checkpoint.dir/checkpoint.every or set ps.mode = sync"
             )
         self._check_applies()
+        self._check_diloco()
         dims = self.dims(world_size)
         self._check_batch(dims.dp)
         return replace(self, parallel=replace(self.parallel, dp=dims.dp))
@@ -264,6 +285,22 @@ class TrainConfig:
         for key, (value, default) in zero_only.items():
             if value != default and not self.strategy.startswith("zero"):
                 raise ConfigError(f"{key} = {value!r} applies to zero1/zero2/zero3, not to {self.strategy}")
+
+    def _check_diloco(self) -> None:
+        diloco = self.diloco
+        if diloco.sync_every < 1:
+            raise ConfigError(f"diloco.sync_every must be >= 1, got {diloco.sync_every}")
+        if not diloco.outer_lr > 0 or not 0 <= diloco.outer_momentum < 1:
+            raise ConfigError(
+                f"diloco.outer_lr must be > 0 and diloco.outer_momentum in [0, 1); got "
+                f"{diloco.outer_lr}, {diloco.outer_momentum}"
+            )
+        every = self.checkpoint.every
+        if self.strategy == "diloco" and every > 0 and every % diloco.sync_every:
+            raise ConfigError(
+                f"diloco saves checkpoints at synchronisations: checkpoint.every({every}) must be a multiple "
+                f"of diloco.sync_every({diloco.sync_every})"
+            )
 
     def _check_batch(self, dp: int) -> None:
         data = self.data

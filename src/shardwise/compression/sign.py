@@ -1,0 +1,79 @@
+"""``sign[:CHUNK]``: one bit per element (its sign) and one scale per chunk (default 2048 elements).
+
+Each chunk is sent as ``scale * sign(x)`` with ``scale = mean(|x|)`` over the chunk, which keeps the
+chunk's L1 norm, with the error feedback of EF-SignSGD (Karimireddy et al., "Error Feedback Fixes SignSGD
+and other Gradient Compression Schemes", ICML 2019; also the compressed stage of 1-bit Adam, Tang et al.
+2021): what the sign leaves out is the residual, added to the next step's bucket. A zero is sent as +1
+(one bit has no room for 0); error feedback takes it back the next step.
+
+Communication: signs cannot be summed on the wire, so one all-gather of every rank's packed message
+(``ceil(numel / 8)`` bytes of signs, then one float per chunk); each rank decodes and adds the messages
+in rank order, so all get bit-identical sums. Per rank that is ``(world - 1) * numel / 8`` bytes sent
+against ``2 (world - 1) / world * 4 numel`` for an fp32 ring all-reduce: 1/32 of it at 2 ranks,
+``world / 64`` in general.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.compression.codec import (
+    CodecState,
+    MessageCodec,
+    chunk_view,
+    concat_bytes,
+    n_chunks,
+    split_bytes,
+    wire_float,
+)
+
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Booleans (numel,) as bytes (ceil(numel / 8),), element i in bit i % 8 of byte i // 8."""
+    padded = torch.nn.functional.pad(bits.to(torch.uint8), (0, (-bits.numel()) % 8))
+    return (padded.view(-1, 8) * _BITS).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, numel: int) -> torch.Tensor:
+    """The inverse of ``pack_bits``: (numel,) booleans."""
+    return (data[:, None].bitwise_and(_BITS) != 0).reshape(-1)[:numel]
+
+
+class SignCodec(MessageCodec):
+    name = "sign"
+    exchange = "all_gather (packed signs + chunk scales)"
+
+    def __init__(self, spec: str, chunk: int = 2048) -> None:
+        super().__init__(spec)
+        if chunk < 1:
+            raise ValueError(f"sign needs a chunk of at least 1 element, got {chunk}")
+        self.chunk = chunk
+
+    def encode(self, x: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
+        numel = x.numel()
+        # (chunks,) mean magnitude; the padded tail of the last chunk is left out of its mean
+        sums = chunk_view(x.abs(), self.chunk).sum(dim=1)
+        sizes = torch.full_like(sums, float(self.chunk))
+        sizes[-1] = numel - self.chunk * (sums.numel() - 1)
+        scale = sums / sizes
+        positive = x >= 0
+        sent = self._decode(positive, scale, numel, x.dtype)
+        return concat_bytes(scale.to(wire_float(x.dtype)), pack_bits(positive)), sent
+
+    def _decode(
+        self, positive: torch.Tensor, scale: torch.Tensor, numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        signs = positive.to(dtype) * 2 - 1  # (numel,) +-1
+        return (chunk_view(signs, self.chunk) * scale.to(dtype)[:, None]).reshape(-1)[:numel]
+
+    def wire_like(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        scale_bytes = n_chunks(numel, self.chunk) * torch.empty(0, dtype=wire_float(dtype)).element_size()
+        return torch.empty(scale_bytes + -(-numel // 8), dtype=torch.uint8)
+
+    def accumulate(self, total: torch.Tensor, wire: torch.Tensor) -> None:
+        numel = total.numel()
+        chunks = n_chunks(numel, self.chunk)
+        scale, bits = split_bytes(wire, (chunks, wire_float(total.dtype)), (-(-numel // 8), torch.uint8))
+        total.add_(self._decode(unpack_bits(bits, numel), scale, numel, total.dtype))
