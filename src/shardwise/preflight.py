@@ -7,6 +7,7 @@ No communication.
 
 from __future__ import annotations
 
+from shardwise.compression import check_compress
 from shardwise.config import TrainConfig
 from shardwise.models import check_model_config
 from shardwise.parallelism import check as check_parallelism
@@ -17,4 +18,5 @@ def preflight(config: TrainConfig, world_size: int) -> TrainConfig:
     config = config.validate(world_size)
     check_model_config(config.model)
     check_parallelism(config)
+    check_compress(config.comm, config.strategy)
     return config

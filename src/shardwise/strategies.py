@@ -2,8 +2,10 @@
 
 Each builder applies one strategy to a plain model in place, over the mesh's ``dp`` axis (the parameter
 server over the world: its servers stand outside the mesh), and returns the ``Engine`` with its role
-set, without optimizers: ``parallelize`` builds those over what the rank holds. Communication: what each
-engine does at construction (rank 0's initial weights are broadcast, or the servers' sent).
+set, without optimizers: ``parallelize`` builds those over what the rank holds. With ``comm.compress``
+each engine gets the one codec layer (``compression.CompressedComm``) over the ``Comm`` it reduces
+gradients on. Communication: what each engine does at construction (rank 0's initial weights are
+broadcast, or the servers' sent).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from shardwise.collectives.api import Comm
+from shardwise.compression import CompressedComm, build_compressed, check_compress
 from shardwise.config import TrainConfig
 from shardwise.data_parallel.ddp import DDPEngine
 from shardwise.data_parallel.param_server import ParamServerEngine
@@ -22,19 +26,36 @@ from shardwise.zero import build_zero_engine
 Builder = Callable[[TrainConfig, nn.Module, Mesh, bool], Engine]
 
 
+def _compressor(config: TrainConfig, comm: Comm) -> CompressedComm | None:
+    """The codec layer over ``comm`` when ``comm.compress`` is set (one per engine; None otherwise)."""
+    check_compress(config.comm, config.strategy)
+    return build_compressed(comm, config.comm, config.optim.clip_grad_norm)
+
+
 def _ddp(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool) -> Engine:
-    return DDPEngine(model, mesh.comm("dp"), config.ddp, Role.trainer(mesh.rank))
+    dp = mesh.comm("dp")
+    return DDPEngine(model, dp, config.ddp, Role.trainer(mesh.rank), _compressor(config, dp))
 
 
 def _zero(stage: int) -> Builder:
     def build(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool) -> Engine:
-        return build_zero_engine(model, mesh.comm("dp"), stage, config.zero, Role.trainer(mesh.rank))
+        dp = mesh.comm("dp")
+        role = Role.trainer(mesh.rank)
+        return build_zero_engine(model, dp, stage, config.zero, role, _compressor(config, dp))
 
     return build
 
 
 def _ps(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool) -> Engine:
-    return ParamServerEngine(model, mesh.world, config.ps, config.steps, share_gradients, mesh.servers)
+    return ParamServerEngine(
+        model,
+        mesh.world,
+        config.ps,
+        config.steps,
+        share_gradients,
+        mesh.servers,
+        compressor=_compressor(config, mesh.world),
+    )
 
 
 STRATEGIES: dict[str, Builder] = {

@@ -59,7 +59,8 @@ class CodecState:
     segments: tuple[Segment, ...]
     gaps: tuple[tuple[int, int], ...] = ()
     residual: torch.Tensor | None = None  # (numel,) what earlier reductions left unsent
-    previous: torch.Tensor | None = None  # the residual before the last push (undone if it is refused)
+    previous: torch.Tensor | None = None  # the residual before the last pack (undone if it is refused)
+    undoable: bool = False  # the last pack can still be taken back
     reductions: int = 0  # reductions of this bucket so far, uncompressed warm-up included
     extra: dict[str, Any] = field(default_factory=dict)  # the codec's own (DGC momentum, PowerSGD P/Q)
 

@@ -102,7 +102,7 @@ class CompressedComm:
         if not bool(torch.isfinite(residual).all()):
             # an overflow (fp16 loss scaling, say) would poison every later step: start afresh
             residual.zero_()
-        state.previous, state.residual = state.residual, residual
+        state.residual = residual
 
     # -- point to point (parameter-server pushes) ------------------------------------------------------
     def pack(self, bucket: torch.Tensor, state: CodecState | None) -> torch.Tensor:
@@ -112,15 +112,19 @@ class CompressedComm:
         self._require_pushable(codec)
         if state is None:
             return codec.pack(bucket, self.new_state(bucket.numel(), bucket.dtype))[0]
+        previous = state.residual
         x = self._corrected(codec, bucket, state)
         data, sent = codec.pack(x, state)
         self._finish(codec, state, x, sent)
+        state.previous, state.undoable = previous, True
         return data
 
     def undo(self, state: CodecState) -> None:
-        """Forget the last ``pack`` of ``state``: its message was refused (an asynchronous server)."""
-        state.residual, state.previous = state.previous, None
-        state.reductions -= 1
+        """Forget the last ``pack`` of ``state``: its message was refused (an asynchronous server).
+        A second call, or one after no pack, does nothing."""
+        if state.undoable:
+            state.residual, state.previous, state.undoable = state.previous, None, False
+            state.reductions -= 1
 
     def packed_bytes(self, numel: int, dtype: torch.dtype) -> int:
         """The size of the messages ``pack`` makes for a bucket of ``numel`` (a receiver preallocates)."""

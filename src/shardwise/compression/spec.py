@@ -76,14 +76,25 @@ def parse_spec(spec: str) -> Spec:
     return Spec(name, value)
 
 
-def check_compress(config: CommConfig) -> None:
-    """Every ``comm.compress*`` key makes sense (before any rank starts)."""
-    if config.compress:
-        parse_spec(config.compress)
+def check_compress(config: CommConfig, strategy: str = "ddp") -> None:
+    """Every ``comm.compress*`` key makes sense for ``strategy`` (before any rank starts)."""
     if config.compress_start_step < 0 or config.compress_warmup_steps < 0:
         raise ConfigError("comm.compress_start_step and comm.compress_warmup_steps must be >= 0")
     if not 0 <= config.compress_momentum < 1:
         raise ConfigError(f"comm.compress_momentum must be in [0, 1), got {config.compress_momentum}")
+    if not config.compress:
+        return
+    codec = build_codec(config)
+    if strategy == "ps" and not codec.pushable:
+        raise ConfigError(
+            f"comm.compress = {config.compress!r} needs its workers to all-reduce among themselves; the "
+            "parameter server's workers only push to servers: use fp16, bf16, int8, sign, topk or dgc"
+        )
+    if strategy == "ps" and (config.compress_start_step or config.compress_warmup_steps):
+        raise ConfigError(
+            "with the parameter server a push must keep one size (the server preallocates it): set "
+            "comm.compress_start_step = 0 and comm.compress_warmup_steps = 0"
+        )
 
 
 def build_codec(config: CommConfig, clip_norm: float = 0.0) -> Codec:

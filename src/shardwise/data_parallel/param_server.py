@@ -14,6 +14,13 @@ global batch), steps its optimizer and sends the new weights back. Asynchronous 
 :mod:`shardwise.data_parallel.ps_async`. At the end every server sends its shard to every live rank, so
 ``full_parameters()`` gives the same, final weights on every rank.
 
+Gradient compression (``comm.compress``): a worker's push goes through the codec layer's point-to-point
+form (``compression.CompressedComm.pack``: the gradient shard encoded with error feedback, one state per
+server, then the uncompressed header), and the server decodes each worker's push by itself
+(``unpack``) before summing them in worker order; a push an asynchronous server refuses is taken back
+(``undo``: its residual returns). Replies (server -> worker weights) are not compressed: every worker
+must hold exactly the servers' weights.
+
 Message layout: :mod:`shardwise.data_parallel.ps_messages`. Roles: servers serve (``serve``), the first
 worker reports, the optimizer runs on the servers (``optimizer_runs``) through the same
 ``Engine.run_optimizers`` every strategy uses.
@@ -29,6 +36,7 @@ from torch import nn
 
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm, CommStats
+from shardwise.compression import CodecState, CompressedComm, segments_of
 from shardwise.config import ConfigError, PSConfig
 from shardwise.data_parallel.ps_async import push_until_accepted, serve_async
 from shardwise.data_parallel.ps_messages import (
@@ -83,6 +91,7 @@ class ParamServerEngine(Engine):
         steps: int,
         share_gradients: bool = False,
         server_comm: Comm | None = None,
+        compressor: CompressedComm | None = None,
     ) -> None:
         serves = comm.rank < config.servers
         role = Role(
@@ -124,6 +133,11 @@ class ParamServerEngine(Engine):
         self._micro: Sequence[Any] = ()
         self._global_tokens, self._local_tokens, self._loss_share = 1.0, 0, 0.0
         self._replies: list[torch.Tensor] = []
+        self.compressor = compressor
+        # a worker's error feedback, one state per server's shard (pushes go to each server)
+        self._push_states: list[CodecState] = (
+            [self._new_push_state(s) for s in self.servers] if compressor and not self.is_server else []
+        )
         self._distribute_initial()
 
     @property
@@ -192,6 +206,10 @@ class ParamServerEngine(Engine):
 
     def _push_message(self, s: int, scale: float) -> torch.Tensor:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.shards[s]]
+        if self.compressor is not None:
+            flat = flatten(grads, 0) * scale
+            header = [self._loss_share * scale, self.server_versions[s], KIND_GRAD]
+            return self._packed(flat, header, self._push_states[s])
         message = flatten(grads, PUSH_EXTRA)
         if scale != 1.0:
             message.mul_(scale)
@@ -199,6 +217,35 @@ class ParamServerEngine(Engine):
             [self._loss_share * scale, self.server_versions[s], KIND_GRAD], dtype=message.dtype
         )
         return message
+
+    # -- compressed pushes: [codec message (uint8), header (PUSH_EXTRA values, as bytes)] --------------
+    def _new_push_state(self, s: int) -> CodecState:
+        assert self.compressor is not None
+        shapes = [tuple(p.shape) for p in self.shards[s]]
+        numel = sum(p.numel() for p in self.shards[s])
+        return self.compressor.new_state(numel, self._dtype(), segments_of(shapes))
+
+    def _packed(self, flat: torch.Tensor, header: list[float], state: CodecState | None) -> torch.Tensor:
+        assert self.compressor is not None
+        values = torch.tensor(header, dtype=self._dtype())
+        return torch.cat([self.compressor.pack(flat, state), values.view(torch.uint8)])
+
+    def push_buffer(self) -> torch.Tensor:
+        """Where a server receives one push for the parameters it serves."""
+        n_own = sum(p.numel() for p in self.own)
+        if self.compressor is None:
+            return torch.zeros(n_own + PUSH_EXTRA, dtype=self._dtype())
+        header = PUSH_EXTRA * torch.empty(0, dtype=self._dtype()).element_size()
+        return torch.zeros(self.compressor.packed_bytes(n_own, self._dtype()) + header, dtype=torch.uint8)
+
+    def decode_push(self, buf: torch.Tensor) -> torch.Tensor:
+        """A received push as ``[gradient..., loss, version, kind]`` in the parameters' dtype."""
+        if self.compressor is None:
+            return buf
+        n_own, dtype = sum(p.numel() for p in self.own), self._dtype()
+        header_bytes = PUSH_EXTRA * torch.empty(0, dtype=dtype).element_size()
+        data, header = buf[: buf.numel() - header_bytes], buf[buf.numel() - header_bytes :].clone()
+        return torch.cat([self.compressor.unpack(data, n_own, dtype), header.view(dtype)])
 
     def _reply_buffer(self, s: int) -> torch.Tensor:
         numel = sum(p.numel() for p in self.shards[s])
@@ -209,6 +256,8 @@ class ParamServerEngine(Engine):
         with torch.no_grad():
             unflatten_into(reply, self.shards[s])
         staleness = int(reply[-3])
+        if self._push_states and reply[-2] == 0:  # refused: what that push sent was never applied
+            self.compressor.undo(self._push_states[s])  # type: ignore[union-attr]
         self.server_versions[s] = int(reply[-4])
         if s == 0:  # every server holds the global norm (sync); the first one's is reported
             self.last_grad_norm = float(reply[-5])
@@ -231,8 +280,12 @@ class ParamServerEngine(Engine):
         self._finished = True
         if self.config.mode == "async":
             for s in self.servers:
-                done = torch.zeros(sum(p.numel() for p in self.shards[s]) + PUSH_EXTRA, dtype=self._dtype())
-                done[-1] = KIND_DONE
+                numel = sum(p.numel() for p in self.shards[s])
+                if self.compressor is not None:
+                    done = self._packed(torch.zeros(numel, dtype=self._dtype()), [0.0, 0.0, KIND_DONE], None)
+                else:
+                    done = torch.zeros(numel + PUSH_EXTRA, dtype=self._dtype())
+                    done[-1] = KIND_DONE
                 self.comm.send(done, s)
         self._distribute_final(dead=())
 
@@ -273,8 +326,9 @@ class ParamServerEngine(Engine):
         n_own = sum(p.numel() for p in self.own)
         total: torch.Tensor | None = None
         for w in self.workers:
-            buf = torch.zeros(n_own + PUSH_EXTRA, dtype=self._dtype())
+            buf = self.push_buffer()
             self.comm.recv(buf, w)
+            buf = self.decode_push(buf)
             if buf[-1] != KIND_GRAD:
                 raise RuntimeError(f"worker {w} stopped before step {self.version + 1} in synchronous mode")
             total = buf if total is None else total.add_(buf)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardwise.data_parallel.ps_messages import KIND_DONE, MAX_ATTEMPTS, PUSH_EXTRA
+from shardwise.data_parallel.ps_messages import KIND_DONE, MAX_ATTEMPTS
 
 if TYPE_CHECKING:
     from shardwise.data_parallel.param_server import ParamServerEngine
@@ -121,12 +121,13 @@ def _answer(engine: ParamServerEngine, worker: int, message: torch.Tensor) -> bo
 def _listen(engine: ParamServerEngine, worker: int, n_own: int, arrivals: queue.Queue[Arrival]) -> None:
     """Receive one worker's pushes in order until it says it is done or its connection fails."""
     while True:
-        message = torch.zeros(n_own + PUSH_EXTRA, dtype=engine._dtype())
+        message = engine.push_buffer()  # (n_own + PUSH_EXTRA,), or its compressed bytes
         try:
             engine.comm.irecv(message, worker).wait()
         except RuntimeError as exc:
             arrivals.put((worker, None, str(exc).splitlines()[0][:160]))
             return
+        message = engine.decode_push(message)
         arrivals.put((worker, message, ""))
         if message[-1] == KIND_DONE:
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.collectives.api import Comm
+from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Role
 from shardwise.zero.base import ZeroBase
@@ -26,10 +27,21 @@ __all__ = [
 
 
 def build_zero_engine(
-    model: nn.Module, comm: Comm, stage: int, config: ZeroConfig, role: Role | None = None
+    model: nn.Module,
+    comm: Comm,
+    stage: int,
+    config: ZeroConfig,
+    role: Role | None = None,
+    compressor: CompressedComm | None = None,
 ) -> ZeroBase:
     """The ZeRO engine of ``stage`` (1, 2 or 3) over the data-parallel group ``comm`` (no optimizers
-    yet: ``engine.optim.attach_optimizers`` builds them over its shards)."""
+    yet: ``engine.optim.attach_optimizers`` builds them over its shards); with ``compressor``, gradients
+    are reduced through the codec layer."""
+    engine: ZeroBase
     if stage == 3:
-        return ShardedModule(model, comm, config, role)
-    return ZeroEngine(model, comm, stage, config, role)
+        engine = ShardedModule(model, comm, config, role)
+    else:
+        engine = ZeroEngine(model, comm, stage, config, role)
+    if compressor is not None:
+        engine.use_compression(compressor)
+    return engine
