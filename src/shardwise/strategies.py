@@ -17,7 +17,9 @@ from torch import nn
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm, build_compressed, check_compress
 from shardwise.config import TrainConfig
+from shardwise.data.sampler import split_counts
 from shardwise.data_parallel.ddp import DDPEngine
+from shardwise.data_parallel.diloco import DiLoCoEngine
 from shardwise.data_parallel.param_server import ParamServerEngine
 from shardwise.engine.base import Engine, Role
 from shardwise.mesh import Mesh
@@ -58,12 +60,22 @@ def _ps(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool
     )
 
 
+def _diloco(config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool) -> Engine:
+    dp = mesh.comm("dp")
+    batch = config.data.global_batch
+    counts = split_counts(batch, config.data.weights or [1.0] * dp.world_size)
+    share = counts[dp.rank] / batch if batch else 0.0
+    compressor = _compressor(config, dp)
+    return DiLoCoEngine(model, dp, config.diloco, config.steps, share, Role.trainer(mesh.rank), compressor)
+
+
 STRATEGIES: dict[str, Builder] = {
     "ddp": _ddp,
     "zero1": _zero(1),
     "zero2": _zero(2),
     "zero3": _zero(3),
     "ps": _ps,
+    "diloco": _diloco,
 }
 
 
