@@ -7,6 +7,7 @@ rounds with no process group.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import threading
@@ -19,7 +20,7 @@ import torch
 from shardwise.collectives.p2p import Done
 from shardwise.compression import CompressedComm, Segment, build_codec, parse_spec, segments_of
 from shardwise.compression.cast import CastCodec, IdentityCodec
-from shardwise.compression.codec import CodecState, concat_bytes, gaps_of, split_bytes
+from shardwise.compression.codec import CodecState, chunks_of, concat_bytes, gaps_of, split_bytes
 from shardwise.compression.int8 import Int8Codec
 from shardwise.compression.powersgd import make_plan
 from shardwise.compression.sign import SignCodec, pack_bits, unpack_bits
@@ -91,6 +92,7 @@ def _on_threads(world: int, fn: Callable[[int, _ThreadComm], Any]) -> tuple[list
 
 SHAPES = [(24, 16), (16,), (8, 12), (5,), (24, 16), (3, 4, 2)]  # matrices, biases, a 3-D tensor
 NUMEL = sum(math.prod(s) for s in SHAPES)
+TOPK_1PCT = sum(math.ceil(0.01 * math.prod(s)) for s in SHAPES)  # top-k picks tensor by tensor
 
 
 def _grad(rank: int, step: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -105,7 +107,7 @@ def _roundtrip(codec: Any, x: torch.Tensor) -> torch.Tensor:
     state = CodecState(x.numel(), x.dtype, (Segment(0, (x.numel(),)),))
     wire, sent = codec.encode(x.clone(), state)
     total = torch.zeros_like(x)
-    codec.accumulate(total, wire)
+    codec.accumulate(total, wire, state)
     assert torch.equal(total, sent), "what a rank says it sent must be what the others decode"
     return total
 
@@ -300,8 +302,8 @@ def test_powersgd_plan_follows_torch() -> None:
         ("none", 1.0),
         ("fp16", 0.5),
         ("int8", 0.25 + 1 / 512),
-        ("sign", 1 / 32 + 4 / (4 * NUMEL)),
-        ("topk:0.01", 0.02),
+        ("sign", 1 / 32 + len(SHAPES) * 4 / (4 * NUMEL)),  # a scale per tensor (each < 2048)
+        ("topk:0.01", TOPK_1PCT * 8 / (4 * NUMEL)),
     ],
 )
 def test_bytes_on_the_wire(spec: str, ratio: float) -> None:
@@ -315,7 +317,7 @@ def test_start_step_sends_the_first_reductions_uncompressed() -> None:
     results, _ = _reduce_steps("topk:0.01", 2, steps=3, compress_start_step=2)
     true = [_grad(0, s) + _grad(1, s) for s in range(3)]
     assert torch.equal(results[0]["totals"][0], true[0]) and torch.equal(results[0]["totals"][1], true[1])
-    assert int((results[0]["totals"][2] != 0).sum()) <= 2 * math.ceil(0.01 * NUMEL)
+    assert int((results[0]["totals"][2] != 0).sum()) <= 2 * TOPK_1PCT
 
 
 def test_gaps_stay_zero() -> None:
@@ -337,12 +339,13 @@ def test_point_to_point_messages_decode_to_what_was_sent() -> None:
         state = layer.new_state(NUMEL, torch.float32)
         x = _grad(0, 0, torch.float32)
         data = layer.pack(x, state)
-        assert data.dtype == torch.uint8 and data.numel() == layer.packed_bytes(NUMEL, torch.float32)
-        decoded = layer.unpack(data, NUMEL, torch.float32)
+        assert data.dtype == torch.uint8 and data.numel() == layer.packed_bytes(state)
+        decoded = layer.unpack(data, layer.new_state(NUMEL, torch.float32))
         residual = state.residual if state.residual is not None else torch.zeros(NUMEL)
         assert torch.allclose(decoded + residual, x, atol=1e-6), spec
     with pytest.raises(ValueError, match="powersgd codec cannot compress point-to-point"):
-        CompressedComm(None, build_codec(CommConfig(compress="powersgd"))).packed_bytes(10, torch.float32)
+        psgd = CompressedComm(None, build_codec(CommConfig(compress="powersgd")))
+        psgd.packed_bytes(psgd.new_state(10, torch.float32))
 
 
 def test_specs_are_checked_in_one_line() -> None:
@@ -356,3 +359,20 @@ def test_specs_are_checked_in_one_line() -> None:
     ]:
         with pytest.raises(ConfigError, match=re.escape(words)):
             parse_spec(bad)
+
+
+def test_chunks_never_cross_a_tensor_and_topk_picks_from_every_tensor() -> None:
+    segments = segments_of(SHAPES)
+    state = CodecState(NUMEL + 3, torch.float64, segments, gaps_of(NUMEL + 3, segments))
+    ids, chunks = chunks_of(state, 100)
+    bounds = [s.offset for s in segments] + [NUMEL]
+    for a, b in itertools.pairwise(bounds):  # a new chunk starts at every tensor's edge
+        assert a == 0 or ids[a] != ids[a - 1]
+        assert len(set(ids[a:b].tolist())) == -(-(b - a) // 100)
+    assert chunks == int(ids.max()) + 1 and ids[-1] != ids[NUMEL - 1]  # the gap is a chunk of its own
+    x = torch.randn(NUMEL + 3, dtype=torch.float64)
+    x[:384] *= 1000  # one tensor dominates: a bucket-wide top-k would take only from it
+    picked = TopKCodec("topk", 0.01).select(x, state, 0.01)
+    for seg in segments:
+        inside = ((picked >= seg.offset) & (picked < seg.offset + seg.numel)).sum()
+        assert int(inside) == math.ceil(0.01 * seg.numel)

@@ -25,10 +25,10 @@ class IdentityCodec(MessageCodec):
     def encode(self, x: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
         return x.clone(), x  # the all-reduce sums the wire in place; x stays this rank's own
 
-    def wire_like(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
+    def wire_like(self, state: CodecState) -> torch.Tensor:
+        return torch.empty(state.numel, dtype=state.dtype)
 
-    def accumulate(self, total: torch.Tensor, wire: torch.Tensor) -> None:
+    def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
         total.add_(wire)  # total starts at zero: 0 + w == w exactly
 
 
@@ -46,8 +46,8 @@ class CastCodec(MessageCodec):
         wire = x.to(self.wire_dtype)  # (numel,) 16-bit
         return wire, wire.to(x.dtype)
 
-    def wire_like(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=self.wire_dtype)
+    def wire_like(self, state: CodecState) -> torch.Tensor:
+        return torch.empty(state.numel, dtype=self.wire_dtype)
 
-    def accumulate(self, total: torch.Tensor, wire: torch.Tensor) -> None:
+    def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
         total.add_(wire.view(self.wire_dtype).to(total.dtype))

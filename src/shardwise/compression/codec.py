@@ -131,12 +131,13 @@ class Codec(ABC):
         """``(wire, sent)``: the message for ``x`` and the dense tensor it stands for."""
         raise NotImplementedError(f"the {self.name} codec has no single-message form")
 
-    def wire_like(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An empty message of the size and dtype ``encode`` makes for a bucket of ``numel``."""
+    def wire_like(self, state: CodecState) -> torch.Tensor:
+        """An empty message of the size and dtype ``encode`` makes for the bucket of ``state``."""
         raise NotImplementedError(f"the {self.name} codec has no single-message form")
 
-    def accumulate(self, total: torch.Tensor, wire: torch.Tensor) -> None:
-        """Add what one rank's message ``wire`` stands for into ``total`` (numel,)."""
+    def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
+        """Add what one rank's message ``wire`` stands for into ``total`` (numel,); every rank's
+        message for a bucket has the same layout, ``state``'s."""
         raise NotImplementedError(f"the {self.name} codec has no single-message form")
 
     def pack(self, x: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,15 +145,15 @@ class Codec(ABC):
         wire, sent = self.encode(x, state)
         return as_bytes(wire), sent
 
-    def unpack(self, data: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A received message (uint8) decoded to a dense (numel,) tensor of ``dtype``."""
-        like = self.wire_like(numel, dtype)
-        total = torch.zeros(numel, dtype=dtype)
-        self.accumulate(total, data.view(like.dtype).view(like.shape))
+    def unpack(self, data: torch.Tensor, state: CodecState) -> torch.Tensor:
+        """A received message (uint8) decoded to a dense (numel,) tensor of the bucket's dtype."""
+        like = self.wire_like(state)
+        total = torch.zeros(state.numel, dtype=state.dtype)
+        self.accumulate(total, data.view(like.dtype).view(like.shape), state)
         return total
 
-    def packed_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        like = self.wire_like(numel, dtype)
+    def packed_bytes(self, state: CodecState) -> int:
+        like = self.wire_like(state)
         return like.numel() * like.element_size()
 
 
@@ -165,13 +166,13 @@ class MessageCodec(Codec):
         total = torch.zeros(x.numel(), dtype=x.dtype, device=x.device)
         if self.exchange == "all_reduce":
             yield comm.all_reduce(wire, "sum", async_op=True)
-            self.accumulate(total, wire)
+            self.accumulate(total, wire, state)
             return Reduced(total, sent)
         # (world * wire_numel,): every rank's message, in rank order
         gathered = wire.new_empty(comm.world_size * wire.numel())
         yield comm.all_gather(gathered, wire.reshape(-1), async_op=True)
         for row in gathered.view(comm.world_size, -1):
-            self.accumulate(total, row.view(wire.shape))
+            self.accumulate(total, row.view(wire.shape), state)
         return Reduced(total, sent)
 
 
@@ -205,12 +206,17 @@ def wire_float(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_view(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``x`` (numel,) zero-padded to whole chunks, as (chunks, chunk)."""
-    pad = (-x.numel()) % chunk
-    padded = torch.nn.functional.pad(x, (0, pad)) if pad else x
-    return padded.view(-1, chunk)
-
-
-def n_chunks(numel: int, chunk: int) -> int:
-    return -(-numel // chunk)
+def chunks_of(state: CodecState, size: int) -> tuple[torch.Tensor, int]:
+    """Chunks of at most ``size`` elements that never cross a tensor's edge (a scale per chunk then
+    describes one tensor, not a LayerNorm weight and a matrix at once); gaps are chunks of their own.
+    Returns each element's chunk (numel,) int64 and the number of chunks; cached in the state."""
+    key = f"chunks{size}"
+    cached = state.extra.get(key)
+    if cached is None:
+        ranges = sorted(
+            [(s.offset, s.offset + s.numel) for s in state.segments if s.numel] + list(state.gaps)
+        )
+        counts = [min(size, b - start) for a, b in ranges for start in range(a, b, size)]
+        ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
+        cached = state.extra[key] = (ids, len(counts))
+    return cached

@@ -105,13 +105,14 @@ class CompressedComm:
         state.residual = residual
 
     # -- point to point (parameter-server pushes) ------------------------------------------------------
-    def pack(self, bucket: torch.Tensor, state: CodecState | None) -> torch.Tensor:
-        """One self-contained message (uint8) for ``bucket``; with a ``state``, under error feedback
-        (without: a message that changes no state, e.g. a "done" notice)."""
-        codec = self.codec if state is None else self.codec_for(state)
+    def pack(self, bucket: torch.Tensor, state: CodecState, feedback: bool = True) -> torch.Tensor:
+        """One self-contained message (uint8) for ``bucket``, laid out as ``state``: under error
+        feedback, or (``feedback=False``) a message that changes no state, e.g. a "done" notice."""
+        codec = self.codec_for(state)
         self._require_pushable(codec)
-        if state is None:
-            return codec.pack(bucket, self.new_state(bucket.numel(), bucket.dtype))[0]
+        if not feedback:
+            scratch = CodecState(state.numel, state.dtype, state.segments, state.gaps)
+            return codec.pack(bucket, scratch)[0]
         previous = state.residual
         x = self._corrected(codec, bucket, state)
         data, sent = codec.pack(x, state)
@@ -126,16 +127,17 @@ class CompressedComm:
             state.residual, state.previous, state.undoable = state.previous, None, False
             state.reductions -= 1
 
-    def packed_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        """The size of the messages ``pack`` makes for a bucket of ``numel`` (a receiver preallocates)."""
+    def packed_bytes(self, state: CodecState) -> int:
+        """The size of the messages ``pack`` makes for the bucket of ``state`` (a receiver preallocates)."""
         self._require_pushable(self.codec)
         if self.start_step:
             raise ValueError("point-to-point messages need comm.compress_start_step = 0 (a fixed size)")
-        return self.codec.packed_bytes(numel, dtype)
+        return self.codec.packed_bytes(state)
 
-    def unpack(self, data: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A message ``pack`` made, decoded to the dense (numel,) tensor it stands for."""
-        return self.codec.unpack(data, numel, dtype)
+    def unpack(self, data: torch.Tensor, state: CodecState) -> torch.Tensor:
+        """A message ``pack`` made for a bucket laid out as ``state``, decoded to the dense (numel,)
+        tensor it stands for (the receiver's state: no error feedback on this side)."""
+        return self.codec.unpack(data, state)
 
     def _require_pushable(self, codec: Codec) -> None:
         if not codec.pushable or not codec.fixed_size:

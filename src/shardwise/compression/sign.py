@@ -3,11 +3,12 @@
 Each chunk is sent as ``scale * sign(x)`` with ``scale = mean(|x|)`` over the chunk, which keeps the
 chunk's L1 norm, with the error feedback of EF-SignSGD (Karimireddy et al., "Error Feedback Fixes SignSGD
 and other Gradient Compression Schemes", ICML 2019; also the compressed stage of 1-bit Adam, Tang et al.
-2021): what the sign leaves out is the residual, added to the next step's bucket. A zero is sent as +1
-(one bit has no room for 0); error feedback takes it back the next step.
+2021): what the sign leaves out is the residual, added to the next step's bucket. Chunks never cross a
+tensor's edge (``codec.chunks_of``): EF-SignSGD's scale is per tensor. A zero is sent as +1 (one bit has
+no room for 0); error feedback takes it back the next step, and an all-zero chunk has scale 0.
 
 Communication: signs cannot be summed on the wire, so one all-gather of every rank's packed message
-(``ceil(numel / 8)`` bytes of signs, then one float per chunk); each rank decodes and adds the messages
+(one float per chunk, then ``ceil(numel / 8)`` bytes of signs); each rank decodes and adds the messages
 in rank order, so all get bit-identical sums. Per rank that is ``(world - 1) * numel / 8`` bytes sent
 against ``2 (world - 1) / world * 4 numel`` for an fp32 ring all-reduce: 1/32 of it at 2 ranks,
 ``world / 64`` in general.
@@ -20,9 +21,8 @@ import torch
 from shardwise.compression.codec import (
     CodecState,
     MessageCodec,
-    chunk_view,
+    chunks_of,
     concat_bytes,
-    n_chunks,
     split_bytes,
     wire_float,
 )
@@ -43,7 +43,7 @@ def unpack_bits(data: torch.Tensor, numel: int) -> torch.Tensor:
 
 class SignCodec(MessageCodec):
     name = "sign"
-    exchange = "all_gather (packed signs + chunk scales)"
+    exchange = "all_gather (chunk scales + packed signs)"
 
     def __init__(self, spec: str, chunk: int = 2048) -> None:
         super().__init__(spec)
@@ -52,28 +52,26 @@ class SignCodec(MessageCodec):
         self.chunk = chunk
 
     def encode(self, x: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
-        numel = x.numel()
-        # (chunks,) mean magnitude; the padded tail of the last chunk is left out of its mean
-        sums = chunk_view(x.abs(), self.chunk).sum(dim=1)
-        sizes = torch.full_like(sums, float(self.chunk))
-        sizes[-1] = numel - self.chunk * (sums.numel() - 1)
-        scale = sums / sizes
+        ids, chunks = chunks_of(state, self.chunk)
+        sums = torch.zeros(chunks, dtype=x.dtype).index_add_(0, ids, x.abs())  # (chunks,)
+        scale = (sums / torch.bincount(ids, minlength=chunks).to(x.dtype)).to(wire_float(x.dtype))
         positive = x >= 0
-        sent = self._decode(positive, scale, numel, x.dtype)
-        return concat_bytes(scale.to(wire_float(x.dtype)), pack_bits(positive)), sent
+        return concat_bytes(scale, pack_bits(positive)), self._decode(positive, scale, ids, x.dtype)
 
+    @staticmethod
     def _decode(
-        self, positive: torch.Tensor, scale: torch.Tensor, numel: int, dtype: torch.dtype
+        positive: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         signs = positive.to(dtype) * 2 - 1  # (numel,) +-1
-        return (chunk_view(signs, self.chunk) * scale.to(dtype)[:, None]).reshape(-1)[:numel]
+        return signs * scale.to(dtype)[ids]
 
-    def wire_like(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        scale_bytes = n_chunks(numel, self.chunk) * torch.empty(0, dtype=wire_float(dtype)).element_size()
-        return torch.empty(scale_bytes + -(-numel // 8), dtype=torch.uint8)
+    def wire_like(self, state: CodecState) -> torch.Tensor:
+        chunks = chunks_of(state, self.chunk)[1]
+        scale_bytes = chunks * torch.empty(0, dtype=wire_float(state.dtype)).element_size()
+        return torch.empty(scale_bytes + -(-state.numel // 8), dtype=torch.uint8)
 
-    def accumulate(self, total: torch.Tensor, wire: torch.Tensor) -> None:
+    def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
         numel = total.numel()
-        chunks = n_chunks(numel, self.chunk)
+        ids, chunks = chunks_of(state, self.chunk)
         scale, bits = split_bytes(wire, (chunks, wire_float(total.dtype)), (-(-numel // 8), torch.uint8))
-        total.add_(self._decode(unpack_bits(bits, numel), scale, numel, total.dtype))
+        total.add_(self._decode(unpack_bits(bits, numel), scale, ids, total.dtype))

@@ -1,9 +1,10 @@
 """``topk:RATIO`` and ``dgc:RATIO``: send only the largest-magnitude fraction of each bucket.
 
-``topk`` keeps the ``ceil(RATIO * numel)`` elements of largest magnitude and accumulates the rest
-locally (error feedback: the residual is the bucket with the sent elements zeroed, added to the next
-step's bucket), as in Aji and Heafield 2017 and Stich et al. 2018. ``dgc`` adds the three fixes of Deep
-Gradient Compression (Lin et al., ICLR 2018):
+``topk`` keeps, of each tensor in the bucket, the ``ceil(RATIO * numel)`` elements of largest magnitude
+(layer by layer, as DGC selects: one bucket-wide top-k would starve tensors whose gradients are
+small) and accumulates the rest locally (error feedback: the residual is the bucket with the sent
+elements zeroed, added to the next step's bucket), as in Aji and Heafield 2017 and Stich et al. 2018.
+``dgc`` adds the three fixes of Deep Gradient Compression (Lin et al., ICLR 2018):
 
 - momentum correction: the codec keeps a velocity ``u = m u + g`` (``comm.compress_momentum``) and
   accumulates and sends ``u`` rather than ``g``; where an element is sent its velocity is cleared too
@@ -86,9 +87,18 @@ class TopKCodec(MessageCodec):
             velocity.mul_(self.momentum).add_(grad)
         return velocity
 
+    def select(self, x: torch.Tensor, state: CodecState, density: float) -> torch.Tensor:
+        """(k,) int64: each tensor's largest-magnitude ``density`` of its elements, tensor by tensor."""
+        picked = []
+        for seg in state.segments:
+            if seg.numel:
+                part = x[seg.offset : seg.offset + seg.numel].abs()
+                top = torch.topk(part, self.count(seg.numel, density), sorted=False).indices
+                picked.append(top + seg.offset)
+        return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long)
+
     def encode(self, x: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.count(x.numel(), self.density(state))
-        index = torch.topk(x.abs(), k, sorted=False).indices  # (k,) int64, distinct
+        index = self.select(x, state, self.density(state))  # (k,) int64, distinct
         values = x[index]  # (k,)
         sent = torch.zeros_like(x)
         sent[index] = values
@@ -101,13 +111,13 @@ class TopKCodec(MessageCodec):
     def _index_dtype(numel: int) -> torch.dtype:
         return torch.int32 if numel < 2**31 else torch.int64
 
-    def wire_like(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def wire_like(self, state: CodecState) -> torch.Tensor:
         """The message size once the warm-up is over (a receiver preallocates it: no warm-up there)."""
-        k = self.count(numel, self.ratio)
-        per = _itemsize(dtype) + _itemsize(self._index_dtype(numel))
+        k = sum(self.count(seg.numel, self.ratio) for seg in state.segments if seg.numel)
+        per = _itemsize(state.dtype) + _itemsize(self._index_dtype(state.numel))
         return torch.empty(k * per, dtype=torch.uint8)
 
-    def accumulate(self, total: torch.Tensor, wire: torch.Tensor) -> None:
+    def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
         index_dtype = self._index_dtype(total.numel())
         per = total.element_size() + _itemsize(index_dtype)
         k = wire.numel() // per

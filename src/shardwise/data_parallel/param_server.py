@@ -138,6 +138,8 @@ class ParamServerEngine(Engine):
         self._push_states: list[CodecState] = (
             [self._new_push_state(s) for s in self.servers] if compressor and not self.is_server else []
         )
+        # a server decodes pushes laid out as the parameters it serves (no state of its own changes)
+        self._serve_state = self._new_push_state(comm.rank) if compressor and self.is_server else None
         self._distribute_initial()
 
     @property
@@ -209,7 +211,7 @@ class ParamServerEngine(Engine):
         if self.compressor is not None:
             flat = flatten(grads, 0) * scale
             header = [self._loss_share * scale, self.server_versions[s], KIND_GRAD]
-            return self._packed(flat, header, self._push_states[s])
+            return self._packed(flat, header, self._push_states[s], feedback=True)
         message = flatten(grads, PUSH_EXTRA)
         if scale != 1.0:
             message.mul_(scale)
@@ -225,27 +227,29 @@ class ParamServerEngine(Engine):
         numel = sum(p.numel() for p in self.shards[s])
         return self.compressor.new_state(numel, self._dtype(), segments_of(shapes))
 
-    def _packed(self, flat: torch.Tensor, header: list[float], state: CodecState | None) -> torch.Tensor:
+    def _packed(
+        self, flat: torch.Tensor, header: list[float], state: CodecState, feedback: bool
+    ) -> torch.Tensor:
         assert self.compressor is not None
         values = torch.tensor(header, dtype=self._dtype())
-        return torch.cat([self.compressor.pack(flat, state), values.view(torch.uint8)])
+        return torch.cat([self.compressor.pack(flat, state, feedback), values.view(torch.uint8)])
 
     def push_buffer(self) -> torch.Tensor:
         """Where a server receives one push for the parameters it serves."""
         n_own = sum(p.numel() for p in self.own)
-        if self.compressor is None:
+        if self.compressor is None or self._serve_state is None:
             return torch.zeros(n_own + PUSH_EXTRA, dtype=self._dtype())
         header = PUSH_EXTRA * torch.empty(0, dtype=self._dtype()).element_size()
-        return torch.zeros(self.compressor.packed_bytes(n_own, self._dtype()) + header, dtype=torch.uint8)
+        return torch.zeros(self.compressor.packed_bytes(self._serve_state) + header, dtype=torch.uint8)
 
     def decode_push(self, buf: torch.Tensor) -> torch.Tensor:
         """A received push as ``[gradient..., loss, version, kind]`` in the parameters' dtype."""
-        if self.compressor is None:
+        if self.compressor is None or self._serve_state is None:
             return buf
-        n_own, dtype = sum(p.numel() for p in self.own), self._dtype()
+        dtype = self._dtype()
         header_bytes = PUSH_EXTRA * torch.empty(0, dtype=dtype).element_size()
         data, header = buf[: buf.numel() - header_bytes], buf[buf.numel() - header_bytes :].clone()
-        return torch.cat([self.compressor.unpack(data, n_own, dtype), header.view(dtype)])
+        return torch.cat([self.compressor.unpack(data, self._serve_state), header.view(dtype)])
 
     def _reply_buffer(self, s: int) -> torch.Tensor:
         numel = sum(p.numel() for p in self.shards[s])
@@ -282,7 +286,8 @@ class ParamServerEngine(Engine):
             for s in self.servers:
                 numel = sum(p.numel() for p in self.shards[s])
                 if self.compressor is not None:
-                    done = self._packed(torch.zeros(numel, dtype=self._dtype()), [0.0, 0.0, KIND_DONE], None)
+                    zeros = torch.zeros(numel, dtype=self._dtype())
+                    done = self._packed(zeros, [0.0, 0.0, KIND_DONE], self._push_states[s], feedback=False)
                 else:
                     done = torch.zeros(numel + PUSH_EXTRA, dtype=self._dtype())
                     done[-1] = KIND_DONE
