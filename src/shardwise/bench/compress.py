@@ -57,6 +57,7 @@ ROWS = [
     Row("topk:0.01", {"comm.compress": "topk:0.01"}, 1.05, 0.03),
     Row("dgc:0.01", {"comm.compress": "dgc:0.01", "comm.compress_warmup_steps": "40"}),
     Row("powersgd:4", {"comm.compress": "powersgd:4", "comm.compress_start_step": str(POWERSGD_START)}, 1.03),
+    Row("powersgd:8", {"comm.compress": "powersgd:8", "comm.compress_start_step": str(POWERSGD_START)}, 1.03),
     # DiLoCo with the paper's outer optimizer (Nesterov, lr 0.7, momentum 0.9), and with a plain outer
     # SGD at lr 1 (local SGD: the synchronised model is the ranks' average), alone and with int8
     Row("diloco:H16", {"strategy": "diloco", "diloco.sync_every": "16"}, 1.05),

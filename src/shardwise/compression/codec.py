@@ -15,9 +15,11 @@ ranks get bit-identical sums (top-k's (index, value) pairs, packed signs). Codec
 yields each collective's ``Work``; the driver resumes it when that work completes, so the first round
 overlaps whatever the caller does before waiting (DDP: the rest of backward).
 
-Every message also has a point-to-point form (``encode`` -> ``pack``, ``unpack`` -> ``accumulate``) for
-a parameter server, which decodes each worker's message by itself; codecs without one (PowerSGD needs
-its workers to all-reduce among themselves) say so (``pushable``).
+The protocol is the compress / exchange / decompress split of GRACE (Xu et al., "GRACE: A Compressed
+Communication Framework for Distributed Machine Learning", ICDCS 2021), with multi-round codecs
+(PowerSGD) as generators. Every message also has a point-to-point form (``encode`` -> ``pack``,
+``unpack`` -> ``accumulate``) for a parameter server, which decodes each worker's message by itself;
+codecs without one (PowerSGD needs its workers to all-reduce among themselves) say so (``pushable``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ pseudo-gradient, parameter-server pushes):
 4. the residual becomes ``x - sent`` (what this rank's message left out) and the bucket is overwritten
    with the sum. Ranges of the bucket outside every tensor (ZeRO's padding) stay zero.
 
+Error feedback as in Seide et al., "1-Bit Stochastic Gradient Descent" (Interspeech 2014) and
+Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes" (ICML 2019).
+
 So for every rank and every step ``sent + new residual == g + old residual``, and over any number of
 steps the messages a rank sent plus its residual add up to the gradients it was given (exactly, up to
 the one rounding of ``x - sent``). The first ``start_step`` reductions of each bucket go through the

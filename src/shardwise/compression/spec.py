@@ -11,7 +11,7 @@
 | ``powersgd:RANK`` | rank-RANK PowerSGD as torch's hook (4) | all-reduce of P, of Q, of the rest |
 
 An empty ``comm.compress`` (the default) means no codec layer at all: gradients are reduced as before.
-No communication here.
+Each codec's module names the paper it follows. No communication here.
 """
 
 from __future__ import annotations
