@@ -18,6 +18,7 @@ for kind in "$@"; do
     zero) $sw bench zero --nproc 2 --json --out "$out/zero.json" >/dev/null ;;
     ckpt) $sw bench ckpt --nproc 2 --json --out "$out/ckpt.json" >/dev/null ;;
     ps-async) $sw bench ps-async --nproc 3 --json --out "$out/ps-async.json" >/dev/null ;;
+    compress) $sw bench compress --nproc 2 --json --out "$out/compress.json" >/dev/null ;;
     *) echo "unknown benchmark $kind" >&2; exit 2 ;;
   esac
   echo "$kind -> $out/$kind.json"

@@ -16,7 +16,7 @@ from shardwise.config import ConfigError, TrainConfig, load_config
 
 # flag -> (dotted config key, argparse kwargs)
 TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--strategy": ("strategy", {"help": "ddp | ps | zero1 | zero2 | zero3"}),
+    "--strategy": ("strategy", {"help": "ddp | ps | zero1 | zero2 | zero3 | diloco"}),
     "--steps": ("steps", {"help": "optimizer steps"}),
     "--seed": ("seed", {}),
     "--dtype": ("dtype", {"help": "float32 | float64"}),
@@ -41,6 +41,11 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--min-lr": ("optim.min_lr", {"help": "the learning rate at the last step (linear, cosine)"}),
     "--bucket-mb": ("ddp.bucket_mb", {}),
     "--algorithm": ("comm.algorithm", {"help": "native | ring | tree | halving_doubling | naive | auto"}),
+    "--compress": (
+        "comm.compress",
+        {"help": "gradient codec NAME[:PARAM]: none|fp16|bf16|int8|sign|topk:R|dgc:R|powersgd:R"},
+    ),
+    "--sync-every": ("diloco.sync_every", {"help": "diloco: inner steps between synchronisations (H)"}),
     "--servers": ("ps.servers", {"help": "parameter-server ranks"}),
     "--ps-mode": ("ps.mode", {"help": "sync | async"}),
     "--max-staleness": ("ps.max_staleness", {}),

@@ -28,7 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3")
+STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3", "diloco")
 ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "naive", "auto")
 
 
@@ -257,6 +257,18 @@ class DDPConfig:
 class CommConfig:
     algorithm: str = checked("native", OneOf(ALGORITHMS))
     profile: str = ""  # cost-model profile for "auto"; "": the one `shardwise bench comm` saved, if any
+    # gradient compression (shardwise.compression): "" = no codec layer; NAME[:PARAM], one of none | fp16 |
+    # bf16 | int8[:CHUNK] | sign[:CHUNK] | topk:RATIO | dgc:RATIO | powersgd:RANK
+    compress: str = ""
+    # reductions of each bucket sent uncompressed first (PowerSGD's start iter)
+    compress_start_step: int = checked(0, Range(ge=0))
+    # topk/dgc: DGC's exponential sparsity warm-up, in reductions
+    compress_warmup_steps: int = checked(0, Range(ge=0))
+    compress_momentum: float = checked(0.9, Range(ge=0, lt=1))  # dgc: momentum correction
+    # powersgd: compress a matrix only if (n + m) r * this < n m
+    compress_min_rate: float = checked(2.0, Range(gt=0))
+    compress_epsilon: float = checked(0.0, Range(ge=0))  # powersgd: orthogonalization epsilon
+    compress_seed: int = checked(0, Range(ge=0, le=MAX_SEED))  # powersgd: the seed of the initial Q
 
 
 @dataclass(frozen=True)
@@ -279,6 +291,17 @@ class PSConfig:
     max_staleness: int = checked(4, Range(ge=0))
     # async: a push s versions behind is applied with lr / (1 + s) (Zhang et al., 2016); false: lr as is
     staleness_lr: bool = True
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """Local SGD / DiLoCo (Douillard et al. 2023): H inner steps per rank, then an outer step."""
+
+    sync_every: int = checked(16, Range(ge=1))  # H: inner steps between synchronisations
+    outer_lr: float = checked(0.7, Range(gt=0))
+    # Nesterov momentum of the outer SGD (0: plain SGD)
+    outer_momentum: float = checked(0.9, Range(ge=0, lt=1))
+    compress: bool = True  # reduce the pseudo-gradient through comm.compress when it is set
 
 
 @dataclass(frozen=True)
@@ -321,6 +344,7 @@ class TrainConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self, world_size: int) -> TrainConfig:
@@ -335,6 +359,7 @@ class TrainConfig:
         if world_size < 1:
             raise ConfigError(f"the world needs at least one rank, got {world_size}")
         self._check_applies()
+        self._check_diloco()
         dims = self.dims(world_size)
         self._check_batch(dims.dp)
         self._check_corpus()
@@ -380,6 +405,22 @@ class TrainConfig:
             raise ConfigError(
                 f"precision = {self.precision!r} and the deprecated zero.precision = {self.zero.precision!r} "
                 "disagree; set only precision"
+            )
+
+    def _check_diloco(self) -> None:
+        diloco = self.diloco
+        if diloco.sync_every < 1:
+            raise ConfigError(f"diloco.sync_every must be >= 1, got {diloco.sync_every}")
+        if not diloco.outer_lr > 0 or not 0 <= diloco.outer_momentum < 1:
+            raise ConfigError(
+                f"diloco.outer_lr must be > 0 and diloco.outer_momentum in [0, 1); got "
+                f"{diloco.outer_lr}, {diloco.outer_momentum}"
+            )
+        every = self.checkpoint.every
+        if self.strategy == "diloco" and every > 0 and every % diloco.sync_every:
+            raise ConfigError(
+                f"diloco saves checkpoints at synchronisations: checkpoint.every({every}) must be a multiple "
+                f"of diloco.sync_every({diloco.sync_every})"
             )
 
     def _check_batch(self, dp: int) -> None:

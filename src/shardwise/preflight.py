@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.compression import check_compress
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.models import build_model, check_model_config
 from shardwise.observe.tensorboard import available as tensorboard_available
@@ -47,6 +48,7 @@ def preflight(config: TrainConfig, world_size: int, writes_run_files: bool = Tru
     check_parallelism(config)
     for key, folder in output_folders(config, writes_run_files):
         check_writable(key, folder)
+    check_compress(config.comm, config.strategy)
     return config
 
 

@@ -4,7 +4,9 @@ Each builder applies one strategy to a plain model in place, over the mesh's ``d
 server over the world: its servers stand outside the mesh), and returns the ``Engine`` with its role
 set, without optimizers: ``parallelize`` builds those over what the rank holds. With weights to start
 from (``model.init_from``), each builder reads what its ranks hold: whole tensors, or (ZeRO-3) each
-rank's shards. Communication: what each engine does at construction (rank 0's initial weights are
+rank's shards. With ``comm.compress`` each engine gets the one codec layer
+(``compression.CompressedComm``) over the ``Comm`` it reduces gradients on. Communication: what each
+engine does at construction (rank 0's initial weights are
 broadcast, or the servers' sent).
 """
 
@@ -16,8 +18,12 @@ from dataclasses import replace
 from torch import nn
 
 from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.collectives.api import Comm
+from shardwise.compression import CompressedComm, build_compressed, check_compress
 from shardwise.config import TrainConfig
+from shardwise.data.sampler import split_counts
 from shardwise.data_parallel.ddp import DDPEngine
+from shardwise.data_parallel.diloco import DiLoCoEngine
 from shardwise.data_parallel.param_server import ParamServerEngine
 from shardwise.engine.base import Engine, Role
 from shardwise.mesh import Mesh
@@ -27,20 +33,28 @@ Weights = PretrainedWeights | None
 Builder = Callable[[TrainConfig, nn.Module, Mesh, bool, Weights], Engine]
 
 
+def _compressor(config: TrainConfig, comm: Comm) -> CompressedComm | None:
+    """The codec layer over ``comm`` when ``comm.compress`` is set (one per engine; None otherwise)."""
+    check_compress(config.comm, config.strategy)
+    return build_compressed(comm, config.comm, config.optim.clip_grad_norm)
+
+
 def _ddp(
     config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool, weights: Weights
 ) -> Engine:
     if weights is not None:
         weights.load_whole(model)
-    return DDPEngine(model, mesh.comm("dp"), config.ddp, Role.trainer(mesh.rank))
+    dp = mesh.comm("dp")
+    return DDPEngine(model, dp, config.ddp, Role.trainer(mesh.rank), _compressor(config, dp))
 
 
 def _zero(stage: int) -> Builder:
     def build(
         config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool, weights: Weights
     ) -> Engine:
-        zero = replace(config.zero, precision=config.compute_precision)
-        return build_zero_engine(model, mesh.comm("dp"), stage, zero, Role.trainer(mesh.rank), weights)
+        zero, dp = replace(config.zero, precision=config.compute_precision), mesh.comm("dp")
+        role, compressor = Role.trainer(mesh.rank), _compressor(config, dp)
+        return build_zero_engine(model, dp, stage, zero, role, weights, compressor)
 
     return build
 
@@ -55,12 +69,26 @@ def _ps(
     )
 
 
+def _diloco(
+    config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool, weights: Weights
+) -> Engine:
+    if weights is not None:
+        weights.load_whole(model)
+    dp = mesh.comm("dp")
+    batch = config.data.global_batch
+    counts = split_counts(batch, config.data.weights or [1.0] * dp.world_size)
+    share = counts[dp.rank] / batch if batch else 0.0
+    compressor = _compressor(config, dp)
+    return DiLoCoEngine(model, dp, config.diloco, config.steps, share, Role.trainer(mesh.rank), compressor)
+
+
 STRATEGIES: dict[str, Builder] = {
     "ddp": _ddp,
     "zero1": _zero(1),
     "zero2": _zero(2),
     "zero3": _zero(3),
     "ps": _ps,
+    "diloco": _diloco,
 }
 
 

@@ -20,6 +20,10 @@ Cases handled, and how:
 - Buffers (BatchNorm statistics, say): broadcast from rank 0 before each step when
   ``broadcast_buffers`` is set, as PyTorch does; otherwise each rank keeps its own.
 - Tied weights: one parameter object, so one gradient slot.
+- Gradient compression (``comm.compress``): each complete bucket goes through the codec layer
+  (``compression.CompressedComm.reduce``, asynchronous like the plain all-reduce) instead of being
+  all-reduced as it is; each bucket keeps its own error-feedback state, and its tensors' shapes for
+  PowerSGD.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import nn
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm, Work
 from shardwise.collectives.coalesced import broadcast_coalesced
+from shardwise.compression import CodecState, CompressedComm, Segment
 from shardwise.config import DDPConfig
 from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
 from shardwise.engine.full_state import full_state_tensors, load_full_state, replicated_pieces
@@ -51,6 +56,7 @@ class Bucket:
     pending: int = 0
     work: Work | None = None
     ready: set[int] = field(default_factory=set)  # ids of params whose gradient arrived this step
+    codec: CodecState | None = None  # with comm.compress: this bucket's error feedback and layout
 
 
 def plan_buckets(
@@ -81,9 +87,16 @@ class DDPEngine(Engine):
     name = "ddp"
     comm: Comm
 
-    def __init__(self, model: nn.Module, comm: Comm, config: DDPConfig, role: Role | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        config: DDPConfig,
+        role: Role | None = None,
+        compressor: CompressedComm | None = None,
+    ) -> None:
         super().__init__(model, role)
-        self.comm, self.config = comm, config
+        self.comm, self.config, self.compressor = comm, config, compressor
         named = list(model.named_parameters())  # tied weights appear once
         self._names = {id(p): n for n, p in named}
         self.params = [p for _, p in named if p.requires_grad]
@@ -103,7 +116,11 @@ class DDPEngine(Engine):
             offsets.append(total)
             total += p.numel()
         buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-        return Bucket(params, buffer, offsets)
+        codec = None
+        if self.compressor is not None:
+            segments = [Segment(o, tuple(p.shape)) for p, o in zip(params, offsets, strict=True)]
+            codec = self.compressor.new_state(total, buffer.dtype, segments)
+        return Bucket(params, buffer, offsets, codec=codec)
 
     # -- gradient views -------------------------------------------------------------------------
     def _attach_grads(self) -> None:
@@ -154,7 +171,10 @@ class DDPEngine(Engine):
             bucket = self.buckets[self._next]
             if bucket.pending and not force:
                 return
-            bucket.work = self.comm.all_reduce(bucket.buffer, "sum", async_op=True)
+            if self.compressor is not None and bucket.codec is not None:
+                bucket.work = self.compressor.reduce(bucket.buffer, bucket.codec, async_op=True)
+            else:
+                bucket.work = self.comm.all_reduce(bucket.buffer, "sum", async_op=True)
             self._next += 1
 
     def finish_grads(self) -> None:

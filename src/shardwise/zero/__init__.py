@@ -6,6 +6,7 @@ from torch import nn
 
 from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
+from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Role
 from shardwise.zero.base import ZeroBase
@@ -33,12 +34,19 @@ def build_zero_engine(
     config: ZeroConfig,
     role: Role | None = None,
     weights: PretrainedWeights | None = None,
+    compressor: CompressedComm | None = None,
 ) -> ZeroBase:
     """The ZeRO engine of ``stage`` (1, 2 or 3) over the data-parallel group ``comm`` (no optimizers
     yet: ``engine.optim.attach_optimizers`` builds them over its shards). ``weights``: the initial
-    values, read whole by stages 1-2 (every rank holds the full model) and shard by shard by stage 3."""
+    values, read whole by stages 1-2 (every rank holds the full model) and shard by shard by stage 3;
+    with ``compressor``, gradients are reduced through the codec layer."""
+    engine: ZeroBase
     if stage == 3:
-        return ShardedModule(model, comm, config, role, weights)
-    if weights is not None:
-        weights.load_whole(model)
-    return ZeroEngine(model, comm, stage, config, role)
+        engine = ShardedModule(model, comm, config, role, weights)
+    else:
+        if weights is not None:
+            weights.load_whole(model)
+        engine = ZeroEngine(model, comm, stage, config, role)
+    if compressor is not None:
+        engine.use_compression(compressor)
+    return engine

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from shardwise.checkpoint.manager import Piece
 from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
+from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
 from shardwise.engine.precision import LossScaler, resolve_precision
@@ -80,6 +81,11 @@ class ZeroBase(Engine):
             CpuOffload(self.groups)
         self.offload: Offload = NoOffload()  # disk offload needs the optimizers: see attach_optimizers
         self._memory: dict[str, float] = {}
+
+    def use_compression(self, compressor: CompressedComm) -> None:
+        """Reduce every group's gradients through the codec layer (before the first step)."""
+        for group in self.groups:
+            group.compress_with(compressor)
 
     def attach_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         super().attach_optimizers(optimizers)

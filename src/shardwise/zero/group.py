@@ -15,6 +15,11 @@ the gradient buffer is all-reduced in place (this rank keeps its slice: twice a 
 on the wire, less time, no output buffer), and the gather is ``world_size`` asynchronous broadcasts
 straight into the full buffer's slices (the same bytes as an all-gather, no input copy). NCCL and our
 explicit algorithms keep reduce-scatter and all-gather.
+
+With gradient compression (``compress_with``), the gradient buffer goes through the codec layer
+(``compression.CompressedComm.reduce``) instead: a codec decodes the whole sum over ranks (an all-reduce
+or all-gather of its own messages, never a reduce-scatter) and this rank keeps its slice, exactly as in
+the gloo all-reduce form above. Padding is no tensor's: the codec layer keeps it zero.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 
 from shardwise.checkpoint.pretrained import PretrainedWeights, materialize
 from shardwise.collectives.api import Comm, Work
+from shardwise.compression import CodecState, CompressedComm, Segment
 from shardwise.engine.precision import Precision
 from shardwise.zero.flat_param import FlatLayout, layout_of
 
@@ -65,6 +71,14 @@ class FlatGroup:
         self._gloo = comm.world_size > 1 and dist.get_backend(comm.group) == "gloo"
         # offload replaces this with a context that maps the master shard in while it is read
         self.resident: Callable[[], AbstractContextManager[None]] = nullcontext
+        self.compressor: CompressedComm | None = None  # see compress_with
+        self.codec_state: CodecState | None = None
+
+    def compress_with(self, compressor: CompressedComm) -> None:
+        """Reduce this group's gradients through ``compressor`` (with error feedback of its own)."""
+        segments = [Segment(slot.offset, tuple(slot.shape)) for slot in self.layout.slots]
+        self.compressor = compressor
+        self.codec_state = compressor.new_state(self.layout.padded_numel, self.precision.master, segments)
 
     # -- parameters ---------------------------------------------------------------------------------
     def _flatten_params(self, alias_master: bool) -> torch.Tensor:
@@ -206,6 +220,10 @@ class FlatGroup:
     def reduce_grads(self, release: bool) -> None:
         """Start reduce-scattering the parameters' ``.grad`` (missing ones count as zero)."""
         full = self._flatten_grads(release)
+        if self.compressor is not None and self.codec_state is not None:  # decoded whole; we keep a slice
+            reduction = self.compressor.reduce(full, self.codec_state, async_op=True)
+            self._pending.append(_Pending(reduction, None, full))
+            return
         if self._by_gloo_workaround("reduce_scatter", full.numel() * full.element_size()):
             work = self.comm.all_reduce(full, op="sum", async_op=True, algorithm="native")
             self._pending.append(_Pending(work, None, full))
