@@ -137,6 +137,31 @@ def test_own_model_loss_data_optimizer_scheduler_match_one_process(
     assert summary["steps"] == STEPS and summary["final_loss"] < summary["initial_loss"]
 
 
+def _own_stream(rank: int, world_size: int, config: sw.TrainConfig) -> dict | None:
+    """Each rank iterates its own batches: rank 0 takes 2 sequences per step, rank 1 takes 8."""
+    data, per_step = _dataset(), (2, 8)
+    starts = [sum(per_step[:rank]) + step * sum(per_step) for step in range(STEPS)]
+    mine = [data[s % len(data) : s % len(data) + per_step[rank]] for s in starts]
+    batches = [{k: torch.stack([item[k] for item in chunk]) for k in chunk[0]} for chunk in mine]
+    trainer = sw.Trainer.build(config, model=_model(), batches=batches, optimizer=_plain)
+    trainer.fit(show_progress=False)
+    return {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
+
+
+def test_a_per_rank_stream_of_batches_matches_one_process(tmp_path: Path) -> None:
+    config = _config("ddp", str(tmp_path), "")
+    params = run_on_ranks(_own_stream, 2, config, timeout_s=180)[0]
+    model, data, loss = _model(), _dataset(), CausalLMLoss()
+    optimizer = _plain(named(model))
+    for step in range(STEPS):
+        rows = [data[(step * 10 + i) % len(data)] for i in range(10)]
+        batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        (loss(model(batch["input_ids"]), batch) / loss.count(batch)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert_parity({n: p.detach() for n, p in model.named_parameters()}, params, 1e-12)
+
+
 def _zero_with_groups(rank: int, world_size: int, config: sw.TrainConfig) -> str:
     try:
         sw.Trainer.build(config, model=_model(), dataset=_dataset(), optimizer=_grouped)
@@ -188,8 +213,9 @@ def test_empty_share_is_a_zero_row_batch_of_the_same_structure() -> None:
 # -- the shipped example, as a user runs it ----------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("runner", ["launcher", "torchrun"])
-def test_example_own_model_trains(tmp_path: Path, runner: str) -> None:
-    script = ROOT / "examples" / "own_model_ddp.py"
+@pytest.mark.parametrize("example", ["own_model_ddp.py", "hf_gpt2_zero3.py"])
+def test_examples_train(tmp_path: Path, runner: str, example: str) -> None:
+    script = ROOT / "examples" / example
     command = [sys.executable, str(script)]
     if runner == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]

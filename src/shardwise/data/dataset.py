@@ -12,7 +12,7 @@ communication.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -130,3 +130,58 @@ class DatasetSampler:
                 )
         self.seed = int(state["seed"])
         self.step = int(state["step"])
+
+
+class IterableSampler:
+    """This rank's own batches from a user's iterable (already this rank's share, already collated).
+
+    Each step takes the next batch and cuts it into micro-batches by rows. Exact averaging still holds:
+    the loss counts are summed over the ranks each step, whatever each rank's batch holds. Resuming at
+    step k starts a fresh iterator and skips its first k batches, which continues the same stream when
+    the iterable yields the same batches each time it is iterated (a deterministic loader).
+    """
+
+    def __init__(self, batches: Iterable[Any]) -> None:
+        self.batches = batches
+        self.step = 0
+        self._iterator: Iterator[Any] | None = None
+        self._empty: Any = None
+
+    def _next(self, step: int) -> Any:
+        if self._iterator is None:
+            self._iterator = iter(self.batches)
+            for _ in range(step):  # a resumed run: the batches before ``step`` were trained on
+                next(self._iterator)
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            raise ConfigError(f"the batches ran out at step {step}: give more, or lower steps") from None
+        self._empty = slice_rows(batch, 0, 0)
+        return batch
+
+    def local_micro_batches(self, step: int, n: int, keep_empty: bool = False) -> list[Any]:
+        batch = self._next(step)
+        self.step = step + 1
+        total = rows_of(batch)
+        sizes = [total // n + (1 if i < total % n else 0) for i in range(n)]
+        out, at = [], 0
+        for size in sizes:
+            if size or keep_empty:
+                out.append(slice_rows(batch, at, at + size))
+            at += size
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "iterable": True}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self._iterator = None
+
+
+def rows_of(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.size(0))
+    if isinstance(batch, Mapping):
+        return rows_of(next(iter(batch.values())))
+    return rows_of(batch[0])

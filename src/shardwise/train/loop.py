@@ -14,7 +14,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 from shardwise.collectives.api import Comm
 from shardwise.config import TrainConfig, to_dict
 from shardwise.data.corpus import load_corpus
-from shardwise.data.dataset import DatasetSampler, MapDataset
+from shardwise.data.dataset import DatasetSampler, IterableSampler, MapDataset
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
 from shardwise.engine.base import Engine, NonFinite, NonFiniteStop
 from shardwise.engine.loss import AutoLoss, Loss, TokenLoss, as_loss, rows, run_model
@@ -97,8 +97,9 @@ class Trainer:
     ``Trainer.build(config)`` trains the built-in model on the built-in corpus; pass ``model``,
     ``dataset`` (map-style, sharded here), ``loss`` (see ``shardwise.engine.loss``), ``collate_fn``,
     ``optimizer`` (a factory of named parameters), ``scheduler`` (a factory of an optimizer's
-    ``torch.optim.lr_scheduler``) and ``eval_dataset`` to train your own. ``fit()``
-    runs the whole loop and returns the summary on the reporting rank.
+    ``torch.optim.lr_scheduler``) and ``eval_dataset`` to train your own; instead of ``dataset``,
+    ``batches`` is this rank's own iterable of collated batches (one per step; exact averaging
+    still holds). ``fit()`` runs the whole loop and returns the summary on the reporting rank.
     """
 
     config: TrainConfig
@@ -127,6 +128,7 @@ class Trainer:
         optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
         eval_dataset: MapDataset | None = None,
+        batches: Iterable[Any] | None = None,
     ) -> Trainer:
         """Validate against the live world, build the model under the seed, parallelize it.
 
@@ -145,8 +147,11 @@ class Trainer:
         engine.loss = as_loss(loss) if loss is not None else default_loss(config, model is not None)
         counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)
         rank = max(mesh.dp_rank, 0)
-        if dataset is not None:
-            sampler: Sampler = DatasetSampler(
+        if batches is not None:  # the user's own per-rank stream: this rank's share, already collated
+            sampler: Sampler = IterableSampler(batches)
+            held_out = _eval_from(eval_dataset, config, collate_fn)
+        elif dataset is not None:
+            sampler = DatasetSampler(
                 dataset, config.data.global_batch, config.seed, counts, rank, collate_fn
             )
             held_out = _eval_from(eval_dataset, config, collate_fn)
