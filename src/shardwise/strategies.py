@@ -42,8 +42,6 @@ def _compressor(config: TrainConfig, comm: Comm) -> CompressedComm | None:
 def _ddp(
     config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool, weights: Weights
 ) -> Engine:
-    if weights is not None:
-        weights.load_whole(model)
     dp = mesh.comm("dp")
     return DDPEngine(model, dp, config.ddp, Role.trainer(mesh.rank), _compressor(config, dp))
 
@@ -62,8 +60,6 @@ def _zero(stage: int) -> Builder:
 def _ps(
     config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool, weights: Weights
 ) -> Engine:
-    if weights is not None:  # servers and workers alike hold whole tensors
-        weights.load_whole(model)
     return ParamServerEngine(
         model, mesh.world, config.ps, config.steps, share_gradients, mesh.servers, config.on_nonfinite
     )
@@ -72,8 +68,6 @@ def _ps(
 def _diloco(
     config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool, weights: Weights
 ) -> Engine:
-    if weights is not None:
-        weights.load_whole(model)
     dp = mesh.comm("dp")
     batch = config.data.global_batch
     counts = split_counts(batch, config.data.weights or [1.0] * dp.world_size)
@@ -81,6 +75,8 @@ def _diloco(
     compressor = _compressor(config, dp)
     return DiLoCoEngine(model, dp, config.diloco, config.steps, share, Role.trainer(mesh.rank), compressor)
 
+
+READS_SHARDS = ("zero3",)  # strategies whose builders read each rank's shards of the initial weights
 
 STRATEGIES: dict[str, Builder] = {
     "ddp": _ddp,
@@ -105,4 +101,7 @@ def build_data_parallel(
     builder = STRATEGIES.get(config.strategy)
     if builder is None:
         raise ValueError(f"unknown strategy {config.strategy!r}; known: {', '.join(STRATEGIES)}")
+    if weights is not None and config.strategy not in READS_SHARDS:  # every rank holds whole tensors
+        weights.load_whole(model)
+        weights = None
     return builder(config, model, mesh, share_gradients, weights)
