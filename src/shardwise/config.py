@@ -301,6 +301,10 @@ class DiLoCoConfig:
     outer_lr: float = checked(0.7, Range(gt=0))
     # Nesterov momentum of the outer SGD (0: plain SGD)
     outer_momentum: float = checked(0.9, Range(ge=0, lt=1))
+    # steps up to this one synchronise after every step by plain averaging (no outer optimizer) before
+    # the H-step rounds begin: post-local SGD (Lin et al. 2020, torch's start_localSGD_iter); DiLoCo's
+    # own runs start from a model trained with data parallelism
+    start_local_step: int = checked(0, Range(ge=0))
     compress: bool = True  # reduce the pseudo-gradient through comm.compress when it is set
 
 

@@ -34,8 +34,9 @@ LOCAL_SGD = {
 
 
 def _pair(rank: int, world_size: int, extra: dict[str, str]) -> Any:
-    ddp = collect_run(_config("ddp", **LOCAL_SGD, **extra).validate(world_size))
-    diloco = collect_run(_config("diloco", **LOCAL_SGD, **extra).validate(world_size))
+    settings = {**LOCAL_SGD, **extra}
+    ddp = collect_run(_config("ddp", **settings).validate(world_size))
+    diloco = collect_run(_config("diloco", **settings).validate(world_size))
     return ddp, diloco
 
 
@@ -53,7 +54,19 @@ def test_h1_with_plain_outer_sgd_is_ddp(world: int, extra: dict[str, str]) -> No
     assert grads.max_diff < 1e-10, grads
 
 
-def _silent(rank: int, world_size: int, compress: str) -> list[dict[str, float]]:
+def test_steps_up_to_start_local_step_are_plain_averaging() -> None:
+    """Before ``start_local_step`` every step synchronises by averaging: DDP, whatever H and the outer
+    optimizer say (here the paper's Nesterov 0.7 / 0.9, which would otherwise change the result)."""
+    steps = VERIFY_DEFAULTS["steps"]
+    paper = {"diloco.sync_every": "4", "diloco.outer_lr": "0.7", "diloco.outer_momentum": "0.9"}
+    extra = {**paper, "diloco.start_local_step": steps, "data.weights": "0.3,0.7"}
+    ddp, diloco = run_on_ranks(_pair, 2, extra, timeout_s=300)[0]
+    params = compare_tensors(ddp["params"], diloco["params"])
+    assert params.max_diff < 1e-10, params
+    assert max(abs(a - b) for a, b in zip(ddp["losses"], diloco["losses"], strict=True)) < 1e-10
+
+
+def _silent(rank: int, world_size: int, compress: str, start_local: int = 0) -> list[dict[str, float]]:
     config = load_config(
         None,
         {
@@ -67,6 +80,7 @@ def _silent(rank: int, world_size: int, compress: str) -> list[dict[str, float]]
             "eval_every": "0",
             "run_dir": "runs/test-diloco",
             "comm.compress": compress,
+            "diloco.start_local_step": str(start_local),
         },
     ).validate(world_size)
     trainer = Trainer.build(config)
@@ -77,11 +91,12 @@ def _silent(rank: int, world_size: int, compress: str) -> list[dict[str, float]]
     return [{"loss": r.loss, "bytes": r.bytes_sent[rank]} for r in records]
 
 
-@pytest.mark.parametrize("compress", ["", "topk:0.05"])
-def test_nothing_is_sent_between_synchronisations(compress: str) -> None:
-    rows = run_on_ranks(_silent, 2, compress, timeout_s=300)[0]
+@pytest.mark.parametrize(("compress", "start_local"), [("", 0), ("topk:0.05", 0), ("", 2)])
+def test_nothing_is_sent_between_synchronisations(compress: str, start_local: int) -> None:
+    rows = run_on_ranks(_silent, 2, compress, start_local, timeout_s=300)[0]
     synced = [i for i, row in enumerate(rows) if row["bytes"] > 0]
-    assert synced == [3, 7, 8]  # every 4 steps, and after the last
+    # every step up to start_local_step, then every 4 steps, and after the last
+    assert synced == [i for i in range(start_local)] + [3, 7, 8]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
 
 

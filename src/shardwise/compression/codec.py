@@ -208,17 +208,68 @@ def wire_float(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunks_of(state: CodecState, size: int) -> tuple[torch.Tensor, int]:
-    """Chunks of at most ``size`` elements that never cross a tensor's edge (a scale per chunk then
-    describes one tensor, not a LayerNorm weight and a matrix at once); gaps are chunks of their own.
-    Returns each element's chunk (numel,) int64 and the number of chunks; cached in the state."""
+@dataclass(frozen=True)
+class Chunks:
+    """A bucket cut into chunks of at most ``size`` elements that never cross a tensor's edge (a scale
+    per chunk then describes one tensor, not a LayerNorm weight and a matrix at once); gaps are chunks
+    of their own. Chunks lie in order along the bucket; each range (a tensor or a gap) is ``full``
+    chunks of ``size`` and maybe one shorter ``tail``, so per-chunk work is a reshape, not a gather."""
+
+    size: int
+    numel: int
+    ranges: tuple[tuple[int, int, int], ...]  # (offset, full chunks, tail elements) per range
+    count: int  # chunks in all
+    sizes: torch.Tensor  # (count,) int64 elements per chunk
+    ids: torch.Tensor  # (numel,) int64 each element's chunk
+
+    def absmax(self, x: torch.Tensor) -> torch.Tensor:
+        """(count,) the largest magnitude in each chunk of ``x`` (numel,)."""
+        return torch.cat([part.abs().amax(dim=1) for part in self._parts(x)])
+
+    def abs_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """(count,) the mean magnitude in each chunk of ``x`` (numel,)."""
+        return torch.cat([part.abs().mean(dim=1) for part in self._parts(x)])
+
+    def spread(self, per_chunk: torch.Tensor) -> torch.Tensor:
+        """(numel,) each element's value of ``per_chunk`` (count,), i.e. ``per_chunk[ids]``."""
+        out = per_chunk.new_empty(self.numel)
+        for part, values in zip(self._parts(out), per_chunk.split(self._rows), strict=True):
+            part.copy_(values[:, None].expand_as(part))
+        return out
+
+    def _parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``x`` (numel,): (full, size) per range's full chunks and (1, tail) per tail."""
+        out = []
+        for offset, full, tail in self.ranges:
+            if full:
+                out.append(x[offset : offset + full * self.size].view(full, self.size))
+            if tail:
+                start = offset + full * self.size
+                out.append(x[start : start + tail].view(1, tail))
+        return out
+
+    @property
+    def _rows(self) -> list[int]:
+        """The number of chunks (rows) of each of ``_parts``' views."""
+        return [rows for _, full, tail in self.ranges for rows in (full, int(tail > 0)) if rows]
+
+
+def chunks_for(state: CodecState, size: int) -> Chunks:
+    """The ``Chunks`` of ``state``'s bucket for chunks of ``size`` elements (cached in the state)."""
     key = f"chunks{size}"
     cached = state.extra.get(key)
-    if cached is None:
-        ranges = sorted(
-            [(s.offset, s.offset + s.numel) for s in state.segments if s.numel] + list(state.gaps)
-        )
-        counts = [min(size, b - start) for a, b in ranges for start in range(a, b, size)]
-        ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
-        cached = state.extra[key] = (ids, len(counts))
+    if not isinstance(cached, Chunks):
+        spans = [(s.offset, s.numel) for s in state.segments if s.numel]
+        spans = sorted(spans + [(a, b - a) for a, b in state.gaps])
+        ranges = tuple((offset, numel // size, numel % size) for offset, numel in spans)
+        per_range = [[size] * full + ([tail] if tail else []) for _, full, tail in ranges]
+        sizes = torch.tensor([n for sizes in per_range for n in sizes], dtype=torch.long)
+        ids = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
+        cached = state.extra[key] = Chunks(size, state.numel, ranges, sizes.numel(), sizes, ids)
     return cached
+
+
+def chunks_of(state: CodecState, size: int) -> tuple[torch.Tensor, int]:
+    """Each element's chunk (numel,) int64 and the number of chunks, of ``chunks_for``."""
+    chunks = chunks_for(state, size)
+    return chunks.ids, chunks.count

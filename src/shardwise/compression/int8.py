@@ -1,6 +1,6 @@
 """``int8[:CHUNK]``: 8-bit integers with one scale per chunk of ``CHUNK`` elements (default 512).
 
-Chunks never cross a tensor's edge (``codec.chunks_of``), so a scale describes one tensor. What rounding
+Chunks never cross a tensor's edge (``codec.chunks_for``), so a scale describes one tensor. What rounding
 leaves out is kept as the error-feedback residual (Karimireddy et al. 2019).
 
 Communication, between ranks (two all-reduces): the ranks first agree on each chunk's scale (an
@@ -24,7 +24,7 @@ from shardwise.compression.codec import (
     CodecState,
     Reduced,
     Rounds,
-    chunks_of,
+    chunks_for,
     concat_bytes,
     split_bytes,
     wire_float,
@@ -33,30 +33,29 @@ from shardwise.compression.codec import (
 MAX_RANKS = 16  # 127 // 16 = 7 steps each side: below that the rounding error dominates
 
 
-def chunk_absmax(x: torch.Tensor, ids: torch.Tensor, chunks: int) -> torch.Tensor:
+def chunk_absmax(x: torch.Tensor, state: CodecState, chunk: int) -> torch.Tensor:
     """(chunks,) the largest magnitude of each chunk of ``x`` (numel,), in the scales' dtype."""
-    out = torch.zeros(chunks, dtype=x.dtype, device=x.device)
-    return out.scatter_reduce_(0, ids, x.abs(), "amax").to(wire_float(x.dtype))
+    return chunks_for(state, chunk).absmax(x).to(wire_float(x.dtype))
 
 
 def quantize(
-    x: torch.Tensor, absmax: torch.Tensor, ids: torch.Tensor, steps: int
+    x: torch.Tensor, absmax: torch.Tensor, state: CodecState, chunk: int, steps: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` (numel,) rounded to ``steps`` levels each side of zero per chunk, given each chunk's
     ``absmax`` (chunks,). Returns the int8 values (numel,), the scales (chunks,) and the dequantised
     values (numel,)."""
     scale = absmax.to(x.dtype) / steps
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero chunk: q = 0 anyway
-    per_element = scale[ids]  # (numel,)
+    per_element = chunks_for(state, chunk).spread(scale)  # (numel,)
     q = torch.round(x / per_element).clamp_(-steps, steps)
     return q.to(torch.int8), scale, q * per_element
 
 
 def dequantize(
-    values: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype
+    values: torch.Tensor, scale: torch.Tensor, state: CodecState, chunk: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """int8 ``values`` (numel,) times their chunk's ``scale`` (chunks,), as (numel,) ``dtype``."""
-    return values.to(dtype) * scale.to(dtype)[ids]
+    return values.to(dtype).mul_(chunks_for(state, chunk).spread(scale.to(dtype)))
 
 
 class Int8Codec(Codec):
@@ -76,25 +75,23 @@ class Int8Codec(Codec):
                 f"int8 sums on the wire with {steps} steps per rank at {comm.world_size} ranks; it supports "
                 f"at most {MAX_RANKS} ranks (use fp16, topk or powersgd)"
             )
-        ids, chunks = chunks_of(state, self.chunk)
-        absmax = chunk_absmax(x, ids, chunks)  # agreed over ranks, so everyone quantises alike
+        absmax = chunk_absmax(x, state, self.chunk)  # agreed over ranks, so everyone quantises alike
         yield comm.all_reduce(absmax, "max", async_op=True)
-        values, scale, sent = quantize(x, absmax, ids, steps)
+        values, scale, sent = quantize(x, absmax, state, self.chunk, steps)
         yield comm.all_reduce(values, "sum", async_op=True)  # |sum| <= world * steps <= 127: no wrap
-        return Reduced(dequantize(values, scale, ids, x.dtype), sent)
+        return Reduced(dequantize(values, scale, state, self.chunk, x.dtype), sent)
 
     # -- point to point: scales travel with the message --------------------------------------------
     def encode(self, x: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, chunks = chunks_of(state, self.chunk)
-        values, scale, sent = quantize(x, chunk_absmax(x, ids, chunks), ids, 127)
+        values, scale, sent = quantize(x, chunk_absmax(x, state, self.chunk), state, self.chunk, 127)
         return concat_bytes(scale.to(wire_float(x.dtype)), values), sent  # scales first: aligned
 
     def wire_like(self, state: CodecState) -> torch.Tensor:
-        chunks = chunks_of(state, self.chunk)[1]
+        chunks = chunks_for(state, self.chunk).count
         scale_bytes = chunks * torch.empty(0, dtype=wire_float(state.dtype)).element_size()
         return torch.empty(scale_bytes + state.numel, dtype=torch.uint8)
 
     def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
-        ids, chunks = chunks_of(state, self.chunk)
+        chunks = chunks_for(state, self.chunk).count
         scale, values = split_bytes(wire, (chunks, wire_float(total.dtype)), (total.numel(), torch.int8))
-        total.add_(dequantize(values, scale, ids, total.dtype))
+        total.add_(dequantize(values, scale, state, self.chunk, total.dtype))

@@ -4,7 +4,7 @@ Each chunk is sent as ``scale * sign(x)`` with ``scale = mean(|x|)`` over the ch
 chunk's L1 norm, with the error feedback of EF-SignSGD (Karimireddy et al., "Error Feedback Fixes SignSGD
 and other Gradient Compression Schemes", ICML 2019; also the compressed stage of 1-bit Adam, Tang et al.
 2021): what the sign leaves out is the residual, added to the next step's bucket. Chunks never cross a
-tensor's edge (``codec.chunks_of``): EF-SignSGD's scale is per tensor. A zero is sent as +1 (one bit has
+tensor's edge (``codec.chunks_for``): EF-SignSGD's scale is per tensor. A zero is sent as +1 (one bit has
 no room for 0); error feedback takes it back the next step, and an all-zero chunk has scale 0.
 
 Communication: signs cannot be summed on the wire, so one all-gather of every rank's packed message
@@ -21,13 +21,14 @@ import torch
 from shardwise.compression.codec import (
     CodecState,
     MessageCodec,
-    chunks_of,
+    chunks_for,
     concat_bytes,
     split_bytes,
     wire_float,
 )
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,7 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(data: torch.Tensor, numel: int) -> torch.Tensor:
     """The inverse of ``pack_bits``: (numel,) booleans."""
-    return (data[:, None].bitwise_and(_BITS) != 0).reshape(-1)[:numel]
+    return (data[:, None] >> _SHIFTS).bitwise_and_(1).view(torch.bool).reshape(-1)[:numel]
 
 
 class SignCodec(MessageCodec):
@@ -52,26 +53,23 @@ class SignCodec(MessageCodec):
         self.chunk = chunk
 
     def encode(self, x: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, chunks = chunks_of(state, self.chunk)
-        sums = torch.zeros(chunks, dtype=x.dtype).index_add_(0, ids, x.abs())  # (chunks,)
-        scale = (sums / torch.bincount(ids, minlength=chunks).to(x.dtype)).to(wire_float(x.dtype))
+        scale = chunks_for(state, self.chunk).abs_mean(x).to(wire_float(x.dtype))  # (chunks,)
         positive = x >= 0
-        return concat_bytes(scale, pack_bits(positive)), self._decode(positive, scale, ids, x.dtype)
+        return concat_bytes(scale, pack_bits(positive)), self._decode(positive, scale, state, x.dtype)
 
-    @staticmethod
     def _decode(
-        positive: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype
+        self, positive: torch.Tensor, scale: torch.Tensor, state: CodecState, dtype: torch.dtype
     ) -> torch.Tensor:
         signs = positive.to(dtype) * 2 - 1  # (numel,) +-1
-        return signs * scale.to(dtype)[ids]
+        return signs.mul_(chunks_for(state, self.chunk).spread(scale.to(dtype)))
 
     def wire_like(self, state: CodecState) -> torch.Tensor:
-        chunks = chunks_of(state, self.chunk)[1]
+        chunks = chunks_for(state, self.chunk).count
         scale_bytes = chunks * torch.empty(0, dtype=wire_float(state.dtype)).element_size()
         return torch.empty(scale_bytes + -(-state.numel // 8), dtype=torch.uint8)
 
     def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
         numel = total.numel()
-        ids, chunks = chunks_of(state, self.chunk)
+        chunks = chunks_for(state, self.chunk).count
         scale, bits = split_bytes(wire, (chunks, wire_float(total.dtype)), (-(-numel // 8), torch.uint8))
-        total.add_(self._decode(unpack_bits(bits, numel), scale, ids, total.dtype))
+        total.add_(self._decode(unpack_bits(bits, numel), scale, state, total.dtype))

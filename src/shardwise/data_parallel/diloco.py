@@ -121,7 +121,7 @@ class DiLoCoEngine(Engine):
     def after_update(self) -> None:
         self.model.zero_grad(set_to_none=True)
         self.inner_steps += 1
-        if self.inner_steps % self.config.sync_every == 0 or self.inner_steps == self.steps:
+        if self._at_sync():
             self.synchronize()
 
     # -- the outer step ----------------------------------------------------------------------------
@@ -138,12 +138,7 @@ class DiLoCoEngine(Engine):
                 self.compressor.reduce(delta, self.codec_state)
             else:
                 self.comm.all_reduce(delta, "sum")
-            offset = 0
-            for anchor in self.anchor:
-                anchor.grad = delta[offset : offset + anchor.numel()].view_as(anchor)
-                offset += anchor.numel()
-            self.outer.step()
-            self.outer.zero_grad(set_to_none=True)
+            self._outer_step(delta)
             for anchor, p in zip(self.anchor, self.params, strict=True):
                 p.copy_(anchor)
         buffers = [b for b in self.model.buffers() if b.is_floating_point()]
@@ -151,6 +146,21 @@ class DiLoCoEngine(Engine):
             broadcast_coalesced(self.comm, buffers)
         self.window_items = 0.0
         self.syncs += 1
+
+    def _outer_step(self, delta: torch.Tensor) -> None:
+        """Step ``theta_sync`` with the averaged pseudo-gradient ``delta``: the outer optimizer, or
+        plain averaging (``theta_sync - delta``) while the run is before ``start_local_step``."""
+        offset = 0
+        for anchor in self.anchor:
+            part = delta[offset : offset + anchor.numel()].view_as(anchor)
+            offset += anchor.numel()
+            if self.inner_steps <= self.config.start_local_step:
+                anchor.sub_(part)
+            else:
+                anchor.grad = part
+        if self.inner_steps > self.config.start_local_step:
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
 
     def resume_at(self, step: int) -> None:
         self.inner_steps = step
@@ -174,7 +184,10 @@ class DiLoCoEngine(Engine):
 
     # -- checkpoints (at synchronisations) ------------------------------------------------------------
     def _at_sync(self) -> bool:
-        return self.inner_steps % self.config.sync_every == 0 or self.inner_steps == self.steps
+        step = self.inner_steps
+        return (
+            step % self.config.sync_every == 0 or step == self.steps or step <= self.config.start_local_step
+        )
 
     def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
         if not self._at_sync():
