@@ -84,13 +84,17 @@ class PSCodec:
         header = len(self.shards[s]) + PUSH_EXTRA
         return self.compressor.packed_bytes(self.new_state(s)) + self._header_bytes(header)
 
+    def push_state(self, s: int) -> CodecState:
+        """This worker's push error feedback for server ``s`` (made on first use)."""
+        return self.push.setdefault(s, self.new_state(s))
+
     def encode_push(self, s: int, dense: torch.Tensor) -> torch.Tensor:
         """A dense push for server ``s`` (``ps_messages.pack_push`` and its header) as its message."""
         n, params = self._numel(s), self.shards[s]
         grads, header = dense[:n], dense[n:]
         if header[-1] != KIND_GRAD:  # a notice: its gradient part is empty, no error feedback moves
             return concat_bytes(self.compressor.pack(grads, self.new_state(s), feedback=False), header)
-        state = self.push.setdefault(s, self.new_state(s))
+        state = self.push_state(s)
         hold = [
             (seg.offset, seg.offset + seg.numel)
             for seg, used in zip(state.segments, header[: len(params)].tolist(), strict=True)
