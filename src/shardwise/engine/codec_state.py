@@ -13,9 +13,11 @@ pseudo-gradient, a parameter-server worker's push per server, in the engine's or
 
 ``<layout>`` names what wrote them: ``<engine>.world<N>.<spec>`` (e.g. ``ddp.world2.topk_0.05``). A run
 loads them only under its own layout, with the same bucket sizes; anything else (another strategy,
-world size, codec, or bucket sizes) starts with fresh states, after one warning line on rank 0, since a
-residual belongs to a rank's own messages and has no meaning elsewhere. A checkpoint with no codec
-state at all (an uncompressed run) is silent. Other layouts ignore ``codec/``. No communication.
+world size, codec, or bucket sizes) starts with fresh states, after one warning line on rank 0 (a
+``CheckpointWarning``), since a residual belongs to a rank's own messages and has no meaning
+elsewhere. A checkpoint with no codec state at all (an uncompressed run) is silent. Other layouts
+ignore ``codec/``. The parameter server's pull residuals are not saved (``ps_state``). No
+communication.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from shardwise.checkpoint.manager import Piece
+from shardwise.checkpoint.reader import CheckpointWarning
 from shardwise.collectives.api import Comm
 from shardwise.compression import CodecState, CompressedComm
 from shardwise.engine.base import StateReader
@@ -79,6 +82,7 @@ def read_codec_states(
             warnings.warn(
                 f"the checkpoint's error-feedback state ({', '.join(others)}) does not fit this run "
                 f"({layout}: {problem}); every bucket starts with no residual",
+                CheckpointWarning,
                 stacklevel=2,
             )
         return None
