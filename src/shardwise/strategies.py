@@ -60,9 +60,11 @@ def _zero(stage: int) -> Builder:
 def _ps(
     config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool, weights: Weights
 ) -> Engine:
+    world = mesh.world
     return ParamServerEngine(
-        model, mesh.world, config.ps, config.steps, share_gradients, mesh.servers, config.on_nonfinite
-    )
+        model, world, config.ps, config.steps, share_gradients, mesh.servers, config.on_nonfinite,
+        _compressor(config, world),
+    )  # fmt: skip
 
 
 def _diloco(

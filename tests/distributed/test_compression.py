@@ -1,10 +1,10 @@
 """Gradient compression through every strategy: identity parity, each codec training, bytes.
 
 - ``--compress none`` goes through the codec layer's whole path and must give exactly what no codec
-  gives (bit for bit) and what one process gives (1e-10, the verify path), for ddp and zero1-3.
+  gives (bit for bit) and what one process gives (1e-10, the verify path), for ddp, zero1-3 and ps.
 - Every codec on 2 and 4 ranks with uneven shares, through DDP and ZeRO-2: the loss falls, nothing
   hangs, and the bytes each rank sends per step are what the codec's exchange should cost.
-- The parameter server compresses its pushes, synchronous and asynchronous.
+- The parameter server's pushes and pulls: ``test_ps_compression``.
 
 All cases of one strategy and world size run in one spawn (each spawn costs seconds).
 """
@@ -41,6 +41,7 @@ IDENTITY_CASES = {
     "zero1": (2, {}),
     "zero2": (2, {"data.weights": "0.3,0.7"}),
     "zero3": (2, {}),
+    "ps": (3, {"data.weights": "0.3,0.7"}),  # 1 server, 2 workers: pushes and pulls through the codec
 }
 
 
@@ -128,13 +129,3 @@ def test_every_codec_trains_with_uneven_shares(strategy: str, world: int) -> Non
         for r in range(world):  # every rank sends what its codec costs
             ratio = results[r][compress]["bytes"] / results[r][""]["bytes"]
             assert low <= ratio <= high, (compress, r, ratio)
-
-
-# -- the parameter server: not built yet, refused in one line ------------------------------------------
-def test_parameter_server_with_compression_is_refused_in_one_line() -> None:
-    from shardwise.compression import check_compress
-    from shardwise.config import ConfigError
-
-    config = load_config(None, {"strategy": "ps", "comm.compress": "int8"})
-    with pytest.raises(ConfigError, match="with the parameter server is not built yet"):
-        check_compress(config.comm, config.strategy)

@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from shardwise.collectives.p2p import Done
-from shardwise.compression import CompressedComm, Segment, build_codec, parse_spec, segments_of
+from shardwise.compression import (
+    CompressedComm,
+    Segment,
+    build_codec,
+    check_compress,
+    parse_spec,
+    segments_of,
+)
 from shardwise.compression.cast import CastCodec, IdentityCodec
 from shardwise.compression.codec import CodecState, chunks_of, concat_bytes, gaps_of, split_bytes
 from shardwise.compression.int8 import Int8Codec
@@ -346,6 +353,36 @@ def test_point_to_point_messages_decode_to_what_was_sent() -> None:
     with pytest.raises(ValueError, match="powersgd codec cannot compress point-to-point"):
         psgd = CompressedComm(None, build_codec(CommConfig(compress="powersgd")))
         psgd.packed_bytes(psgd.new_state(10, torch.float32))
+
+
+def test_held_ranges_count_as_not_sent() -> None:
+    """``pack(hold=...)``: the receiver drops those ranges, so their residual keeps all of x."""
+    segments = segments_of(SHAPES)
+    for spec in ("fp16", "int8", "sign", "topk:0.05"):
+        layer = CompressedComm(None, build_codec(CommConfig(compress=spec)))
+        state = layer.new_state(NUMEL, torch.float64, segments)
+        first, second = _grad(0, 0, torch.float64), _grad(0, 1, torch.float64)
+        layer.pack(first, state)
+        before = state.residual.clone()
+        held = (segments[1].offset, segments[1].offset + segments[1].numel)
+        data = layer.pack(second, state, hold=[held])
+        a, b = held
+        assert torch.equal(state.residual[a:b], before[a:b] + second[a:b]), spec  # nothing of it sent
+        decoded = layer.unpack(data, layer.new_state(NUMEL, torch.float64, segments))
+        decoded[a:b] = 0  # what the receiver does with a held range
+        mask = torch.ones(NUMEL, dtype=torch.bool)
+        mask[a:b] = False
+        assert torch.allclose((decoded + state.residual)[mask], (before + second)[mask], atol=1e-12), spec
+
+
+def test_check_compress_for_the_parameter_server() -> None:
+    for spec in ("none", "fp16", "bf16", "int8", "sign", "topk:0.01", "dgc:0.05"):
+        check_compress(CommConfig(compress=spec), "ps")  # pushable codecs: accepted
+    with pytest.raises(ConfigError, match="needs its workers to all-reduce among themselves"):
+        check_compress(CommConfig(compress="powersgd"), "ps")
+    for key in ("compress_start_step", "compress_warmup_steps"):
+        with pytest.raises(ConfigError, match="a push must keep one size"):
+            check_compress(CommConfig(compress="topk:0.1", **{key: 2}), "ps")
 
 
 def test_specs_are_checked_in_one_line() -> None:

@@ -24,7 +24,9 @@ Communication: whatever the codec's rounds issue on the wrapped ``Comm``; with `
 first round is launched before ``reduce`` returns and the rest runs in ``wait()``, so it overlaps the
 caller's work (DDP: the rest of backward). Every rank must reduce its buckets in the same order, as with
 any collective. Point to point (``pack``/``unpack``): a self-contained message for one receiver, which
-decodes each sender's message by itself (the parameter server); no collective.
+decodes each sender's message by itself (the parameter server: ``data_parallel.ps_codec``, pushes
+and pulls); ``hold`` marks ranges the receiver drops (unused parameters: their residual keeps them)
+and ``undo`` takes back a refused message's feedback. No collective.
 """
 
 from __future__ import annotations
@@ -108,9 +110,18 @@ class CompressedComm:
         state.residual = residual
 
     # -- point to point (parameter-server pushes) ------------------------------------------------------
-    def pack(self, bucket: torch.Tensor, state: CodecState, feedback: bool = True) -> torch.Tensor:
+    def pack(
+        self,
+        bucket: torch.Tensor,
+        state: CodecState,
+        feedback: bool = True,
+        hold: Sequence[tuple[int, int]] = (),
+    ) -> torch.Tensor:
         """One self-contained message (uint8) for ``bucket``, laid out as ``state``: under error
-        feedback, or (``feedback=False``) a message that changes no state, e.g. a "done" notice."""
+        feedback, or (``feedback=False``) a message that changes no state, e.g. a "done" notice.
+
+        ``hold``: ``[a, b)`` ranges the receiver will drop (a parameter server's unused parameters):
+        whatever the message says there counts as not sent, so their residual keeps all of ``x``."""
         codec = self.codec_for(state)
         self._require_pushable(codec)
         if not feedback:
@@ -119,6 +130,10 @@ class CompressedComm:
         previous = state.residual
         x = self._corrected(codec, bucket, state)
         data, sent = codec.pack(x, state)
+        if hold:
+            sent = sent.clone()  # it may share memory with the message (a cast to the bucket's dtype)
+            for a, b in hold:
+                sent[a:b] = 0
         self._finish(codec, state, x, sent)
         state.previous, state.undoable = previous, True
         return data

@@ -85,11 +85,6 @@ def check_compress(config: CommConfig, strategy: str = "ddp") -> None:
     if not config.compress:
         return
     codec = build_codec(config)
-    if strategy == "ps":  # its pushes carry per-parameter used flags that the codec layer does not keep yet
-        raise ConfigError(
-            f"comm.compress = {config.compress!r} with the parameter server is not built yet; "
-            "use ddp, zero1-3 or diloco, or drop comm.compress"
-        )
     if strategy == "ps" and not codec.pushable:
         raise ConfigError(
             f"comm.compress = {config.compress!r} needs its workers to all-reduce among themselves; the "

@@ -23,7 +23,8 @@ Cases handled, and how:
 - Gradient compression (``comm.compress``): each complete bucket goes through the codec layer
   (``compression.CompressedComm.reduce``, asynchronous like the plain all-reduce) instead of being
   all-reduced as it is; each bucket keeps its own error-feedback state, and its tensors' shapes for
-  PowerSGD.
+  PowerSGD. Checkpoints hold each rank's bucket states (``engine.codec_state``), so a resume on the
+  same ranks and buckets goes on exactly.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.compression import CodecState, CompressedComm, Segment
 from shardwise.config import DDPConfig
 from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
+from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import full_state_tensors, load_full_state, replicated_pieces
 from shardwise.engine.precision import LOSS_SCALE
 
@@ -245,14 +247,24 @@ class DDPEngine(Engine):
         pieces = replicated_pieces(full_state_tensors(self.model, self.optimizers[0]), rank, world_size)
         if self.scaler.enabled and rank == 0:  # the same on every rank: one writes it
             pieces.append(Piece.full(LOSS_SCALE, self.scaler.state()))
-        return pieces
+        return pieces + codec_pieces(self._codec_states(), self._codec_layout(), self.comm.rank)
 
     def load_state(self, read: StateReader) -> None:
         saved = self.scaler.enabled and LOSS_SCALE in read.shapes  # absent: another precision saved it
         scale = read({LOSS_SCALE: None})[LOSS_SCALE] if saved else None
+        states = self._codec_states()
+        codec = read_codec_states(states, self._codec_layout(), self.comm.rank, read)
         load_full_state(self.model, self.optimizers[0], read)
         if scale is not None:
             self.scaler.load(scale)
+        restore_codec_states(states, codec)
+
+    def _codec_states(self) -> list[CodecState]:
+        """Each bucket's error feedback (``comm.compress``; none without it), in bucket order."""
+        return [b.codec for b in self.buckets if b.codec is not None]
+
+    def _codec_layout(self) -> str:
+        return layout_of(self.name, self.comm, self.compressor)
 
     def metrics(self) -> dict[str, float]:
         if not self.scaler.enabled:

@@ -31,7 +31,9 @@ holds the same parameters, which are also the last-synchronised ones: ``model/<n
 ``outer/momentum_buffer/<name>`` (the outer optimizer's momentum), and each rank's own inner optimizer
 state, rank 0's under the usual ``optim/<key>/<name>`` (what another strategy loads) and rank r's under
 ``inner/rank<r>/<key>/<name>``. A run resumed on another number of ranks gives the new ranks rank 0's
-inner state. The codec's residual is not saved: a compressed run resumes with none.
+inner state. With ``comm.compress``, each rank's codec state (its residual, ...) is saved too, under
+``codec/`` (``engine.codec_state``): a resumed run on the same ranks goes on exactly; on another number
+of ranks it starts with none.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.compression import CodecState, CompressedComm, segments_of
 from shardwise.config import DiLoCoConfig
 from shardwise.engine.base import Engine, NamedTensors, Role, Span, StateReader, grad_sq_sum
+from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import full_state_tensors, load_named_state, replicated_pieces
 
 OUTER = "outer/"  # checkpoint names of the outer optimizer's state: outer/<key>/<name>
@@ -204,7 +207,13 @@ class DiLoCoEngine(Engine):
         for name, tensor in everything.items():
             if name.startswith("optim/"):
                 pieces.append(Piece.full(prefix + name.removeprefix("optim/"), tensor))
-        return pieces
+        return pieces + codec_pieces(self._codec_states(), self._codec_layout(), own)
+
+    def _codec_states(self) -> list[CodecState]:
+        return [self.codec_state] if self.codec_state is not None else []
+
+    def _codec_layout(self) -> str:
+        return layout_of(self.name, self.comm, self.compressor)
 
     def _outer_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -224,6 +233,7 @@ class DiLoCoEngine(Engine):
         local.update({f"model/{n}": b for n, b in self.model.named_buffers()})
         wanted = [*local, *inner.stored(), *outer.stored()]
         cache = _Cached(read, read(dict.fromkeys(wanted)))
+        codec = read_codec_states(self._codec_states(), self._codec_layout(), self.comm.rank, read)
         params = dict(self.model.named_parameters())
         load_named_state(local, params, self.optimizers[0], _Renamed(cache, inner.source, "optim/"))
         anchors = {self._names[id(p)]: a for p, a in zip(self.params, self.anchor, strict=True)}
@@ -232,6 +242,7 @@ class DiLoCoEngine(Engine):
             for anchor, p in zip(self.anchor, self.params, strict=True):
                 anchor.copy_(p)
         self.window_items = 0.0
+        restore_codec_states(self._codec_states(), codec)
 
 
 class _Renamed:

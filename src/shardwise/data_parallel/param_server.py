@@ -28,6 +28,11 @@ worker has paused (the pauses queue behind the pushes before them, so nothing is
 saves its parameters, their optimizer state and its version (``ps/version``); on resume, the servers
 load theirs and send every worker their weights and version (``resume_at``).
 
+Compression (``comm.compress``): pushes and pulls go through the codec layer, each message a codec
+message with its header beside it; the start, the end and a resume stay uncompressed. See
+:mod:`shardwise.data_parallel.ps_codec`: error feedback per worker and server shard for pushes, and
+for pulls the update since the last message to that worker (per worker async, per shard sync).
+
 Message layout: :mod:`shardwise.data_parallel.ps_messages`. Roles: servers serve (``serve``), the first
 worker reports, the optimizer runs on the servers (``optimizer_runs``) through the same
 ``Engine.run_optimizers`` every strategy uses.
@@ -44,8 +49,10 @@ from torch import nn
 
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm, CommStats
+from shardwise.compression import CompressedComm
 from shardwise.config import ConfigError, PSConfig
 from shardwise.data_parallel.ps_async import push_until_accepted, serve_async
+from shardwise.data_parallel.ps_codec import SYNC, PSCodec
 from shardwise.data_parallel.ps_messages import (
     FINITE,
     KIND_DONE,
@@ -115,6 +122,7 @@ class ParamServerEngine(Engine):
         share_gradients: bool = False,
         server_comm: Comm | None = None,
         on_nonfinite: str = "stop",
+        compressor: CompressedComm | None = None,
     ) -> None:
         serves = comm.rank < config.servers
         role = Role(
@@ -159,7 +167,10 @@ class ParamServerEngine(Engine):
         self._micro: Sequence[Any] = ()
         self._global_tokens, self._local_tokens, self._loss_share = 1.0, 0, 0.0
         self._replies: list[torch.Tensor] = []
+        # comm.compress: pushes and pulls through the codec layer (see ps_codec); None: dense messages
+        self.codec = PSCodec(compressor, self.shards, self._dtype()) if compressor is not None else None
         self._distribute_initial()
+        self._start_codec()
 
     @property
     def own(self) -> list[nn.Parameter]:
@@ -211,11 +222,7 @@ class ParamServerEngine(Engine):
     def after_update(self) -> None:
         self._require_worker()
         if self.config.mode == "sync":
-            self._replies = []
-            for s in self.servers:
-                reply = self._reply_buffer(s)
-                self.comm.recv(reply, s)
-                self._replies.append(reply)
+            self._replies = [self.recv_reply(s) for s in self.servers]
         for s, reply in zip(self.servers, self._replies, strict=True):
             self.load_reply(s, reply)
         self.last_global_loss = float(self._replies[0][-1]) if self._replies else float("nan")
@@ -242,17 +249,38 @@ class ParamServerEngine(Engine):
         return self._found
 
     def _push_message(self, s: int, scale: float) -> torch.Tensor:
+        """This step's push to server ``s``, as it travels (through the codec with comm.compress)."""
         message = pack_push(self.shards[s], self._dtype())
         if scale != 1.0:
             message.mul_(scale)  # the used flags stay non-zero exactly where they were
         message[-3:] = torch.tensor(
             [self._loss_share * scale, self.server_versions[s], KIND_GRAD], dtype=message.dtype
         )
-        return message
+        return self._wire_push(s, message)
 
-    def _reply_buffer(self, s: int) -> torch.Tensor:
-        numel = sum(p.numel() for p in self.shards[s])
-        return torch.zeros(numel + REPLY_EXTRA, dtype=self._dtype())
+    def _wire_push(self, s: int, dense: torch.Tensor) -> torch.Tensor:
+        return self.codec.encode_push(s, dense) if self.codec is not None else dense
+
+    def _notice(self, s: int, kind: float, done: int = 0) -> torch.Tensor:
+        """A push without a gradient (done, pause) to server ``s``, as it travels."""
+        notice = torch.zeros(push_numel(self.shards[s]), dtype=self._dtype())
+        notice[-2:] = torch.tensor([done, kind], dtype=notice.dtype)
+        return self._wire_push(s, notice)
+
+    def undo_push(self, s: int) -> None:
+        """Server ``s`` refused this worker's last push (async): take back its error feedback."""
+        if self.codec is not None:
+            self.codec.undo_push(s)
+
+    def recv_reply(self, s: int) -> torch.Tensor:
+        """Receive server ``s``'s reply; returned dense (``[weights..., header]``) whatever travelled."""
+        if self.codec is None:
+            reply = torch.zeros(sum(p.numel() for p in self.shards[s]) + REPLY_EXTRA, dtype=self._dtype())
+            self.comm.recv(reply, s)
+            return reply
+        wire = torch.zeros(self.codec.reply_bytes(s), dtype=torch.uint8)
+        self.comm.recv(wire, s)
+        return self.codec.decode_reply(s, wire)
 
     def load_reply(self, s: int, reply: torch.Tensor) -> None:
         """Take server ``s``'s weights and header into this worker's model."""
@@ -279,9 +307,7 @@ class ParamServerEngine(Engine):
         if self.config.mode != "async" or self.is_server or self._finished:
             return  # sync servers are in step already; after the last step the final save follows
         for s in self.servers:
-            pause = torch.zeros(push_numel(self.shards[s]), dtype=self._dtype())
-            pause[-2:] = torch.tensor([done, KIND_PAUSE], dtype=pause.dtype)
-            self.comm.send(pause, s)
+            self.comm.send(self._notice(s, KIND_PAUSE, done), s)
 
     def finish(self) -> None:
         """Tell the servers this worker is done (async) and receive the final weights. Idempotent."""
@@ -290,9 +316,7 @@ class ParamServerEngine(Engine):
         self._finished = True
         if self.config.mode == "async":
             for s in self.servers:
-                done = torch.zeros(push_numel(self.shards[s]), dtype=self._dtype())
-                done[-1] = KIND_DONE
-                self.comm.send(done, s)
+                self.comm.send(self._notice(s, KIND_DONE), s)
         self._distribute_final(dead=())
 
     def _require_worker(self) -> None:
@@ -339,8 +363,7 @@ class ParamServerEngine(Engine):
         n_own = sum(p.numel() for p in self.own)
         total: torch.Tensor | None = None
         for w in self.workers:
-            buf = torch.zeros(push_numel(self.own), dtype=self._dtype())
-            self.comm.recv(buf, w)
+            buf = self.recv_push(w)
             if buf[-1] != KIND_GRAD:
                 raise RuntimeError(f"worker {w} stopped before step {self.version + 1} in synchronous mode")
             total = buf if total is None else total.add_(buf)
@@ -357,14 +380,35 @@ class ParamServerEngine(Engine):
         else:
             self.version += 1  # a served step all the same (sync versions count steps)
             self.nonfinite_updates += 1
-        reply = self.reply_message(0, True, loss_total, status, first)
-        for w in self.workers:
+        reply = self.wire_reply(SYNC, self.reply_message(0, True, loss_total, status, first))
+        for w in self.workers:  # one message for all: they pull in lock-step
             self.comm.send(reply, w)
         self.step_comm.append(self.comm.stats.since(start))
         if status == FINITE:
             return None
         name = self.trainable_names[first] if first < len(self.trainable_names) else None
         return NonFinite(describe_nonfinite(loss_ok, name), stop=status == STOPPED)
+
+    def push_buffer(self) -> torch.Tensor:
+        """Where one push to this server is received (its size never changes)."""
+        if self.codec is None:
+            return torch.zeros(push_numel(self.own), dtype=self._dtype())
+        return torch.zeros(self.codec.push_bytes(self.comm.rank), dtype=torch.uint8)
+
+    def decode_push(self, worker: int, received: torch.Tensor) -> torch.Tensor:
+        """A received push as the dense ``[grads..., used..., loss, version, kind]``."""
+        if self.codec is None:
+            return received
+        return self.codec.decode_push(worker, self.comm.rank, received)
+
+    def recv_push(self, worker: int) -> torch.Tensor:
+        buf = self.push_buffer()
+        self.comm.recv(buf, worker)
+        return self.decode_push(worker, buf)
+
+    def wire_reply(self, key: int, reply: torch.Tensor) -> torch.Tensor:
+        """A dense reply as it travels to ``key`` (a worker; SYNC: every worker, the same message)."""
+        return self.codec.encode_reply(key, reply, self.comm.rank) if self.codec is not None else reply
 
     def check_push(self, flat: torch.Tensor, loss: float) -> tuple[bool, int]:
         """Whether ``loss`` is finite, and the index (trainable order) of the first served parameter
@@ -447,6 +491,16 @@ class ParamServerEngine(Engine):
         return message
 
     # -- weights at the start and at the end ------------------------------------------------------------
+    def _start_codec(self) -> None:
+        """Worker copies equal the servers' weights (the start, a resume): pulls restart from them."""
+        if self.codec is None:
+            return
+        if self.is_server:
+            keys = [SYNC] if self.config.mode == "sync" else self.workers
+            self.codec.start_pulls(self.comm.rank, keys)
+        else:
+            self.codec.hold_pulled()
+
     def _distribute_initial(self) -> None:
         """Servers send their shard to every worker, so all start from the servers' weights."""
         for s in self.servers:
@@ -490,6 +544,7 @@ class ParamServerEngine(Engine):
         worker its weights and version (the workers pull), so their first pushes are not stale.
         """
         self._steps_done = step
+        self._start_codec()  # every rank has read the servers' weights
         if self.config.mode == "sync":
             self.version = step
             self.server_versions = [step] * len(self.servers)
@@ -498,11 +553,9 @@ class ParamServerEngine(Engine):
             if self.comm.rank == s:
                 reply = self.reply_message(0, True)
                 for w in self.workers:
-                    self.comm.send(reply, w)
+                    self.comm.send(self.wire_reply(w, reply), w)
             elif not self.is_server:
-                reply = self._reply_buffer(s)
-                self.comm.recv(reply, s)
-                self.load_reply(s, reply)
+                self.load_reply(s, self.recv_reply(s))
 
     # -- inspection ---------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

@@ -46,7 +46,6 @@ from shardwise.data_parallel.ps_messages import (
     KIND_PAUSE,
     MAX_ATTEMPTS,
     STOPPED,
-    push_numel,
 )
 from shardwise.engine.base import NonFinite, describe_nonfinite
 
@@ -69,10 +68,10 @@ def push_until_accepted(engine: ParamServerEngine) -> None:
             engine.comm.send(engine._push_message(s, scale), s)
         refused = []
         for s in pending:
-            replies[s] = engine._reply_buffer(s)
-            engine.comm.recv(replies[s], s)
+            replies[s] = engine.recv_reply(s)
             if replies[s][-2] == 0:
                 refused.append(s)
+                engine.undo_push(s)  # its error feedback is taken back: the batch is pushed again or dropped
         engine._replies = replies
         if not refused:
             return
@@ -93,9 +92,8 @@ def serve_async(engine: ParamServerEngine, after_step: Callable[[int], None] | N
     ``after_step(done)`` runs once every live worker has paused after ``done`` steps (a checkpoint).
     """
     arrivals: queue.Queue[Arrival] = queue.Queue()
-    size = push_numel(engine.own)
     listeners = [
-        threading.Thread(target=_listen, args=(engine, w, size, arrivals), daemon=True)
+        threading.Thread(target=_listen, args=(engine, w, arrivals), daemon=True)
         for w in engine.workers
     ]
     for thread in listeners:
@@ -145,21 +143,23 @@ def _answer(engine: ParamServerEngine, worker: int, message: torch.Tensor) -> bo
         engine.rejected += 1
     reply = engine.reply_message(staleness, accepted, float(message[-3]), status, first)
     try:
-        engine.comm.send(reply, worker)
+        engine.comm.send(engine.wire_reply(worker, reply), worker)
     except RuntimeError:
         return False
     return True
 
 
-def _listen(engine: ParamServerEngine, worker: int, size: int, arrivals: queue.Queue[Arrival]) -> None:
-    """Receive one worker's pushes in order until it says it is done or its connection fails."""
+def _listen(engine: ParamServerEngine, worker: int, arrivals: queue.Queue[Arrival]) -> None:
+    """Receive one worker's pushes in order until it says it is done or its connection fails; each
+    is decoded here (with comm.compress), with this worker's own decoding state."""
     while True:
-        message = torch.zeros(size, dtype=engine._dtype())
+        received = engine.push_buffer()
         try:
-            engine.comm.irecv(message, worker).wait()
+            engine.comm.irecv(received, worker).wait()
         except RuntimeError as exc:
             arrivals.put((worker, None, str(exc).splitlines()[0][:160]))
             return
+        message = engine.decode_push(worker, received)
         arrivals.put((worker, message, ""))
         if message[-1] == KIND_DONE:
             return

@@ -8,7 +8,9 @@ A reply is ``[weights..., grad_norm, nonfinite, bad parameter, version, stalenes
 loss_total]``, where ``grad_norm`` is the global gradient norm before clipping (sync), ``nonfinite`` is
 0 (finite), 1 (skipped) or 2 (the run stops) and ``bad parameter`` the index, in the model's trainable
 order, of the first parameter whose gradient was not finite (-1: none).
-No communication here: only packing and unpacking.
+With ``comm.compress`` these dense layouts are what both ends see; what travels is a codec message
+of the tensor part with the rest beside it (``ps_codec``). No communication here: only packing and
+unpacking.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ of ``ps/version`` (one int64 per server: the updates it has applied); the first 
 frozen parameters and the buffers (workers run the forward, so theirs are the live ones); the other
 workers write nothing of the model. On load, a server reads its own parameters, their optimizer state
 and its version (saved by as many servers; otherwise the highest, so staleness never goes backwards);
-a worker reads the whole model (it computes with every parameter) and no optimizer state. No
-communication: every rank reads and writes files only.
+a worker reads the whole model (it computes with every parameter) and no optimizer state. With
+``comm.compress`` every worker also writes and reads its push error feedback (``engine.codec_state``);
+the pull residuals are not saved: on resume the servers' weights travel uncompressed, so the worker
+copies equal them and pulls start afresh. No communication: every rank reads and writes files only.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardwise.checkpoint.manager import Piece
+from shardwise.compression import CodecState
 from shardwise.engine.base import StateReader
+from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import load_named_state
 
 if TYPE_CHECKING:
@@ -44,7 +48,8 @@ def ps_state_pieces(engine: ParamServerEngine) -> list[Piece]:
     """This rank's pieces: its served parameters and their optimizer state, or (first worker) the rest."""
     if not engine.is_server:
         first_worker = engine.comm.rank == engine.workers[0]
-        return [Piece.full(n, t) for n, t in _worker_tensors(engine).items()] if first_worker else []
+        out = [Piece.full(n, t) for n, t in _worker_tensors(engine).items()] if first_worker else []
+        return out + codec_pieces(_push_states(engine), _layout(engine), engine.comm.rank)
     served = _served(engine)
     out = [Piece.full(f"model/{n}", p.detach()) for n, p in served.items()]
     s, servers = engine.comm.rank, len(engine.servers)
@@ -70,4 +75,17 @@ def load_ps_state(engine: ParamServerEngine, read: StateReader) -> None:
         return
     local: dict[str, torch.Tensor] = {f"model/{n}": p for n, p in engine.model.named_parameters()}
     local.update({f"model/{n}": b for n, b in engine.model.named_buffers()})
+    codec = read_codec_states(_push_states(engine), _layout(engine), engine.comm.rank, read)
     load_named_state(local, {}, None, read)
+    restore_codec_states(_push_states(engine), codec)
+
+
+def _push_states(engine: ParamServerEngine) -> list[CodecState]:
+    """A worker's push error feedback, one per server (``comm.compress``; none without it)."""
+    if engine.codec is None or engine.is_server:
+        return []
+    return [engine.codec.push_state(s) for s in engine.servers]
+
+
+def _layout(engine: ParamServerEngine) -> str:
+    return layout_of(engine.name, engine.comm, engine.codec.compressor if engine.codec else None)

@@ -416,6 +416,8 @@ class Engine(ABC):
         - ``optim/step/<name>``: the parameter's step count, a scalar (shape ``()``).
         - State only one strategy has goes under its own prefix, and other layouts ignore it:
           ``ps/version`` (each server's version), ``precision/loss_scale`` (fp16's loss scaler).
+        - ``codec/<layout>/rank<r>/...``: with ``comm.compress``, each rank's own error-feedback state
+          (``engine.codec_state``), loaded back only by a run of the same layout.
 
         Every element of every tensor must be written by exactly one rank. Replicated engines (DDP)
         spread whole tensors over ranks (``checkpoint.spread_replicated``), so no rank writes it all.

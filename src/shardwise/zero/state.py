@@ -14,6 +14,9 @@ holds the master weights; the compute copies are re-derived by the stage's ``aft
 all-gather in stages 1-2; stage 3 gathers at the next forward). Disk offload: every group is mapped in
 (``offload.resident``) while it is read or written, and loaded values are copied into the mapped files.
 
+With ``comm.compress``, each rank also writes its groups' codec state (error-feedback residuals,
+under ``codec/``: ``engine.codec_state``), restored on a resume with the same ranks and layout.
+
 Communication: none for saving; for loading, only the stage's own re-gather of the parameters.
 ``gathered_state`` (inspection and tests) all-gathers every state tensor.
 """
@@ -25,7 +28,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardwise.checkpoint.manager import Piece as SavedPiece
+from shardwise.compression import CodecState
 from shardwise.engine.base import Span, StateReader
+from shardwise.engine.codec_state import (
+    codec_layout,
+    codec_pieces,
+    read_codec_states,
+    restore_codec_states,
+)
 from shardwise.engine.full_state import StateMismatchError, replicated_pieces
 from shardwise.engine.precision import LOSS_SCALE
 from shardwise.zero.flat_param import FlatLayout
@@ -78,7 +88,18 @@ def zero_state_pieces(engine: ZeroBase, rank: int, world_size: int) -> list[Save
                     out.extend(SavedPiece.full(f"optim/{k}/{piece.name}", v) for k, v in scalars.items())
     if engine.scaler.enabled and rank == 0:  # the same on every rank: one writes it
         out.append(SavedPiece.full(LOSS_SCALE, engine.scaler.state()))
-    return out
+    return out + codec_pieces(_codec_states(engine), _codec_layout(engine), rank)
+
+
+def _codec_states(engine: ZeroBase) -> list[CodecState]:
+    """Each group's error feedback (``comm.compress``; none without it), in group order."""
+    return [g.codec_state for g in engine.groups if g.codec_state is not None]
+
+
+def _codec_layout(engine: ZeroBase) -> str:
+    compressor = next((g.compressor for g in engine.groups if g.compressor is not None), None)
+    spec = compressor.codec.spec if compressor is not None else ""
+    return codec_layout(engine.name, engine.comm.world_size, spec)
 
 
 # -- loading ------------------------------------------------------------------------------------------
@@ -164,6 +185,7 @@ def load_zero_state(engine: ZeroBase, read: StateReader) -> None:
     if scaled:
         requests[LOSS_SCALE] = None
     tensors = read(requests)  # every read before any change: a damaged file leaves the engine as it was
+    codec = read_codec_states(_codec_states(engine), _codec_layout(engine), engine.comm.rank, read)
     if scaled:
         engine.scaler.load(tensors[LOSS_SCALE])
     with torch.no_grad():
@@ -172,6 +194,7 @@ def load_zero_state(engine: ZeroBase, read: StateReader) -> None:
         for i, (group, (elements, scalars)) in enumerate(zip(engine.groups, keys, strict=True)):
             with engine.offload.resident(i):
                 _load_group(engine, i, group, elements, scalars, tensors)
+    restore_codec_states(_codec_states(engine), codec)
     engine.after_step()  # compute copies from the new masters
 
 
