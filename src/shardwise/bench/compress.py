@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from shardwise.config import TrainConfig, load_config
+from shardwise.config import ConfigError, TrainConfig, load_config
 
 MIN_DROP = 0.30  # the uncompressed run's held-out loss must fall at least this much from the start
 POWERSGD_START = 10  # steps of plain all-reduce before PowerSGD starts (torch's start_powerSGD_iter)
@@ -207,6 +207,10 @@ def run_compress_bench(
     run_dir: str = "runs/bench-compress",
 ) -> dict[str, Any]:
     """Every row of ``ROWS`` (or those named in ``labels``) and the uncompressed run, ``seeds`` times."""
+    unknown = sorted(set(labels or ()) - {row.label for row in ROWS})
+    if unknown:
+        known = ", ".join(row.label for row in ROWS)
+        raise ConfigError(f"no row named {', '.join(unknown)}; the rows are {known}")
     rows = [row for row in ROWS if labels is None or row.label in labels]
     runs: dict[str, list[dict[str, float]]] = {"uncompressed": []}
     runs.update({row.label: [] for row in rows})
