@@ -56,7 +56,7 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     ps_async.add_argument("--seeds", type=int, default=3, help="runs per mode; means are compared")
     ps_async.add_argument("--preset", default="small")
     compress = _kind(kinds, "compress", "each gradient codec and DiLoCo against no compression", run, nproc=2)
-    compress.add_argument("--steps", type=int, default=200)
+    compress.add_argument("--steps", type=int, help="steps per run (default 600)")
     compress.add_argument("--seeds", type=int, default=3, help="runs per row; means are compared")
     compress.add_argument("--preset", default="small")
     compress.add_argument("--rows", help="comma-separated row labels (default: all), e.g. fp16,topk:0.01")
@@ -126,11 +126,12 @@ def bench_command(args: argparse.Namespace) -> int:
         result = bench_async_vs_sync(args.nproc, args.steps, args.seeds, args.preset)
         render = render_ps_async
     elif args.kind == "compress":
-        from shardwise.bench.compress import render_compress, run_compress_bench
+        from shardwise.bench.compress import STEPS, render_compress, run_compress_bench
 
         labels = args.rows.split(",") if args.rows else None
         with_torch = not args.no_torch
-        result = run_compress_bench(args.nproc, args.steps, args.seeds, args.preset, labels, with_torch)
+        steps = STEPS if args.steps is None else args.steps
+        result = run_compress_bench(args.nproc, steps, args.seeds, args.preset, labels, with_torch)
         render = render_compress
     elif args.kind == "ckpt":
         from shardwise.checkpoint.bench import run_ckpt_bench
