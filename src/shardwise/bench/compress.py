@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -223,8 +224,11 @@ def run_compress_bench(
     labels: list[str] | None = None,
     with_torch: bool = True,
     run_dir: str = "runs/bench-compress",
+    partial: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Every row of ``ROWS`` (or those named in ``labels``) and the uncompressed run, ``seeds`` times."""
+    """Every row of ``ROWS`` (or those named in ``labels``) and the uncompressed run, ``seeds`` times.
+    After each seed's turn, ``partial`` gets the summary of the seeds so far (``seeds_done``), so an
+    hour-long run that is stopped keeps what it measured."""
     unknown = sorted(set(labels or ()) - {row.label for row in ROWS})
     if unknown:
         known = ", ".join(row.label for row in ROWS)
@@ -251,6 +255,8 @@ def run_compress_bench(
                 row = next((r for r in rows if r.label == label), Row(label))
                 overrides = {**row.overrides, "run_dir": config.run_dir}
                 runs[label].append(_ours(bench_config(steps, preset, seed, config.run_dir, overrides), nproc))
+        if partial is not None and seed + 1 < seeds:
+            partial(summarize(runs, rows, initial, nproc, steps, seed + 1, preset, time.time() - started))
     return summarize(runs, rows, initial, nproc, steps, seeds, preset, time.time() - started)
 
 
@@ -296,7 +302,7 @@ def summarize(
     result: dict[str, Any] = {
         "nproc": nproc,
         "steps": steps,
-        "seeds": seeds,
+        "seeds": seeds,  # the seeds measured so far (all of them once the run is complete)
         "preset": preset,
         "wall_s": wall_s,
         "baseline": {

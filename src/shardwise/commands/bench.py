@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,6 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    import json
-
     from shardwise.commands.output import emit
 
     if args.kind == "ddp":
@@ -131,7 +130,10 @@ def bench_command(args: argparse.Namespace) -> int:
         labels = args.rows.split(",") if args.rows else None
         with_torch = not args.no_torch
         steps = STEPS if args.steps is None else args.steps
-        result = run_compress_bench(args.nproc, steps, args.seeds, args.preset, labels, with_torch)
+        save = (lambda partial: _write(args.out, partial)) if args.out else None
+        result = run_compress_bench(
+            args.nproc, steps, args.seeds, args.preset, labels, with_torch, partial=save
+        )
         render = render_compress
     elif args.kind == "ckpt":
         from shardwise.checkpoint.bench import run_ckpt_bench
@@ -141,10 +143,18 @@ def bench_command(args: argparse.Namespace) -> int:
     else:  # pragma: no cover - argparse restricts the choices
         raise ValueError(args.kind)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        _write(args.out, result)
     emit(result, args.json, render)
     return 0
+
+
+def _write(path: str, result: dict[str, Any]) -> None:
+    """``result`` as JSON at ``path``, replaced whole (a temporary file renamed), never half-written."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.tmp")
+    temporary.write_text(json.dumps(result, indent=2))
+    temporary.replace(target)
 
 
 def render_ckpt(result: dict[str, Any]) -> None:
