@@ -74,20 +74,24 @@ ROWS = [
 TORCH_ROWS = ("torch_ddp", "torch_powersgd:4")
 
 
+def job_overrides(
+    steps: int, preset: str, seed: int, run_dir: str, overrides: dict[str, str]
+) -> dict[str, str]:
+    """The config keys of one row's run: the job, then the row's own ``overrides`` on top."""
+    return {
+        "steps": str(steps),
+        "seed": str(seed),
+        "model.preset": preset,
+        "eval_every": str(steps),  # one evaluation, at the end
+        "eval_batches": "16",  # 16 x 16 sequences x 64 tokens: less noise than the default 4
+        "run_dir": run_dir,
+        **JOB,
+        **overrides,
+    }
+
+
 def bench_config(steps: int, preset: str, seed: int, run_dir: str, overrides: dict[str, str]) -> TrainConfig:
-    return load_config(
-        None,
-        {
-            "steps": str(steps),
-            "seed": str(seed),
-            "model.preset": preset,
-            "eval_every": str(steps),  # one evaluation, at the end
-            "eval_batches": "16",  # 16 x 16 sequences x 64 tokens: less noise than the default 4
-            "run_dir": run_dir,
-            **JOB,
-            **overrides,
-        },
-    )
+    return load_config(None, job_overrides(steps, preset, seed, run_dir, overrides))
 
 
 def initial_heldout_loss(config: TrainConfig) -> float:
