@@ -72,3 +72,11 @@ def test_without_namespaces_it_exits_2_in_one_line(monkeypatch, capsys) -> None:
     assert cli.main(["bench", "compress", "--link", "1gbit"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "shardwise bench compress: error: --link: creating network namespaces needs root"
+
+
+def test_a_bad_job_stops_before_any_namespace_is_made(monkeypatch) -> None:
+    from shardwise.bench import compress_link
+
+    monkeypatch.setattr(compress_link, "two_hosts", None)  # never reached
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        compress_link.run_link_bench(steps=20)  # JOB's warm-up is 20 steps

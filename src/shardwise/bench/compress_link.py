@@ -37,6 +37,7 @@ from typing import Any
 
 from shardwise.bench.compress import ROWS, job_overrides
 from shardwise.bench.netns import Host, measure_gbit_s, qdiscs, shape, torchrun_command, two_hosts
+from shardwise.config import load_config
 
 LINK_BATCH = 4  # global batch: at 16 the small GPT's compute, not the 1 Gbit/s link, bounds a step
 HELD_OUT_SEQUENCES = 256  # the held-out set of bench compress (16 batches of 16), at any batch
@@ -131,7 +132,7 @@ class RowRun:
 
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        self.run_dir, self.hosts = run_dir, hosts
+        self.run_dir, self.hosts, self.stopped = run_dir, hosts, False
         sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
         self.agents = {}
         for name, host in hosts.items():
@@ -159,8 +160,8 @@ class RowRun:
                 self.stop()
                 raise RuntimeError(f"a row ran past {ROW_TIMEOUT_S:.0f} s: {self.run_dir}")
             time.sleep(0.2)
-        failed = {n: a.returncode for n, a in self.agents.items() if a.returncode not in (0, -9)}
-        if failed:
+        failed = {n: a.returncode for n, a in self.agents.items() if a.returncode}
+        if failed and not self.stopped:  # stopped here: SIGKILL, or one saw the other go first
             tail = (self.run_dir / "agent-a.log").read_text()[-3000:]
             raise RuntimeError(f"training over the link failed (exit codes {failed}):\n{tail}")
         return read_metrics(metrics)
@@ -168,6 +169,7 @@ class RowRun:
     def stop(self) -> None:
         from shardwise.bench.netns import kill_namespace
 
+        self.stopped = True
         for host in self.hosts.values():
             kill_namespace(host.ns)
         for agent in self.agents.values():
@@ -233,6 +235,8 @@ def run_link_bench(
     """The uncompressed run, then each row of ``ROWS`` named in ``labels``, over a link of ``rate``."""
     chosen = [r for r in ROWS if r.label in (labels or DEFAULT_ROWS) and r.label != "none"]
     job = LinkJob(steps, preset, global_batch, eval_every, step_factor, Path(run_dir).resolve())
+    for extra in [{}, *(r.overrides for r in chosen)]:  # a bad job stops here, in one line, not in a rank
+        load_config(None, job.overrides(steps, job.run_dir, extra, eval_every)).validate(2)
     result: dict[str, Any] = {"load_start": _load(), "job": job.describe()}
     started = time.monotonic()
     with two_hosts() as hosts:
