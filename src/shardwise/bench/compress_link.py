@@ -36,7 +36,16 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.bench.compress import ROWS, job_overrides
-from shardwise.bench.netns import Host, measure_gbit_s, qdiscs, shape, torchrun_command, two_hosts
+from shardwise.bench.netns import (
+    Host,
+    kill_namespace,
+    measure_gbit_s,
+    qdiscs,
+    rank_env,
+    shape,
+    torchrun_command,
+    two_hosts,
+)
 from shardwise.config import load_config
 
 LINK_BATCH = 4  # global batch: at 16 the small GPT's compute, not the 1 Gbit/s link, bounds a step
@@ -128,25 +137,17 @@ class RowRun:
     """One ``shardwise train`` over the two hosts: an agent per host, stopped early when told."""
 
     def __init__(self, hosts: dict[str, Host], overrides: dict[str, str], port: int, run_dir: Path) -> None:
-        from shardwise.bench.netns import rank_env
-
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.run_dir, self.hosts, self.stopped = run_dir, hosts, False
         sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
-        self.agents = {}
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
         for name, host in hosts.items():
-            command = [
-                *torchrun_command(name, hosts, port, f"link-{port}"),
-                "-m",
-                "shardwise",
-                "train",
-                *sets,
-            ]
-            log = (run_dir / f"agent-{name}.log").open("w")
-            self.agents[name] = subprocess.Popen(
-                command, env=rank_env(host), stdout=log, stderr=subprocess.STDOUT
-            )
+            command = [*torchrun_command(name, hosts, port, f"link-{port}"), "-m", "shardwise", "train"]
+            with (run_dir / f"agent-{name}.log").open("w") as log:  # the agent keeps its own copy
+                self.agents[name] = subprocess.Popen(
+                    [*command, *sets], env=rank_env(host), stdout=log, stderr=subprocess.STDOUT
+                )
 
     def wait(self, stop_below: float | None) -> list[dict[str, Any]]:
         """Every metrics row once both agents end, or once an evaluation reaches ``stop_below``."""
@@ -167,8 +168,6 @@ class RowRun:
         return read_metrics(metrics)
 
     def stop(self) -> None:
-        from shardwise.bench.netns import kill_namespace
-
         self.stopped = True
         for host in self.hosts.values():
             kill_namespace(host.ns)
