@@ -19,6 +19,8 @@ for kind in "$@"; do
     ckpt) $sw bench ckpt --nproc 2 --json --out "$out/ckpt.json" >/dev/null ;;
     ps-async) $sw bench ps-async --nproc 3 --json --out "$out/ps-async.json" >/dev/null ;;
     compress) $sw bench compress --nproc 2 --json --out "$out/compress.json" >/dev/null ;;
+    # two network namespaces over a veth pair shaped to 1 Gbit/s both ways: needs root and iproute2
+    compress_link) $sw bench compress --link 1gbit --steps 300 --json --out "$out/compress_link.json" >/dev/null ;;
     *) echo "unknown benchmark $kind" >&2; exit 2 ;;
   esac
   echo "$kind -> $out/$kind.json"

@@ -243,6 +243,9 @@ class OptimizerConfig:
     lr_schedule: str = checked("constant", OneOf(("constant", "linear", "cosine")))
     warmup_steps: int = checked(0, Range(ge=0))  # linear warm-up from lr / (warmup_steps + 1) up to lr
     min_lr: float = checked(0.0, Range(ge=0))  # where linear and cosine decay end
+    # the schedule's length in steps; 0: the run's. A longer run stays at min_lr past it (to train on
+    # with the very schedule of a shorter run, as `bench compress --link` does)
+    schedule_steps: int = checked(0, Range(ge=0))
 
 
 @dataclass(frozen=True)
@@ -376,9 +379,11 @@ class TrainConfig:
     def _check_schedule(self) -> None:
         """What the schedule's fields mean together (each field's own range is declared on it)."""
         optim = self.optim
-        if optim.warmup_steps >= self.steps:
+        length = optim.schedule_steps or self.steps
+        if optim.warmup_steps >= length:
+            where = f"optim.schedule_steps({length})" if optim.schedule_steps else f"steps({self.steps})"
             raise ConfigError(
-                f"optim.warmup_steps must be in [0, steps({self.steps})), got {optim.warmup_steps}: "
+                f"optim.warmup_steps must be in [0, {where}), got {optim.warmup_steps}: "
                 "a warm-up as long as the run never reaches the learning rate"
             )
         if optim.min_lr > optim.lr:

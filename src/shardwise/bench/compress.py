@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -93,20 +93,24 @@ ROWS = [
 TORCH_ROWS = ("torch_ddp", "torch_powersgd:4")
 
 
+def job_overrides(
+    steps: int, preset: str, seed: int, run_dir: str, overrides: dict[str, str]
+) -> dict[str, str]:
+    """The config keys of one row's run: the job, then the row's own ``overrides`` on top."""
+    return {
+        "steps": str(steps),
+        "seed": str(seed),
+        "model.preset": preset,
+        "eval_every": str(steps),  # one evaluation, at the end
+        "eval_batches": "16",  # 16 x 16 sequences x 64 tokens: less noise than the default 4
+        "run_dir": run_dir,
+        **JOB,
+        **overrides,
+    }
+
+
 def bench_config(steps: int, preset: str, seed: int, run_dir: str, overrides: dict[str, str]) -> TrainConfig:
-    return load_config(
-        None,
-        {
-            "steps": str(steps),
-            "seed": str(seed),
-            "model.preset": preset,
-            "eval_every": str(steps),  # one evaluation, at the end
-            "eval_batches": "16",  # 16 x 16 sequences x 64 tokens: less noise than the default 4
-            "run_dir": run_dir,
-            **JOB,
-            **overrides,
-        },
-    )
+    return load_config(None, job_overrides(steps, preset, seed, run_dir, overrides))
 
 
 def initial_heldout_loss(config: TrainConfig) -> float:
@@ -216,6 +220,15 @@ def _torch(config: TrainConfig, nproc: int, powersgd_rank: int) -> dict[str, flo
     return next(r for r in results.values() if r is not None)
 
 
+def select_rows(labels: Sequence[str] | None) -> list[Row]:
+    """The rows named in ``labels`` (None: the default ones); an unknown name is refused in one line."""
+    unknown = sorted(set(labels or ()) - {row.label for row in ROWS})
+    if unknown:
+        known = ", ".join(row.label for row in ROWS)
+        raise ConfigError(f"no row named {', '.join(unknown)}; the rows are {known}")
+    return [row for row in ROWS if (row.label in labels if labels is not None else row.default)]
+
+
 def run_compress_bench(
     nproc: int = 2,
     steps: int = STEPS,
@@ -229,11 +242,7 @@ def run_compress_bench(
     """Every row of ``ROWS`` (or those named in ``labels``) and the uncompressed run, ``seeds`` times.
     After each seed's turn, ``partial`` gets the summary of the seeds so far (``seeds_done``), so an
     hour-long run that is stopped keeps what it measured."""
-    unknown = sorted(set(labels or ()) - {row.label for row in ROWS})
-    if unknown:
-        known = ", ".join(row.label for row in ROWS)
-        raise ConfigError(f"no row named {', '.join(unknown)}; the rows are {known}")
-    rows = [row for row in ROWS if (row.label in labels if labels is not None else row.default)]
+    rows = select_rows(labels)
     runs: dict[str, list[dict[str, float]]] = {"uncompressed": []}
     runs.update({row.label: [] for row in rows})
     if with_torch:

@@ -57,11 +57,23 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     ps_async.add_argument("--seeds", type=int, default=3, help="runs per mode; means are compared")
     ps_async.add_argument("--preset", default="small")
     compress = _kind(kinds, "compress", "each gradient codec and DiLoCo against no compression", run, nproc=2)
-    compress.add_argument("--steps", type=int, help="steps per run (default 600)")
-    compress.add_argument("--seeds", type=int, default=3, help="runs per row; means are compared")
+    compress.add_argument("--steps", type=int, help="steps per run (default 600; with --link 300)")
+    compress.add_argument("--seeds", type=int, help="runs per row; means are compared (default 3)")
     compress.add_argument("--preset", default="small")
     compress.add_argument("--rows", help="comma-separated row labels (default: all), e.g. fp16,topk:0.01")
     compress.add_argument("--no-torch", action="store_true", help="skip torch DDP and its powerSGD_hook")
+    compress.add_argument(
+        "--link",
+        metavar="RATE",
+        help="instead: two hosts (network namespaces, one rank each) over a veth pair shaped to RATE "
+        "(tc syntax, e.g. 1gbit): the training time each row needs to reach the uncompressed "
+        "run's held-out loss; one seed; needs root and iproute2",
+    )
+    compress.add_argument("--global-batch", type=int, help="with --link: the global batch (default 4)")
+    compress.add_argument("--eval-every", type=int, default=10, help="with --link: steps between evaluations")
+    compress.add_argument(
+        "--step-factor", type=float, default=2.0, help="with --link: rows may train this many times --steps"
+    )
     ckpt = _kind(
         kinds, "ckpt", "checkpoint save/load MB/s against torch.distributed.checkpoint", run, nproc=2
     )
@@ -71,8 +83,6 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from shardwise.commands.output import emit
-
     if args.kind == "ddp":
         from shardwise.bench.ddp import render_ddp, run_ddp_bench
 
@@ -124,16 +134,17 @@ def bench_command(args: argparse.Namespace) -> int:
 
         result = bench_async_vs_sync(args.nproc, args.steps, args.seeds, args.preset)
         render = render_ps_async
+    elif args.kind == "compress" and args.link:
+        return _compress_link(args)
     elif args.kind == "compress":
         from shardwise.bench.compress import STEPS, render_compress, run_compress_bench
 
         labels = args.rows.split(",") if args.rows else None
         with_torch = not args.no_torch
         steps = STEPS if args.steps is None else args.steps
+        seeds = 3 if args.seeds is None else args.seeds
         save = (lambda partial: _write(args.out, partial)) if args.out else None
-        result = run_compress_bench(
-            args.nproc, steps, args.seeds, args.preset, labels, with_torch, partial=save
-        )
+        result = run_compress_bench(args.nproc, steps, seeds, args.preset, labels, with_torch, partial=save)
         render = render_compress
     elif args.kind == "ckpt":
         from shardwise.checkpoint.bench import run_ckpt_bench
@@ -142,6 +153,14 @@ def bench_command(args: argparse.Namespace) -> int:
         render = render_ckpt
     else:  # pragma: no cover - argparse restricts the choices
         raise ValueError(args.kind)
+    return _save_and_emit(args, result, render)
+
+
+def _save_and_emit(
+    args: argparse.Namespace, result: dict[str, Any], render: Callable[[dict[str, Any]], None]
+) -> int:
+    from shardwise.commands.output import emit
+
     if args.out:
         _write(args.out, result)
     emit(result, args.json, render)
@@ -155,6 +174,33 @@ def _write(path: str, result: dict[str, Any]) -> None:
     temporary = target.with_name(f".{target.name}.tmp")
     temporary.write_text(json.dumps(result, indent=2))
     temporary.replace(target)
+
+
+def _compress_link(args: argparse.Namespace) -> int:
+    """``bench compress --link RATE``: exit 2 with one line where namespaces cannot be made."""
+    import sys
+
+    from shardwise.bench.compress_link import LINK_BATCH, LINK_STEPS, render_link, run_link_bench
+    from shardwise.bench.netns import netns_unavailable
+
+    problem = netns_unavailable()
+    if problem is None and args.seeds not in (None, 1):
+        problem = "--link runs one seed (--seeds 1)"
+    if problem is None and args.nproc != 2:
+        problem = "--link runs two hosts of one rank each (--nproc 2)"
+    if problem:
+        print(f"shardwise bench compress: error: --link: {problem}", file=sys.stderr)
+        return 2
+    result = run_link_bench(
+        rate=args.link,
+        steps=LINK_STEPS if args.steps is None else args.steps,
+        preset=args.preset,
+        labels=args.rows.split(",") if args.rows else None,
+        global_batch=args.global_batch or LINK_BATCH,
+        eval_every=args.eval_every,
+        step_factor=args.step_factor,
+    )
+    return _save_and_emit(args, result, render_link)
 
 
 def render_ckpt(result: dict[str, Any]) -> None:

@@ -8,9 +8,11 @@ The multiplier of the base learning rate at step s (0-based; the update of step 
         linear:             1 - p (1 - m)
         cosine:             m + (1 - m) (1 + cos(pi p)) / 2
 
-so linear and cosine reach ``min_lr`` exactly at the last step S - 1. It is a torch ``LambdaLR``,
-stepped once after each update by every strategy's one update path (``Engine.run_optimizers``), on
-every rank that holds an optimizer (the servers, for a parameter server). No communication.
+so linear and cosine reach ``min_lr`` exactly at the last step S - 1. S is the run's steps, or
+``schedule_steps`` when set: a longer run then stays at ``min_lr`` after step S - 1. It is a torch
+``LambdaLR``, stepped once after each update by every strategy's one update path
+(``Engine.run_optimizers``), on every rank that holds an optimizer (the servers, for a parameter
+server). No communication.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from shardwise.config import OptimizerConfig
 
 def lr_multiplier(config: OptimizerConfig, steps: int) -> Callable[[int], float]:
     """The multiplier of ``config.lr`` at each step of a run of ``steps`` steps."""
+    steps = config.schedule_steps or steps
     warmup, floor = config.warmup_steps, (config.min_lr / config.lr if config.lr else 0.0)
 
     def multiplier(step: int) -> float:
