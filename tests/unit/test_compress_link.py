@@ -80,3 +80,18 @@ def test_a_bad_job_stops_before_any_namespace_is_made(monkeypatch) -> None:
     monkeypatch.setattr(compress_link, "two_hosts", None)  # never reached
     with pytest.raises(ConfigError, match="warmup_steps"):
         compress_link.run_link_bench(steps=20)  # JOB's warm-up is 20 steps
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--seed", "1"], "--seed chooses a --link run's seed"),
+        (["--rows", "fp16,bogus"], "no row named bogus"),
+    ],
+)
+def test_a_setting_that_would_be_ignored_is_refused(argv: list[str], says: str, capsys) -> None:
+    from shardwise import cli
+
+    assert cli.main(["bench", "compress", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err

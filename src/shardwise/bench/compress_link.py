@@ -4,9 +4,9 @@ run's held-out loss when two hosts are joined by a slow link.
 Two "hosts" (``bench.netns``: network namespaces joined by a veth pair, BOTH directions shaped to
 RATE by tc's token-bucket filter), one rank on each, started by one torchrun agent per host as
 docs/multi-node.md does (gloo on the veth). Every row is ``shardwise train`` on bench compress's job
-(``compress.job_overrides``: the small GPT, cosine schedule with warm-up, seed 0) at a smaller global
-batch (``LINK_BATCH``), so that the link, not the compute, bounds a step; only ``comm.compress`` (or
-the strategy, for DiLoCo) changes between rows.
+(``compress.job_overrides``: the small GPT, cosine schedule with warm-up, seed 0 or ``--seed``) at a
+smaller global batch (``LINK_BATCH``), so that the link, not the compute, bounds a step; only
+``comm.compress`` (or the strategy, for DiLoCo) changes between rows.
 
 Per row: the held-out loss every ``eval_every`` steps, and at each evaluation the cumulative
 *training* time: the sum of the steps' ``step_s`` (the slowest rank's time from its forward to the
@@ -114,6 +114,7 @@ class LinkJob:
     eval_every: int
     step_factor: float
     run_dir: Path
+    seed: int = 0
 
     def overrides(self, steps: int, run_dir: Path, row: dict[str, str], eval_every: int) -> dict[str, str]:
         link = {
@@ -122,7 +123,7 @@ class LinkJob:
             "eval_every": str(eval_every),
             "optim.schedule_steps": str(self.steps),  # past it, a longer row stays at min_lr
         }
-        return job_overrides(steps, self.preset, 0, str(run_dir), {**link, **row})
+        return job_overrides(steps, self.preset, self.seed, str(run_dir), {**link, **row})
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -133,6 +134,7 @@ class LinkJob:
             "eval_every": self.eval_every,
             "eval_sequences": HELD_OUT_SEQUENCES,
             "seeds": 1,
+            "seed": self.seed,
             "overrides": self.overrides(self.steps, self.run_dir, {}, self.eval_every),
         }
 
@@ -234,10 +236,12 @@ def run_link_bench(
     eval_every: int = 10,
     step_factor: float = 2.0,
     run_dir: str = "runs/bench-compress-link",
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """The uncompressed run, then each row of ``ROWS`` named in ``labels``, over a link of ``rate``."""
+    """The uncompressed run, then each row of ``ROWS`` named in ``labels``, over a link of ``rate``,
+    all from seed ``seed``."""
     chosen = [r for r in select_rows(labels or DEFAULT_ROWS) if r.label != "none"]
-    job = LinkJob(steps, preset, global_batch, eval_every, step_factor, Path(run_dir).resolve())
+    job = LinkJob(steps, preset, global_batch, eval_every, step_factor, Path(run_dir).resolve(), seed)
     for extra in [{}, *(r.overrides for r in chosen)]:  # a bad job stops here, in one line, not in a rank
         load_config(None, job.overrides(steps, job.run_dir, extra, eval_every)).validate(2)
     result: dict[str, Any] = {"load_start": _load(), "job": job.describe()}
@@ -290,7 +294,8 @@ def render_link(result: dict[str, Any]) -> None:
     print(
         f"compression over a {link['rate']} link ({link['measured_gbit_s']['shaped']:.2f} Gbit/s measured), "
         f"2 hosts x 1 rank, {job['preset']} GPT, global batch {job['global_batch']}, {job['steps']} steps "
-        f"(others up to {job['max_steps']}), 1 seed; load {result['load_start']['loadavg'][0]:.2f} -> "
+        f"(others up to {job['max_steps']}), seed {job.get('seed', 0)}; "
+        f"load {result['load_start']['loadavg'][0]:.2f} -> "
         f"{result['load_end']['loadavg'][0]:.2f}"
     )
     for name, p in probe.items():

@@ -74,6 +74,7 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     compress.add_argument(
         "--step-factor", type=float, default=2.0, help="with --link: rows may train this many times --steps"
     )
+    compress.add_argument("--seed", type=int, help="with --link: the seed of every run (default 0)")
     ckpt = _kind(
         kinds, "ckpt", "checkpoint save/load MB/s against torch.distributed.checkpoint", run, nproc=2
     )
@@ -136,6 +137,10 @@ def bench_command(args: argparse.Namespace) -> int:
         render = render_ps_async
     elif args.kind == "compress" and args.link:
         return _compress_link(args)
+    elif args.kind == "compress" and args.seed is not None:
+        from shardwise.config import ConfigError
+
+        raise ConfigError("--seed chooses a --link run's seed; without --link, --seeds N runs seeds 0..N-1")
     elif args.kind == "compress":
         from shardwise.bench.compress import STEPS, render_compress, run_compress_bench
 
@@ -185,7 +190,7 @@ def _compress_link(args: argparse.Namespace) -> int:
 
     problem = netns_unavailable()
     if problem is None and args.seeds not in (None, 1):
-        problem = "--link runs one seed (--seeds 1)"
+        problem = "--link runs one seed (--seeds 1; choose it with --seed)"
     if problem is None and args.nproc != 2:
         problem = "--link runs two hosts of one rank each (--nproc 2)"
     if problem:
@@ -199,6 +204,7 @@ def _compress_link(args: argparse.Namespace) -> int:
         global_batch=args.global_batch or LINK_BATCH,
         eval_every=args.eval_every,
         step_factor=args.step_factor,
+        seed=args.seed or 0,
     )
     return _save_and_emit(args, result, render_link)
 
