@@ -219,8 +219,7 @@ class Chunks:
     numel: int
     ranges: tuple[tuple[int, int, int], ...]  # (offset, full chunks, tail elements) per range
     count: int  # chunks in all
-    sizes: torch.Tensor  # (count,) int64 elements per chunk
-    ids: torch.Tensor  # (numel,) int64 each element's chunk
+    rows: tuple[int, ...]  # chunks (rows) in each of ``_parts``' views, in order
 
     def absmax(self, x: torch.Tensor) -> torch.Tensor:
         """(count,) the largest magnitude in each chunk of ``x`` (numel,)."""
@@ -231,9 +230,9 @@ class Chunks:
         return torch.cat([part.abs().mean(dim=1) for part in self._parts(x)])
 
     def spread(self, per_chunk: torch.Tensor) -> torch.Tensor:
-        """(numel,) each element's value of ``per_chunk`` (count,), i.e. ``per_chunk[ids]``."""
+        """(numel,) each element's value of ``per_chunk`` (count,), i.e. ``per_chunk[ids()]``."""
         out = per_chunk.new_empty(self.numel)
-        for part, values in zip(self._parts(out), per_chunk.split(self._rows), strict=True):
+        for part, values in zip(self._parts(out), per_chunk.split(self.rows), strict=True):
             part.copy_(values[:, None].expand_as(part))
         return out
 
@@ -248,10 +247,9 @@ class Chunks:
                 out.append(x[start : start + tail].view(1, tail))
         return out
 
-    @property
-    def _rows(self) -> list[int]:
-        """The number of chunks (rows) of each of ``_parts``' views."""
-        return [rows for _, full, tail in self.ranges for rows in (full, int(tail > 0)) if rows]
+    def ids(self) -> torch.Tensor:
+        """(numel,) int64 each element's chunk (for inspection: the codecs never gather)."""
+        return self.spread(torch.arange(self.count))
 
 
 def chunks_for(state: CodecState, size: int) -> Chunks:
@@ -262,14 +260,12 @@ def chunks_for(state: CodecState, size: int) -> Chunks:
         spans = [(s.offset, s.numel) for s in state.segments if s.numel]
         spans = sorted(spans + [(a, b - a) for a, b in state.gaps])
         ranges = tuple((offset, numel // size, numel % size) for offset, numel in spans)
-        per_range = [[size] * full + ([tail] if tail else []) for _, full, tail in ranges]
-        sizes = torch.tensor([n for sizes in per_range for n in sizes], dtype=torch.long)
-        ids = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
-        cached = state.extra[key] = Chunks(size, state.numel, ranges, sizes.numel(), sizes, ids)
+        rows = tuple(n for _, full, tail in ranges for n in (full, int(tail > 0)) if n)
+        cached = state.extra[key] = Chunks(size, state.numel, ranges, sum(rows), rows)
     return cached
 
 
 def chunks_of(state: CodecState, size: int) -> tuple[torch.Tensor, int]:
     """Each element's chunk (numel,) int64 and the number of chunks, of ``chunks_for``."""
     chunks = chunks_for(state, size)
-    return chunks.ids, chunks.count
+    return chunks.ids(), chunks.count
