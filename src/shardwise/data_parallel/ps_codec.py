@@ -59,11 +59,18 @@ class PSCodec:
         self.pull: dict[int, CodecState] = {}  # server: worker (or SYNC) -> pull error feedback
         self.base: dict[int, torch.Tensor] = {}  # server: worker (or SYNC) -> weights at its last pull
         self._decoders: dict[tuple[str, int], CodecState] = {}  # receive side: layouts and caches only
+        self._layouts: dict[int, CodecState] = {}  # server -> a state read only for sizes and layout
 
     def new_state(self, s: int) -> CodecState:
         """A codec state laid out as server ``s``'s shard, one segment per parameter."""
         shapes = [tuple(p.shape) for p in self.shards[s]]
         return self.compressor.new_state(self._numel(s), self.dtype, segments_of(shapes))
+
+    def _layout(self, s: int) -> CodecState:
+        """Server ``s``'s bucket layout (message sizes, notices), made once: no error feedback in it."""
+        if s not in self._layouts:
+            self._layouts[s] = self.new_state(s)
+        return self._layouts[s]
 
     def _numel(self, s: int) -> int:
         return sum(p.numel() for p in self.shards[s])
@@ -82,18 +89,20 @@ class PSCodec:
     def push_bytes(self, s: int) -> int:
         """The size of every message to server ``s`` (the server preallocates it)."""
         header = len(self.shards[s]) + PUSH_EXTRA
-        return self.compressor.packed_bytes(self.new_state(s)) + self._header_bytes(header)
+        return self.compressor.packed_bytes(self._layout(s)) + self._header_bytes(header)
 
     def push_state(self, s: int) -> CodecState:
         """This worker's push error feedback for server ``s`` (made on first use)."""
-        return self.push.setdefault(s, self.new_state(s))
+        if s not in self.push:
+            self.push[s] = self.new_state(s)
+        return self.push[s]
 
     def encode_push(self, s: int, dense: torch.Tensor) -> torch.Tensor:
         """A dense push for server ``s`` (``ps_messages.pack_push`` and its header) as its message."""
         n, params = self._numel(s), self.shards[s]
         grads, header = dense[:n], dense[n:]
         if header[-1] != KIND_GRAD:  # a notice: its gradient part is empty, no error feedback moves
-            return concat_bytes(self.compressor.pack(grads, self.new_state(s), feedback=False), header)
+            return concat_bytes(self.compressor.pack(grads, self._layout(s), feedback=False), header)
         state = self.push_state(s)
         hold = [
             (seg.offset, seg.offset + seg.numel)
@@ -120,7 +129,7 @@ class PSCodec:
 
     # -- pulls -------------------------------------------------------------------------------------
     def reply_bytes(self, s: int) -> int:
-        return self.compressor.packed_bytes(self.new_state(s)) + self._header_bytes(REPLY_EXTRA)
+        return self.compressor.packed_bytes(self._layout(s)) + self._header_bytes(REPLY_EXTRA)
 
     def start_pulls(self, s: int, keys: Sequence[int]) -> None:
         """Server ``s``: every worker (``keys``) holds the shard as it is now; no pull residual."""
