@@ -144,11 +144,11 @@ class DDPEngine(Engine):
         self._next = 0
 
     # -- the step -------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: Sequence[Any], global_count: float) -> float:
+    def begin_step(self, micro_batches: Sequence[Any], global_count: float) -> float:
         self._attach_grads()
         if self.config.broadcast_buffers and self._buffers:
             broadcast_coalesced(self.comm, self._buffers)
-        return super().forward_backward(micro_batches, global_count)
+        return global_count
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

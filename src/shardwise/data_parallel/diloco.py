@@ -101,16 +101,15 @@ class DiLoCoEngine(Engine):
         local = float(sum(self.loss.count(batch) for batch in micro_batches))
         return local / self.share if self.share > 0 else local
 
-    def forward_backward(self, micro_batches: Sequence[Any], global_count: float) -> float:
-        """The rank's own mean loss (over its items); returns it times the rank's share of the batch."""
+    def begin_step(self, micro_batches: Sequence[Any], global_count: float) -> float:
+        """Each rank minimises its own mean loss: the divisor is its own item count."""
         local = float(sum(self.loss.count(batch) for batch in micro_batches))
         self.window_items += local
-        mean = 0.0
-        for batch in micro_batches:
-            loss = self.compute_loss(batch) / max(local, 1.0)
-            self.backward(loss)
-            mean += float(loss.detach())
-        return mean * self.share
+        return max(local, 1.0)
+
+    def step_loss(self, share: float) -> float:
+        """The rank's own mean loss times its share of the batch (the shares sum to the global mean)."""
+        return share * self.share
 
     def finish_grads(self) -> None:
         return None  # each rank steps on its own gradient

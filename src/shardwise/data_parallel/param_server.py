@@ -78,6 +78,7 @@ from shardwise.engine.base import (
     describe_nonfinite,
     grad_sq_sum,
 )
+from shardwise.engine.step import run_passes
 
 
 def assign_to_servers(sizes: Mapping[str, int], servers: int) -> list[list[str]]:
@@ -178,22 +179,29 @@ class ParamServerEngine(Engine):
         return self.shards[self.comm.rank] if self.is_server else []
 
     # -- worker side --------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: Sequence[Any], global_count: float) -> float:
+    def begin_step(self, micro_batches: Sequence[Any], global_count: float) -> float:
         self._require_worker()
         self._step_start = self.comm.stats.snapshot()
         self._micro, self._global_tokens = micro_batches, global_count
-        self._loss_share = self._backward_all()
-        self.finish_grads()
+        self._local_tokens = sum(self.loss.count(batch) for batch in micro_batches)
+        self._loss_share = 0.0
+        return global_count
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        self._loss_share += float(loss.detach())  # the push carries it (a recomputed batch: anew)
+
+    def step_loss(self, share: float) -> float:
+        """The loss of the batch the servers took (an asynchronous push refused and recomputed: the
+        recomputed one)."""
         return self._loss_share
 
-    def _backward_all(self) -> float:
-        self._local_tokens = sum(self.loss.count(batch) for batch in self._micro)
-        share = 0.0
-        for batch in self._micro:
-            loss = self.compute_loss(batch) / self._global_tokens
-            self.backward(loss)
-            share += float(loss.detach())
-        return share
+    def recompute(self) -> None:
+        """Forward and backward of this step's micro-batches again, on the weights just pulled
+        (an asynchronous push the servers refused as too stale)."""
+        self.model.zero_grad(set_to_none=True)
+        self._loss_share = 0.0
+        run_passes(self, self._micro, self._global_tokens)
 
     def finish_grads(self) -> None:
         self._require_worker()

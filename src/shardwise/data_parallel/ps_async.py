@@ -81,8 +81,7 @@ def push_until_accepted(engine: ParamServerEngine) -> None:
             return
         for s in engine.servers:  # held back: catch up with every server, then recompute this batch
             engine.load_reply(s, replies[s])
-        engine.model.zero_grad(set_to_none=True)
-        engine._loss_share = engine._backward_all()
+        engine.recompute()
         pending = refused
 
 

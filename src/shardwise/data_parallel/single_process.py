@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,9 +48,9 @@ class SingleProcessDPEngine(Engine):
         self.copies = 0  # copy operations this step
         self._copies: list[nn.Module] = []
 
-    def forward_backward(self, micro_batches: Sequence[Batch], global_count: float) -> float:
+    def begin_step(self, micro_batches: Sequence[Any], global_count: float) -> float:
         self._replicate()
-        return super().forward_backward(micro_batches, global_count)
+        return global_count
 
     def compute_loss(self, batch: Batch) -> torch.Tensor:  # (inputs, targets) batches only
         inputs, targets = batch

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -49,7 +49,7 @@ from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.engine.loss import Loss, TokenLoss, run_model
 from shardwise.engine.precision import LossScaler, resolve_precision
-from shardwise.observe.monitor import MONITOR
+from shardwise.engine.step import MicroBatchLoop, StepRunner
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (batch, seq) long, targets (batch, seq) long
 # what a rank asks a checkpoint for: a flat range [start, stop) of a global tensor, an n-d Box of it,
@@ -181,6 +181,7 @@ class Engine(ABC):
         self.autocast_dtype: torch.dtype | None = None  # bf16/fp16 compute over fp32 parameters
         self.scaler = LossScaler(False)
         self.last_grad_norm = float("nan")  # the global norm before clipping, of the last update
+        self.runner: StepRunner = MicroBatchLoop()  # who runs a step's micro-batches (engine.step)
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, micro_batches: Sequence[Any]) -> float:
@@ -206,20 +207,23 @@ class Engine(ABC):
     def forward_backward(self, micro_batches: Sequence[Any], global_count: float) -> float:
         """Run forward and backward on this rank's micro-batches; on return, gradients are global.
 
+        The loop itself is the step runner's (``self.runner``: the plain micro-batch loop, or a
+        pipeline's runtime), which calls this engine's hooks: ``begin_step``, per micro-batch
+        ``no_sync`` / ``compute_loss`` / ``backward``, then ``finish_grads`` and ``step_loss``.
         ``global_count``: the items counted by the loss over every micro-batch of every rank this
         step. Returns this rank's share of the global mean loss (the shares sum to the global mean).
         """
-        share = 0.0
-        last = len(micro_batches) - 1
-        for i, batch in enumerate(micro_batches):
-            with self.no_sync() if i < last else nullcontext():
-                MONITOR.set_phase("forward")
-                loss = self.compute_loss(batch) / global_count
-                MONITOR.set_phase("backward")
-                self.backward(loss)
-            share += float(loss.detach())
-        MONITOR.set_phase("gradient sync")
-        self.finish_grads()
+        return self.runner.forward_backward(self, micro_batches, global_count)
+
+    def begin_step(self, micro_batches: Sequence[Any], global_count: float) -> float:
+        """Before the step's first forward: the engine's preparation (gradient buffers attached,
+        buffers broadcast, replicas made). Returns what each micro-batch's summed loss is divided by:
+        the global count by default, so that gradients summed over ranks are the global mean's."""
+        return global_count
+
+    def step_loss(self, share: float) -> float:
+        """After ``finish_grads``: what the step reports as this rank's share of the global mean loss,
+        given the sum of its micro-batches' divided losses (``share``). The share itself by default."""
         return share
 
     def compute_loss(self, batch: Any) -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""The step runner: the loop over one step's micro-batches, outside the data-parallel engines.
+
+A step on a rank is: ``begin_step`` (the engine's preparation; it returns what each micro-batch's summed
+loss is divided by), then forward and backward of every micro-batch, then ``finish_grads`` (the
+gradient exchange), then ``step_loss`` (what the step reports). Who runs the micro-batches is the
+runner's business, not the engine's:
+
+- :class:`MicroBatchLoop`, the plain loop: micro-batch after micro-batch, each a forward and a backward,
+  gradients accumulating locally under ``engine.no_sync()`` for all but the last, so that an engine
+  which overlaps its exchange with backward (DDP's buckets) sends once per step.
+- a pipeline runtime, which runs this rank's action list over the pp axis and calls the same hooks.
+
+Communication: none here. The runner only calls the engine's hooks; every byte is the engine's (or,
+for a pipeline, the runtime's point-to-point transfers).
+
+The loss is accumulated as a tensor and read once per step (no host synchronisation per micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from shardwise.observe.monitor import MONITOR
+
+if TYPE_CHECKING:
+    from shardwise.engine.base import Engine
+
+
+class StepRunner(Protocol):
+    """Runs one step's forward and backward passes on an engine; see the module docstring."""
+
+    def forward_backward(self, engine: Engine, micro_batches: Sequence[Any], global_count: float) -> float:
+        """Forward and backward of this rank's micro-batches, gradients exchanged on return.
+
+        ``global_count``: the items the loss counts over every micro-batch of every rank this step.
+        Returns this rank's share of the global mean loss (the shares sum to the global mean).
+        """
+        ...
+
+
+def run_passes(engine: Engine, micro_batches: Sequence[Any], divisor: float) -> torch.Tensor:
+    """Forward and backward of each micro-batch in turn, every backward but the last under
+    ``no_sync``; returns the sum of the micro-batches' losses divided by ``divisor`` (float64, 0-d)."""
+    share = torch.zeros((), dtype=torch.float64)
+    last = len(micro_batches) - 1
+    for i, batch in enumerate(micro_batches):
+        with engine.no_sync() if i < last else nullcontext():
+            MONITOR.set_phase("forward")
+            loss = engine.compute_loss(batch) / divisor
+            MONITOR.set_phase("backward")
+            engine.backward(loss)
+        share += loss.detach().to(torch.float64)
+    return share
+
+
+class MicroBatchLoop:
+    """The plain step: every micro-batch through the whole model on this rank, then the exchange."""
+
+    def forward_backward(self, engine: Engine, micro_batches: Sequence[Any], global_count: float) -> float:
+        divisor = engine.begin_step(micro_batches, global_count)
+        share = run_passes(engine, micro_batches, divisor)
+        MONITOR.set_phase("gradient sync")
+        engine.finish_grads()
+        return engine.step_loss(float(share))
