@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data (actions, schedules), checked and simulated without processes."""
