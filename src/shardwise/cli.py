@@ -100,6 +100,13 @@ def add_train_flags(parser: argparse.ArgumentParser, defaults: dict[str, str] | 
         const="true",
         help="BatchNorm layers normalise with the global batch's statistics, not each rank's",
     )
+    parser.add_argument(
+        "--activation-checkpointing",
+        dest="parallel.activation_checkpointing",
+        action="store_const",
+        const="true",
+        help="recompute each block's activations in backward instead of keeping them (less memory)",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
 
@@ -113,6 +120,7 @@ def _get(config: Any, dotted: str) -> Any:
 def config_from_args(args: argparse.Namespace, defaults: dict[str, str] | None = None) -> TrainConfig:
     overrides: dict[str, Any] = dict(defaults or {})
     switches = ["ddp.find_unused_parameters", "sync_batchnorm", "trace", "tensorboard"]
+    switches.append("parallel.activation_checkpointing")
     for key in [k for k, _ in TRAIN_FLAGS.values()] + switches:
         value = getattr(args, key, None)
         if value is not None:

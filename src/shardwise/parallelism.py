@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from shardwise.checkpoint.pretrained import PretrainedWeights
@@ -38,6 +39,7 @@ from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.mesh import Mesh
 from shardwise.models.meta import meta_parameters
 from shardwise.strategies import build_data_parallel
+from shardwise.zero.units import resolve_units
 
 
 class NotBuiltError(ConfigError):
@@ -48,7 +50,6 @@ def check(config: TrainConfig) -> None:
     """Refuse, in one line, what the config asks for and no step can do yet."""
     _check_tensor_parallel(config)
     _check_pipeline(config)
-    _check_activation_checkpointing(config)
 
 
 def _check_tensor_parallel(config: TrainConfig) -> None:
@@ -65,14 +66,6 @@ def _check_pipeline(config: TrainConfig) -> None:
         )
 
 
-def _check_activation_checkpointing(config: TrainConfig) -> None:
-    if config.parallel.activation_checkpointing:
-        raise NotBuiltError(
-            "activation checkpointing (parallel.activation_checkpointing = true) is not built yet; "
-            "set it to false"
-        )
-
-
 def apply_tensor_parallel(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
     """Step 1: shard layers over the ``tp`` axis (refuses until tensor parallelism is built)."""
     _check_tensor_parallel(config)
@@ -84,8 +77,36 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
 
 
 def apply_activation_checkpointing(model: nn.Module, config: TrainConfig) -> None:
-    """Step 3: recompute each block's activations in backward (refuses until it is built)."""
-    _check_activation_checkpointing(config)
+    """Step 3: each block of the model's block list (``zero.unit``'s, or the largest one found) keeps
+    only its inputs in forward and recomputes its activations in backward.
+
+    The block's own ``forward`` is wrapped (``torch.utils.checkpoint``, non-reentrant, the RNG state
+    restored for the recomputation so dropout masks repeat), not the module: parameter names stay the
+    model's, and hooks on the block (ZeRO-3's gather and release) run once per forward, around it. A
+    model without a block list is refused in one line.
+    """
+    if not config.parallel.activation_checkpointing:
+        return
+    found = resolve_units(model, config.zero.unit)
+    if found is None:
+        raise ConfigError(
+            f"activation checkpointing recomputes each block, but {type(model).__name__} has no "
+            "ModuleList/Sequential of blocks; turn parallel.activation_checkpointing off"
+        )
+    for block in found.container:
+        checkpoint_forward(block)
+
+
+def checkpoint_forward(block: nn.Module) -> None:
+    """Make ``block``'s forward recompute its activations in backward instead of keeping them."""
+    inner = block.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation: nothing to keep, nothing to recompute
+            return inner(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward
 
 
 def apply_batchnorm(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
