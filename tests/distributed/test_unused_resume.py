@@ -7,7 +7,8 @@ step 4, and ``spare`` and ``blocks.0.dead`` never used. Each saver trains 3 floa
 saves; its checkpoint must hold exactly what one torch process holds after those steps (per-parameter
 counts, no state for a parameter never stepped), and every loader (the same ZeRO stage, DDP, plain torch
 through ``load_checkpoint``; a DDP checkpoint into each ZeRO stage) trains steps 3 and 4 to the
-uninterrupted run's losses and parameters within 1e-12. All cases run in one 2-rank spawn.
+uninterrupted run's losses and parameters within 1e-12. AdamW (weight decay 0.1), and SGD (momentum
+0.9, weight decay 0.1); all cases of one optimizer run in one 2-rank spawn.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -34,7 +36,6 @@ from tests.distributed.test_unused_parameters import OPTIMS, WORKERS, Branchy, b
 
 STEPS, CUT, TOL = 5, 3, 1e-12
 USE = {"blocks.0.extra": [0, 1, 0, 1, 1], "blocks.1.extra": [0, 0, 0, 0, 1]}  # by step
-FACTORY = optimizer_factory(OPTIMS["adamw"])  # AdamW, weight decay 0.1
 
 
 class Switched(Branchy):
@@ -68,10 +69,10 @@ def _torch_steps(model: Switched, optimizer: torch.optim.Optimizer, steps: range
     return losses
 
 
-def reference() -> dict:
+def reference(optim: str) -> dict:
     """The uninterrupted run, and torch's whole state after ``CUT`` steps (what a checkpoint must hold)."""
     model = make_model()
-    optimizer = FACTORY(named(model))
+    optimizer = optimizer_factory(OPTIMS[optim])(named(model))
     losses = _torch_steps(model, optimizer, range(CUT))
     at_cut = {n: t.clone() for n, t in full_state_tensors(model, optimizer).items()}
     losses += _torch_steps(model, optimizer, range(CUT, STEPS))
@@ -126,14 +127,15 @@ def _saved(step_dir: str, ref: dict) -> dict[str, float]:
     return {"names": float(set(saved) != set(want)), "state": diff}
 
 
-def _resume(loader: str, step_dir: str, ref: dict, rank: int, comm: Comm) -> dict[str, float]:
+def _resume(loader: str, optim: str, step_dir: str, ref: dict, rank: int, comm: Comm) -> dict[str, float]:
     model = make_model(seed=7)  # other weights: the checkpoint must replace them all
+    factory = optimizer_factory(OPTIMS[optim])
     if loader == "torch":  # one process, no process group
-        optimizer = FACTORY(named(model))
+        optimizer = factory(named(model))
         assert load_checkpoint(step_dir, model, optimizer) == CUT
         losses = _torch_steps(model, optimizer, range(CUT, STEPS))
         return _diffs(ref, losses, _params(model))
-    engine = attach_optimizers(BUILDERS[loader](model, comm), FACTORY)
+    engine = attach_optimizers(BUILDERS[loader](model, comm), factory)
     engine.load_state(FolderReader(step_dir))
     losses = _engine_steps(engine, model, rank, comm, range(CUT, STEPS))
     params = engine.full_parameters()
@@ -141,13 +143,13 @@ def _resume(loader: str, step_dir: str, ref: dict, rank: int, comm: Comm) -> dic
     return _diffs(ref, losses, params)
 
 
-def _cases(rank: int, world_size: int, root: str) -> dict[str, dict[str, float]]:
+def _cases(rank: int, world_size: int, root: str, optim: str) -> dict[str, dict[str, float]]:
     import torch.distributed as dist
 
-    comm, out, ref = Comm(), {}, reference()
+    comm, out, ref = Comm(), {}, reference(optim)
     for saver, loaders in LOADERS.items():
         model = make_model(seed=rank)
-        engine = attach_optimizers(BUILDERS[saver](model, comm), FACTORY)
+        engine = attach_optimizers(BUILDERS[saver](model, comm), optimizer_factory(OPTIMS[optim]))
         _engine_steps(engine, model, rank, comm, range(CUT))
         CheckpointWriter(str(Path(root) / saver), comm).save(CUT, engine.state_pieces(rank, world_size))
         engine.close()
@@ -155,14 +157,16 @@ def _cases(rank: int, world_size: int, root: str) -> dict[str, dict[str, float]]
         step_dir = list_steps(str(Path(root) / saver))[-1][1]
         out[f"{saver}-saved"] = _saved(step_dir, ref)
         for loader in loaders:
-            out[f"{saver}->{loader}"] = _resume(loader, step_dir, ref, rank, comm)
+            out[f"{saver}->{loader}"] = _resume(loader, optim, step_dir, ref, rank, comm)
     return out
 
 
-def test_zero_resume_with_unused_parameters_equals_uninterrupted(tmp_path: Path) -> None:
-    """zero1/2/3 with AdamW, parameters unused in some steps, saved after step 3 and resumed as itself, as
-    ddp and in plain torch (and ddp's checkpoint as each stage): the uninterrupted run to 1e-12."""
-    results = run_on_ranks(_cases, WORKERS, str(tmp_path), timeout_s=240)
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_zero_resume_with_unused_parameters_equals_uninterrupted(tmp_path: Path, optim: str) -> None:
+    """zero1/2/3 with AdamW (and SGD with momentum, which counts no steps but has state only where
+    stepped), parameters unused in some steps, saved after step 3 and resumed as itself, as ddp and in
+    plain torch (and ddp's checkpoint as each stage): the uninterrupted run to 1e-12."""
+    results = run_on_ranks(_cases, WORKERS, str(tmp_path), optim, timeout_s=240)
     cases = {f"{s}->{x}" for s, loaders in LOADERS.items() for x in loaders}
     assert set(results[0]) == cases | {f"{s}-saved" for s in LOADERS}
     bad = [
