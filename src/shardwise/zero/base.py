@@ -187,7 +187,7 @@ class ZeroBase(Engine):
                     yield
             finally:
                 master.grad = None
-            stepped(usage, optimizer.state.get(master, {}))
+            stepped(usage)
             self.after_group_step(index)
 
     def after_update(self) -> None:

@@ -4,7 +4,11 @@ Names follow ``Engine.state_pieces``: ``model/<name>`` (the master weights, at t
 shape), ``optim/<key>/<name>`` for per-element optimizer state, ``optim/step/<name>`` (scalar). The
 shard arithmetic is :mod:`shardwise.zero.flat_param`'s (``FlatLayout.pieces``): for every group, the
 parameters overlapping this rank's shard become flat ranges ``[a, b)`` of those parameters; padding is
-never written, and a scalar (the group's step) goes to the rank holding the parameter's first element.
+never written, and a scalar goes to the rank holding the parameter's first element. One optimizer
+steps a whole group, but a parameter that got no gradient is skipped as torch skips it
+(:mod:`shardwise.zero.unused`), so ``step`` is each parameter's own count, and a parameter never
+stepped has no optimizer state in the checkpoint (as in torch): loading sets the counts back and gives
+such parameters a fresh (zero) share of the group's state.
 Frozen parameters and buffers are whole on every rank: they are spread over ranks by bytes, so each is
 written once. In fp16, rank 0 also writes the loss scaler's state (``precision/loss_scale``), so a resumed
 run goes on with the same scale; a checkpoint without it (another precision or strategy) keeps a
@@ -23,6 +27,7 @@ Communication: none for saving; for loading, only the stage's own re-gather of t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +45,7 @@ from shardwise.engine.full_state import StateMismatchError, replicated_pieces
 from shardwise.engine.precision import LOSS_SCALE
 from shardwise.zero.flat_param import FlatLayout
 from shardwise.zero.group import FlatGroup
+from shardwise.zero.unused import restore
 
 if TYPE_CHECKING:
     from shardwise.zero.base import ZeroBase
@@ -65,6 +71,19 @@ def _shape(layout: FlatLayout, name: str) -> tuple[int, ...]:
     return layout.slot(name).shape
 
 
+def _param_scalars(scalars: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
+    """One parameter's scalars: ``step`` is its own count (``zero.unused`` keeps one per parameter; the
+    group's follows the last pass), any other scalar is the group's."""
+    return {k: torch.full_like(v, count) if k == "step" else v for k, v in scalars.items()}
+
+
+def _stepped(engine: ZeroBase, index: int) -> dict[str, int]:
+    """Group ``index``'s parameters that have optimizer state, with their step counts: those never
+    stepped have none in torch, so none is written for them (their share of the flat state is zero)."""
+    group, usage = engine.groups[index], engine.usage[index]
+    return {name: count for name, count in zip(group.names, usage.counts, strict=True) if count > 0}
+
+
 def zero_state_pieces(engine: ZeroBase, rank: int, world_size: int) -> list[SavedPiece]:
     """What this rank writes: its shards' overlap with every parameter, and its share of the rest."""
     comm = engine.comm
@@ -78,14 +97,18 @@ def zero_state_pieces(engine: ZeroBase, rank: int, world_size: int) -> list[Save
         with engine.offload.resident(i):  # views of mapped files stay valid after the group is unmapped
             master = group.master.detach()
             elements, scalars = _split_state(optimizer.state.get(group.master, {}), master)
+            stepped = _stepped(engine, i)
             for piece in group.layout.pieces(rank):
                 shape, span = _shape(group.layout, piece.name), slice(piece.shard_start, piece.shard_end)
                 a, b = piece.param_start, piece.param_end
                 out.append(SavedPiece(f"model/{piece.name}", shape, a, b, master[span]))
+                if piece.name not in stepped:
+                    continue
                 for key, value in elements.items():
                     out.append(SavedPiece(f"optim/{key}/{piece.name}", shape, a, b, value[span]))
                 if a == 0:
-                    out.extend(SavedPiece.full(f"optim/{k}/{piece.name}", v) for k, v in scalars.items())
+                    mine = _param_scalars(scalars, stepped[piece.name])
+                    out.extend(SavedPiece.full(f"optim/{k}/{piece.name}", v) for k, v in mine.items())
     if engine.scaler.enabled and rank == 0:  # the same on every rank: one writes it
         out.append(SavedPiece.full(LOSS_SCALE, engine.scaler.state()))
     return out + codec_pieces(_codec_states(engine), _codec_layout(engine), rank)
@@ -103,30 +126,43 @@ def _codec_layout(engine: ZeroBase) -> str:
 
 
 # -- loading ------------------------------------------------------------------------------------------
-def _group_keys(group: FlatGroup, shapes: dict) -> tuple[list[str], list[str]]:
-    """Optimizer keys the checkpoint holds for ``group``: (per element, scalar); all or none of its
-    parameters must have each, since one optimizer steps the whole group."""
-    found: dict[str, set[str]] = {}
+@dataclass(frozen=True)
+class _GroupKeys:
+    """What the checkpoint holds for one group's optimizer: its keys (per element, scalar) and the
+    parameters that have them (the others were never stepped: a fresh state, zero, and count 0)."""
+
+    elements: list[str]
+    scalars: list[str]
+    stateful: set[str]
+
+
+def _group_keys(group: FlatGroup, shapes: dict) -> _GroupKeys:
+    """A parameter has every key of its group or none, since one optimizer steps the whole group."""
+    have: dict[str, set[str]] = {name: set() for name in group.names}
     for name in shapes:
         if name.startswith("optim/"):
             _, key, pname = name.split("/", 2)
-            found.setdefault(key, set()).add(pname)
+            if pname in have:
+                have[pname].add(key)
+    keys = set().union(*have.values())
+    stateful = {name for name, mine in have.items() if mine}
+    for name in sorted(stateful):
+        if have[name] != keys:
+            missing = sorted(keys - have[name])
+            raise StateMismatchError(
+                f"the checkpoint has optimizer state {', '.join(missing)} for some parameters of a ZeRO "
+                f"group but not for {name}: ZeRO steps them together and cannot load a partial state"
+            )
     elements: list[str] = []
     scalars: list[str] = []
-    for key, names in sorted(found.items()):
-        mine = names & set(group.names)
-        if not mine:
-            continue
-        if mine != set(group.names):
-            missing = sorted(set(group.names) - mine)[:3]
-            raise StateMismatchError(
-                f"the checkpoint has optimizer state {key!r} for some parameters of a ZeRO group but not for "
-                f"{', '.join(missing)}: ZeRO steps them together and cannot load a partial state"
-            )
-        saved = shapes[f"optim/{key}/{group.names[0]}"]
-        scalar = key in SCALAR_KEYS or (saved == () != tuple(group.params[0].shape))
-        (scalars if scalar else elements).append(key)
-    return elements, scalars
+    if stateful:
+        first = min(stateful)
+        shape = tuple(group.params[group.names.index(first)].shape)
+        for key in sorted(keys):
+            saved = shapes[f"optim/{key}/{first}"]
+            scalar = key in SCALAR_KEYS or (saved == () != shape)
+            (scalars if scalar else elements).append(key)
+    return _GroupKeys(elements, scalars, stateful)
 
 
 def _check_model_shapes(engine: ZeroBase, shapes: dict) -> None:
@@ -143,37 +179,54 @@ def _check_model_shapes(engine: ZeroBase, shapes: dict) -> None:
             )
 
 
-def _requests(engine: ZeroBase, shapes: dict) -> tuple[dict[str, Span], list[tuple[list[str], list[str]]]]:
+def _requests(engine: ZeroBase, shapes: dict) -> tuple[dict[str, Span], list[_GroupKeys]]:
     rank = engine.comm.rank
     requests: dict[str, Span] = dict.fromkeys(replicated_tensors(engine))
     keys = []
     for group in engine.groups:
-        elements, scalars = _group_keys(group, shapes)
-        keys.append((elements, scalars))
+        found = _group_keys(group, shapes)
+        keys.append(found)
         for piece in group.layout.pieces(rank):
             span = (piece.param_start, piece.param_end)
             requests[f"model/{piece.name}"] = span
-            requests.update({f"optim/{key}/{piece.name}": span for key in elements})
-        requests.update({f"optim/{key}/{name}": None for key in scalars for name in group.names})
+            if piece.name in found.stateful:
+                requests.update({f"optim/{key}/{piece.name}": span for key in found.elements})
+        requests.update({f"optim/{key}/{name}": None for key in found.scalars for name in found.stateful})
     return requests, keys
 
 
-def _shard(group: FlatGroup, prefix: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """This rank's (shard_size,) slice in the master dtype, padding zero, from the loaded ranges."""
+def _shard(group: FlatGroup, prefix: str, tensors: dict[str, torch.Tensor], names: set[str]) -> torch.Tensor:
+    """This rank's (shard_size,) slice in the master dtype from the loaded ranges of ``names``; the rest
+    (padding, parameters with no such state) zero."""
     out = torch.zeros(group.layout.shard_size, dtype=group.precision.master, device=group.master.device)
     for piece in group.layout.pieces(group.comm.rank):
-        out[piece.shard_start : piece.shard_end].copy_(tensors[f"{prefix}/{piece.name}"].reshape(-1))
+        if piece.name in names:
+            out[piece.shard_start : piece.shard_end].copy_(tensors[f"{prefix}/{piece.name}"].reshape(-1))
     return out
 
 
-def _scalar(group: FlatGroup, key: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    values = [tensors[f"optim/{key}/{name}"] for name in group.names]
+def _scalar(group: FlatGroup, key: str, found: _GroupKeys, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The group's ``key``: ``step`` is the largest count (each parameter's own is in ``zero.unused``);
+    any other scalar must be the same for every parameter that has it, as one optimizer keeps one."""
+    values = [tensors[f"optim/{key}/{name}"] for name in sorted(found.stateful)]
+    if key == "step":
+        return max(values, key=float).clone()
     if any(not torch.equal(v, values[0]) for v in values[1:]):
         raise StateMismatchError(
             f"optim/{key} differs between parameters of one ZeRO group ({', '.join(group.names[:3])}...): "
             "ZeRO keeps one per group and cannot load them"
         )
     return values[0].clone()
+
+
+def _counts(group: FlatGroup, found: _GroupKeys, tensors: dict[str, torch.Tensor]) -> list[int]:
+    """Each parameter's step count: its saved ``step``; where the optimizer counts none (SGD) only
+    whether it has state matters (1, else 0); never stepped: 0."""
+    counts = []
+    for name in group.names:
+        step = tensors.get(f"optim/step/{name}")
+        counts.append(int(step) if step is not None else int(name in found.stateful))
+    return counts
 
 
 def load_zero_state(engine: ZeroBase, read: StateReader) -> None:
@@ -191,32 +244,32 @@ def load_zero_state(engine: ZeroBase, read: StateReader) -> None:
     with torch.no_grad():
         for name, target in replicated_tensors(engine).items():
             target.copy_(tensors[name])
-        for i, (group, (elements, scalars)) in enumerate(zip(engine.groups, keys, strict=True)):
+        for i, (group, found) in enumerate(zip(engine.groups, keys, strict=True)):
             with engine.offload.resident(i):
-                _load_group(engine, i, group, elements, scalars, tensors)
+                _load_group(engine, i, group, found, tensors)
     restore_codec_states(_codec_states(engine), codec)
     engine.after_step()  # compute copies from the new masters
 
 
-def _load_group(
-    engine: ZeroBase, index: int, group: FlatGroup, elements: list[str], scalars: list[str], tensors: dict
-) -> None:
-    group.master.copy_(_shard(group, "model", tensors))  # in place: in stages 1-2 it may view the buffer
+def _load_group(engine: ZeroBase, index: int, group: FlatGroup, found: _GroupKeys, tensors: dict) -> None:
+    everything = set(group.names)
+    group.master.copy_(_shard(group, "model", tensors, everything))  # in place: stages 1-2 may view it
     state = engine.optimizers[index].state[group.master]
     for key in list(state):
-        if key not in elements and key not in scalars:
+        if key not in found.elements and key not in found.scalars:
             del state[key]
-    if not elements and not scalars:
+    if not found.stateful:
         engine.optimizers[index].state.pop(group.master, None)
-    engine.offload.forget_state(index, set(elements))
-    for key in elements:
-        value = _shard(group, f"optim/{key}", tensors)
+    engine.offload.forget_state(index, set(found.elements))
+    for key in found.elements:
+        value = _shard(group, f"optim/{key}", tensors, found.stateful)
         if torch.is_tensor(state.get(key)) and state[key].shape == value.shape:
             state[key].copy_(value)  # a mapped file (disk offload) is written through
         else:
             state[key] = value
-    for key in scalars:
-        state[key] = _scalar(group, key, tensors)  # kept as saved, as torch's load_state_dict does
+    for key in found.scalars:
+        state[key] = _scalar(group, key, found, tensors)  # kept as saved, as torch's load_state_dict does
+    restore(engine.usage[index], _counts(group, found, tensors))
 
 
 def gathered_state(engine: ZeroBase) -> dict[str, torch.Tensor]:
@@ -226,11 +279,15 @@ def gathered_state(engine: ZeroBase) -> dict[str, torch.Tensor]:
         with engine.offload.resident(i):
             master = group.master.detach()
             elements, scalars = _split_state(optimizer.state.get(group.master, {}), master)
+            stepped = _stepped(engine, i)
             flat = {"model": master, **{f"optim/{k}": v for k, v in elements.items()}}
             for prefix, shard in flat.items():
                 full = shard.new_empty(group.layout.padded_numel)
                 engine.comm.all_gather(full, shard.contiguous().clone())
-                out.update({f"{prefix}/{n}": t for n, t in group.unflatten(full).items()})
-            for key, value in scalars.items():
-                out.update({f"optim/{key}/{n}": value.clone() for n in group.names})
+                for name, tensor in group.unflatten(full).items():
+                    if prefix == "model" or name in stepped:  # never stepped: no state, as in torch
+                        out[f"{prefix}/{name}"] = tensor
+            for name, count in stepped.items():
+                mine = _param_scalars(scalars, count)
+                out.update({f"optim/{k}/{name}": v.clone() for k, v in mine.items()})
     return out

@@ -7,7 +7,8 @@ group holding such a parameter cannot simply pass None for part of it. Instead, 
 - which parameters got a gradient this step, on any rank: each rank flags what its backward reached
   (the post-accumulate-grad hooks), and the flags are all-reduced (max) once per step, after the
   gradients (the used-mask of DDP's ``find_unused_parameters``);
-- how many optimizer steps each parameter has taken (torch keeps one ``step`` per parameter).
+- how many optimizer steps each parameter has taken (torch keeps one ``step`` per parameter);
+  checkpoints save each parameter's own count and a load restores them (:mod:`shardwise.zero.state`).
 
 The update then runs in passes (:func:`plan_passes`). Commonly every parameter was used and all
 share one step count: one plain ``optimizer.step()``, nothing else. If none was used, the shard's
@@ -51,8 +52,7 @@ class GroupUsage:
 
     ranges: dict[int, Range]  # parameter index -> its piece of this rank's shard (absent: none here)
     used: list[bool]
-    counts: list[int]
-    left_step: float | None = None  # the optimizer's step after our last update (to notice a load)
+    counts: list[int]  # each parameter's own step count (checkpoints save and restore it)
     shared: list[bool] = field(default_factory=list)  # used on any rank, this step
 
 
@@ -87,8 +87,6 @@ def plan_passes(usage: GroupUsage, state: dict) -> list[Pass]:
     if not any(used):
         return []
     step = _step_value(state)
-    if step is not None and step != usage.left_step:  # a checkpoint was loaded: counts start there
-        usage.counts = [int(step)] * len(usage.counts)
     counts = {c for c, u in zip(usage.counts, used, strict=True) if u}
     if all(used) and (len(counts) == 1 or step is None):
         return [Pass(None)]
@@ -101,11 +99,17 @@ def plan_passes(usage: GroupUsage, state: dict) -> list[Pass]:
     return passes
 
 
-def stepped(usage: GroupUsage, state: dict) -> None:
+def stepped(usage: GroupUsage) -> None:
     """After a group's update: every used parameter took one more step."""
     used = usage.shared or [True] * len(usage.counts)
     usage.counts = [c + int(u) for c, u in zip(usage.counts, used, strict=True)]
-    usage.left_step = _step_value(state)
+
+
+def restore(usage: GroupUsage, counts: list[int]) -> None:
+    """A checkpoint was loaded: each parameter's own step count, as saved (0: never stepped)."""
+    if len(counts) != len(usage.counts):
+        raise ValueError(f"{len(counts)} step counts for a group of {len(usage.counts)} parameters")
+    usage.counts = list(counts)
 
 
 @contextmanager
