@@ -348,3 +348,98 @@ def test_dropout_masks_and_refusals() -> None:
         "n_kv_head 1 is not divisible by tp 2; with grouped-query attention each rank must hold whole "
         "key/value heads",
     ]
+
+
+# -- Hugging Face GPT-2 and Llama -----------------------------------------------------------------
+HF_STEPS, HF_BATCH, HF_SEQ = 2, 2, 8
+
+
+def _hf_model(name: str) -> nn.Module:
+    import transformers
+
+    from shardwise.models.hf import SHIPPED_DIR
+
+    config = transformers.AutoConfig.from_pretrained(str(SHIPPED_DIR / f"{name}.json"), local_files_only=True)
+    config.num_hidden_layers = 2  # GPT-2 reads n_layer through this alias too
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).double()
+
+
+def _hf_plan(name: str, model: nn.Module) -> Any:
+    from shardwise.tensor_parallel import hf_gpt2_plan, hf_llama_plan
+
+    config: Any = model.config
+    if name == "tiny-gpt2":
+        return hf_gpt2_plan(config.n_head)
+    return hf_llama_plan(config.num_attention_heads, config.num_key_value_heads)
+
+
+def _hf_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 256, (HF_BATCH, HF_SEQ), generator=g) for _ in range(HF_STEPS)]
+
+
+def _hf_run(name: str, comm: Comm | None, sp: bool) -> dict[str, Any]:
+    """Losses, per-step gradients (assembled from the ranks' boxes under tp) and the step-0 op counts."""
+    from shardwise.tensor_parallel.layers import VocabParallelCausalLMLoss
+
+    model = _hf_model(name)
+    layout = apply_tensor_parallel(model, comm, _hf_plan(name, model), sp) if comm is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads, ops = [], [], []
+    for ids in _hf_batches():
+        opt.zero_grad()
+        batch = {"input_ids": ids}
+        if comm is None:
+            logits = model(input_ids=ids).logits
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1), reduction="sum")
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # type: ignore[union-attr]
+        else:
+            assert layout is not None
+            before = comm.stats.snapshot()
+            loss = VocabParallelCausalLMLoss(comm)(model(input_ids=ids), batch)
+            forward = comm.stats.since(before)
+            loss.backward()
+            ops.append((forward.ops, _minus(comm.stats.since(before), forward)))
+            layout.reduce_sequence_parallel_grads(model)
+            step = {}
+            for n, p in model.named_parameters():
+                records = _all((layout.params[n], p.grad))
+                step[n] = assemble([r[0] for r in records], [r[1] for r in records])
+            grads.append(step)
+        losses.append(float(loss.detach()))
+        opt.step()
+    return {"losses": losses, "grads": grads, "ops": ops}
+
+
+def _hf_tp(rank: int, world_size: int) -> dict[str, Any]:
+    comm = Comm(name="tp")
+    return {
+        (name, sp): _hf_run(name, comm, sp) for name in ("tiny-gpt2", "tiny-llama") for sp in (False, True)
+    }
+
+
+@pytest.mark.slow
+def test_hf_gpt2_and_llama_with_plans_follow_the_plain_models() -> None:
+    pytest.importorskip("transformers")
+    results = run_on_ranks(_hf_tp, TP, timeout_s=240)
+    for name in ("tiny-gpt2", "tiny-llama"):
+        ref = _hf_run(name, None, False)
+        for sp in (False, True):
+            for rank, per_rank in enumerate(results):
+                got = per_rank[(name, sp)]
+                where = f"{name} sp={sp} rank {rank}"
+                for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
+                    assert abs(a - b) <= 1e-10, f"{where} step {step}: loss {b} vs {a}"
+                for step, (want, have) in enumerate(zip(ref["grads"], got["grads"], strict=True)):
+                    assert set(want) == set(have)
+                    for param in want:
+                        diff = _diff(have[param], want[param])
+                        assert diff <= 1e-10, f"{where} step {step}: {param} grad differs by {diff:.3g}"
+        # Megatron's count per block without sequence parallelism: 2 all-reduces each way (Llama's
+        # q/k/v and gate/up share one f each); plus the embedding's forward one, the cross-entropy's 3
+        # and the head's backward one.
+        forward, backward = results[0][(name, False)]["ops"][0]
+        assert forward == {"all_reduce": 2 * 2 + 1 + 3}, (name, forward)
+        assert backward == {"all_reduce": 2 * 2 + 1}, (name, backward)

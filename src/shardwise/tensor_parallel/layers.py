@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.collectives.api import Comm
-from shardwise.engine.loss import IGNORE_INDEX, logits_of
+from shardwise.engine.loss import IGNORE_INDEX, CausalLMLoss, logits_of
 from shardwise.tensor_parallel import comm_ops
 from shardwise.tensor_parallel.shards import ShardedParam, even_share, replicated, split_dim, split_sections
 
@@ -328,3 +328,16 @@ class VocabParallelTokenLoss:
     def count(self, batch: Any) -> int:
         targets = batch[1]
         return int(targets.size(0)) * (self.positions or int(targets.size(1)))
+
+
+class VocabParallelCausalLMLoss(CausalLMLoss):
+    """``engine.loss.CausalLMLoss`` for vocab-cut logits: position t predicts label t + 1, labels equal to
+    ``ignore_index`` carry no loss and are not counted (Hugging Face models)."""
+
+    def __init__(self, comm: Comm, ignore_index: int = IGNORE_INDEX) -> None:
+        super().__init__(ignore_index)
+        self.comm = comm
+
+    def __call__(self, outputs: Any, batch: Any) -> torch.Tensor:
+        logits, labels = logits_of(outputs), self._labels(batch)
+        return vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], self.comm, self.ignore_index)

@@ -261,20 +261,27 @@ class AttentionCore:
 class ParallelInput:
     """Apply f (or, under sequence parallelism, the sequence all-gather) once to this module's hidden
     states (its first argument, or ``hidden_states=``), for column layers inside that share them and
-    were told ``copy_input=False``: one backward all-reduce instead of one per layer."""
+    were told ``copy_input=False``: one backward all-reduce instead of one per layer. ``on="output"``:
+    to the module's output instead, for a model that reshapes between a norm and the column layer after
+    it (GPT-2 views the final norm's output with the sequence length it was given)."""
 
     swaps: ClassVar[bool] = False
 
     seq_dim: int = 1
+    on: str = "input"
 
     def apply(self, model: nn.Module, name: str, module: nn.Module, ctx: _Context) -> None:
+        if self.on not in ("output", "input"):
+            raise ValueError(f"ParallelInput.on is 'output' or 'input', got {self.on!r}")
         comm, sp, dim = ctx.comm, ctx.sequence_parallel, self.seq_dim
-        ctx.hooks.append(
-            module.register_forward_pre_hook(
+        if self.on == "output":
+            handle = module.register_forward_hook(lambda _m, _a, out: parallel_input(out, comm, sp, dim))
+        else:
+            handle = module.register_forward_pre_hook(
                 lambda _m, args, kwargs: _map_first(args, kwargs, lambda x: parallel_input(x, comm, sp, dim)),
                 with_kwargs=True,
             )
-        )
+        ctx.hooks.append(handle)
 
 
 def _map_first(
@@ -350,8 +357,8 @@ def hf_gpt2_plan(n_head: int) -> Plan:
             "transformer.h.*.mlp.c_fc": Colwise(transposed=True),
             "transformer.h.*.mlp.c_proj": Rowwise(transposed=True),
             "transformer.h.*.mlp.dropout": Dropout(),
-            "transformer.ln_f": SequenceParallelNorm(),
-            "lm_head": Colwise(),
+            "transformer.ln_f": (SequenceParallelNorm(), ParallelInput(on="output")),
+            "lm_head": Colwise(copy_input=False),
         },
     )
 
