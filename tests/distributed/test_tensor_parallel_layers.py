@@ -196,7 +196,7 @@ def _reference() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
             model(inputs).reshape(-1, GPT_CONFIG.vocab_size), targets.reshape(-1), reduction="sum"
         )
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # type: ignore[union-attr]
         opt.step()
     return losses, grads

@@ -43,6 +43,7 @@ class Sharder:
 
     def __init__(self) -> None:
         self.made: dict[int, tuple[torch.Tensor, ShardedParam, nn.Parameter]] = {}
+        self._records: dict[int, ShardedParam] = {}  # id of a local Parameter made here -> its cut
 
     def __call__(self, param: torch.Tensor, shard: ShardedParam) -> nn.Parameter:
         hit = self.made.get(id(param))
@@ -55,14 +56,12 @@ class Sharder:
             return local
         local = nn.Parameter(shard.take(param.detach()), requires_grad=param.requires_grad)
         self.made[id(param)] = (param, shard, local)  # the original kept alive: its id stays unique
+        self._records[id(local)] = shard
         return local
 
     def record(self, param: nn.Parameter) -> ShardedParam | None:
         """The record of the cut that made local Parameter ``param``, if this sharder made it."""
-        for _, shard, local in self.made.values():
-            if local is param:
-                return shard
-        return None
+        return self._records.get(id(param))
 
 
 def _check_linear(module: nn.Module, transposed: bool, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
