@@ -164,7 +164,7 @@ def _layers(rank: int, world_size: int) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_layers_equal_the_unsplit_modules() -> None:
-    for rank, diffs in enumerate(run_on_ranks(_layers, TP)):
+    for rank, diffs in enumerate(run_on_ranks(_layers, TP, timeout_s=240)):
         worst = max(diffs, key=diffs.__getitem__)
         assert diffs[worst] <= ATOL, f"rank {rank}: {worst} differs by {diffs[worst]:.3g}"
         assert len(diffs) == 30, sorted(diffs)  # every case reported
@@ -243,7 +243,7 @@ def _minus(total: Any, first: Any) -> dict[str, int]:
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_gpt_with_plan_follows_the_plain_model(sp: bool) -> None:
     ref_losses, ref_grads = _reference()
-    results = run_on_ranks(_gpt_tp, TP, sp)
+    results = run_on_ranks(_gpt_tp, TP, sp, timeout_s=240)
     for rank, got in enumerate(results):
         for step, (a, b) in enumerate(zip(ref_losses, got["losses"], strict=True)):
             assert abs(a - b) <= 1e-10, f"rank {rank} step {step}: loss {b} vs {a}"
@@ -325,7 +325,7 @@ def _odd_kv_heads(comm: Comm) -> None:
 
 @pytest.mark.slow
 def test_dropout_masks_and_refusals() -> None:
-    r0, r1 = run_on_ranks(_dropout, TP)
+    r0, r1 = run_on_ranks(_dropout, TP, timeout_s=240)
     plain, sp = "sp=False", "sp=True"
     # replicated regions: equal masks, so the residual stream stays identical across tp ranks
     assert torch.equal(r0[plain]["drop mask"], r1[plain]["drop mask"])
