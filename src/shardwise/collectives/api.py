@@ -68,6 +68,7 @@ class CommStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     blocked_s: float = 0.0  # time spent inside synchronous calls and waits
+    ops: dict[str, int] = field(default_factory=dict)  # calls that communicated, by op ("all_reduce", ...)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, sent: int = 0, received: int = 0, blocked_s: float = 0.0) -> None:
@@ -81,7 +82,7 @@ class CommStats:
                 self.blocked_s += blocked_s
 
     def snapshot(self) -> CommStats:
-        return CommStats(self.calls, self.bytes_sent, self.bytes_received, self.blocked_s)
+        return CommStats(self.calls, self.bytes_sent, self.bytes_received, self.blocked_s, dict(self.ops))
 
     def since(self, earlier: CommStats) -> CommStats:
         return CommStats(
@@ -89,6 +90,7 @@ class CommStats:
             self.bytes_sent - earlier.bytes_sent,
             self.bytes_received - earlier.bytes_received,
             self.blocked_s - earlier.blocked_s,
+            {op: n - earlier.ops.get(op, 0) for op, n in self.ops.items() if n != earlier.ops.get(op, 0)},
         )
 
 
@@ -189,6 +191,7 @@ class Comm:
 
     def _issue(self, op: str, label: str = "", peer: int | None = None) -> Call:
         self.seq += 1
+        self.stats.ops[op] = self.stats.ops.get(op, 0) + 1
         return MONITOR.issue(self.name, op, self.seq, label, peer)
 
     def _finish(
