@@ -33,6 +33,7 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--global-batch": ("data.global_batch", {"help": "sequences per step over all ranks"}),
     "--micro-batches": ("data.micro_batches", {"help": "gradient accumulation (no_sync) steps"}),
     "--pp": ("parallel.pp", {"help": "pipeline stages (ranks per pipeline)"}),
+    "--tp": ("parallel.tp", {"help": "tensor-parallel degree (ranks per layer)"}),
     "--schedule": (
         "parallel.schedule",
         {"help": "pipeline schedule: gpipe | 1f1b | interleaved | zb | interleaved-zb | zbv | dualpipev"},
@@ -113,6 +114,13 @@ def add_train_flags(parser: argparse.ArgumentParser, defaults: dict[str, str] | 
         const="true",
         help="recompute each block's activations in backward instead of keeping them (less memory)",
     )
+    parser.add_argument(
+        "--sequence-parallel",
+        dest="parallel.sequence_parallel",
+        action="store_const",
+        const="true",
+        help="with --tp: norms and dropout each on a tp-th of the sequence",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
 
@@ -126,7 +134,7 @@ def _get(config: Any, dotted: str) -> Any:
 def config_from_args(args: argparse.Namespace, defaults: dict[str, str] | None = None) -> TrainConfig:
     overrides: dict[str, Any] = dict(defaults or {})
     switches = ["ddp.find_unused_parameters", "sync_batchnorm", "trace", "tensorboard"]
-    switches.append("parallel.activation_checkpointing")
+    switches += ["parallel.activation_checkpointing", "parallel.sequence_parallel"]
     for key in [k for k, _ in TRAIN_FLAGS.values()] + switches:
         value = getattr(args, key, None)
         if value is not None:

@@ -155,6 +155,8 @@ class ParallelConfig:
         "1f1b", OneOf(("gpipe", "1f1b", "interleaved", "zb", "interleaved-zb", "zbv", "dualpipev"))
     )
     virtual_stages: int = checked(1, Range(ge=1))  # stages per pp rank (interleaved: >= 2; V: 2)
+    # tp > 1: norms and dropout on a tp-th of the sequence each (Korthikanti et al., 2022)
+    sequence_parallel: bool = False
 
     def resolve(self, world_size: int, servers: int = 0) -> ParallelConfig:
         """Fill in dp and check that the degrees multiply to the world size (see ``ParallelDims``)."""

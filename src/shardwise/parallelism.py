@@ -30,10 +30,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
 from shardwise.engine.base import Engine
-from shardwise.engine.loss import Loss, as_loss
+from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
 from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.mesh import Mesh
@@ -46,6 +47,10 @@ from shardwise.pipeline.schedules import build as build_schedule
 from shardwise.pipeline.schedules import check as check_schedule
 from shardwise.pipeline.split import split_model
 from shardwise.strategies import build_data_parallel
+from shardwise.tensor_parallel import Plan, TensorParallelLayout, gpt_plan, hf_gpt2_plan, hf_llama_plan
+from shardwise.tensor_parallel import apply_tensor_parallel as apply_tp_plan
+from shardwise.tensor_parallel.engine import attach_tensor_parallel
+from shardwise.tensor_parallel.layers import VocabParallelCausalLMLoss, VocabParallelTokenLoss
 from shardwise.zero.units import resolve_units
 
 
@@ -63,10 +68,36 @@ def check(config: TrainConfig) -> None:
     _check_pipeline(config)
 
 
+TENSOR_PARALLEL_STRATEGIES = ("ddp",)  # the data-parallel engines built over tp shards so far
+
+
 def _check_tensor_parallel(config: TrainConfig) -> None:
-    if config.parallel.tp != 1:
+    parallel = config.parallel
+    if parallel.tp == 1:
+        if parallel.sequence_parallel:
+            raise ConfigError(
+                "parallel.sequence_parallel needs tensor parallelism: set parallel.tp > 1 (--tp)"
+            )
+        return
+    if config.strategy not in TENSOR_PARALLEL_STRATEGIES:
         raise NotBuiltError(
-            f"tensor parallelism (parallel.tp = {config.parallel.tp}) is not built yet; set parallel.tp = 1"
+            f"--strategy {config.strategy} with tensor parallelism (parallel.tp = {parallel.tp}) is not "
+            f"built yet; use {' or '.join(TENSOR_PARALLEL_STRATEGIES)} on the dp axis, or set parallel.tp = 1"
+        )
+    if parallel.pp != 1:
+        raise NotBuiltError(
+            f"tensor parallelism (tp {parallel.tp}) with a pipeline (pp {parallel.pp}) is not built yet; "
+            "set one of them to 1"
+        )
+    if parallel.activation_checkpointing:
+        raise NotBuiltError(
+            "activation checkpointing with tensor parallelism is not built yet (the recomputation must "
+            "replay the tp dropout states); turn one of them off"
+        )
+    if parallel.sequence_parallel and config.model.seq_len % parallel.tp:
+        raise ConfigError(
+            f"sequence parallelism cuts the sequence over tp: seq_len {config.model.seq_len} is not "
+            f"divisible by tp {parallel.tp}"
         )
 
 
@@ -100,9 +131,51 @@ def _check_pipeline(config: TrainConfig) -> None:
             )
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
-    """Step 1: shard layers over the ``tp`` axis (refuses until tensor parallelism is built)."""
+def apply_tensor_parallel(
+    model: nn.Module, mesh: Mesh, config: TrainConfig
+) -> TensorParallelLayout | None:
+    """Step 1: cut the model's layers over the ``tp`` axis by its plan (``tensor_parallel.plans``);
+    returns the layout (every parameter's box), or None without tensor parallelism."""
     _check_tensor_parallel(config)
+    if config.parallel.tp == 1 or not mesh.in_mesh:
+        return None
+    plan = plan_for(model)
+    try:
+        return apply_tp_plan(
+            model, mesh.comm("tp"), plan, sequence_parallel=config.parallel.sequence_parallel, seed=config.seed
+        )
+    except ValueError as exc:  # a width tp does not divide: the arithmetic, in one line
+        raise ConfigError(f"tensor parallelism: {exc}") from None
+
+
+def plan_for(model: nn.Module) -> Plan:
+    """The tensor-parallel plan of a model we have one for (the built-in GPT, Hugging Face GPT-2 and
+    Llama); any other model is refused in one line."""
+    kind = type(model).__name__
+    config: Any = getattr(model, "config", None)
+    if kind == "GPT":
+        return gpt_plan(config.n_head)
+    if kind == "GPT2LMHeadModel":
+        return hf_gpt2_plan(config.n_head)
+    if kind == "LlamaForCausalLM":
+        return hf_llama_plan(config.num_attention_heads, config.num_key_value_heads)
+    raise ConfigError(
+        f"tensor parallelism needs a plan for the model, and there is none for {kind}: the built-in GPT, "
+        "Hugging Face GPT-2 and Llama have one; set parallel.tp = 1"
+    )
+
+
+def tensor_parallel_loss(loss: Loss, comm: Comm) -> Loss:
+    """The built-in losses over vocab-cut logits (no rank gathers the full logits); a user's own loss
+    would see a tp-th of the vocabulary, so it is refused."""
+    if type(loss) is TokenLoss:
+        return VocabParallelTokenLoss(comm, loss.positions)
+    if type(loss) is CausalLMLoss:
+        return VocabParallelCausalLMLoss(comm, loss.ignore_index)
+    raise ConfigError(
+        f"with tensor parallelism the logits are cut by vocabulary, so a loss of your own "
+        f"({type(loss).__name__}) would see a tp-th of them; use the built-in loss, or set parallel.tp = 1"
+    )
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> PipelineRunner | None:
@@ -204,7 +277,7 @@ def parallelize(
     ``torch.optim.lr_scheduler`` over each optimizer, stepped after every update; ``share_gradients``
     makes global gradients visible on every rank that steps (``verify``).
     """
-    apply_tensor_parallel(model, mesh, config)
+    layout = apply_tensor_parallel(model, mesh, config)
     runner = apply_pipeline(model, mesh, config)
     apply_activation_checkpointing(model, config)
     apply_batchnorm(model, mesh, config)
@@ -221,6 +294,10 @@ def parallelize(
         engine.use_precision(config.compute_precision)
     if loss is not None:
         engine.loss = as_loss(loss)
+    if layout is not None:  # every tp rank holds the whole loss: the first reports it
+        engine.loss = tensor_parallel_loss(engine.loss, layout.comm)
+        engine.loss_comm = mesh.trainers
+        attach_tensor_parallel(engine, layout)
     if scheduler is None and not is_constant(config.optim):
         scheduler = schedule_factory(config.optim, config.steps)
     return attach_optimizers(engine, factory or optimizer_factory(config.optim), scheduler)

@@ -143,8 +143,8 @@ class Trainer:
         # with weights to load, parameters start on meta: each rank materialises only what it holds
         meta = bool(config.model.init_from)
         net = model if model is not None else build_model(config.model, torch_dtype(config.dtype), meta=meta)
-        engine = parallelize(net, mesh, config, optimizer, share_gradients, scheduler=scheduler)
-        engine.loss = as_loss(loss) if loss is not None else default_loss(config, model is not None)
+        chosen = as_loss(loss) if loss is not None else default_loss(config, model is not None)
+        engine = parallelize(net, mesh, config, optimizer, share_gradients, loss=chosen, scheduler=scheduler)
         counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)
         rank = max(mesh.dp_rank, 0)
         if batches is not None:  # the user's own per-rank stream: this rank's share, already collated

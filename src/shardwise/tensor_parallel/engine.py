@@ -1,0 +1,156 @@
+"""A data-parallel engine over tensor-parallel shards, made to answer for the whole tensors.
+
+After ``apply_tensor_parallel`` a rank's parameters are local shards (boxes of the global tensors, in
+the layout's records) or whole copies every tp rank holds (norms, row-layer biases). The engine over
+the dp axis (DDP) knows only the local tensors. ``attach_tensor_parallel`` widens, over the tp axis,
+what is global by contract (``engine/base.py``), as ``pipeline.engine.attach_pipeline`` does over pp:
+
+- ``grad_norm_sq``: the dp-level share, less the replicated parameters' squares on every tp rank but
+  the first, then summed over tp: each element once over dp x tp;
+- ``full_parameters`` / ``full_gradients``: each sharded tensor assembled at its global shape on every
+  tp rank (its box written into zeros, one all-reduce over tp; boxes are disjoint, so the sum is exact);
+- ``state_pieces``: each sharded tensor (a parameter and its optimizer state) written as the boxes of
+  its placements; replicated tensors, scalars and buffers by the first tp rank only;
+- ``load_state``: the engine's requests for whole local tensors become box reads of the global ones;
+- ``step_loss``: every tp rank computes the same loss, so only the first reports it.
+- after ``finish_grads``: under sequence parallelism, one all-reduce over tp of the gradients of the
+  parameters replicated inside the sequence-cut region (Korthikanti et al., 2022).
+
+Communication: per step one all-reduce of one number over tp (the norm), and the sequence-parallel sum;
+the full model (verify, the end of a run) costs one all-reduce per sharded tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint.boxes import Box
+from shardwise.checkpoint.manager import Piece
+from shardwise.collectives.api import Comm
+from shardwise.engine.base import Engine, Span, StateReader, sq_sum
+from shardwise.tensor_parallel.plans import TensorParallelLayout
+from shardwise.tensor_parallel.shards import ShardedParam
+
+
+def attach_tensor_parallel(engine: Engine, layout: TensorParallelLayout) -> None:
+    """Make ``engine`` (over one tp rank's shards) answer global questions over the tp axis too."""
+    tp = layout.comm
+    sharded = {n: s for n, s in layout.params.items() if not s.replicated}
+    local_norm, local_finish = engine.grad_norm_sq, engine.finish_grads
+    local_params, local_grads = engine.full_parameters, engine.full_gradients
+    local_pieces, local_load, local_loss = engine.state_pieces, engine.load_state, engine.step_loss
+    replicated = [p for n, p in engine.model.named_parameters() if n in layout.params and n not in sharded]
+
+    def grad_norm_sq() -> tuple[torch.Tensor, Comm | None]:
+        share, comm = local_norm()
+        if comm is not None:
+            comm.all_reduce(share)
+        if tp.rank != 0:  # a replicated parameter counts once, on the first tp rank
+            share = share - sq_sum([p.grad for p in replicated if p.grad is not None])
+        return share, tp
+
+    def finish_grads() -> None:
+        local_finish()
+        layout.reduce_sequence_parallel_grads(engine.model)
+
+    overrides: dict[str, Callable[..., Any]] = {
+        "grad_norm_sq": grad_norm_sq,
+        "finish_grads": finish_grads,
+        "full_parameters": lambda: assemble_all(tp, sharded, local_params()),
+        "full_gradients": lambda: assemble_all(tp, sharded, local_grads()),
+        "state_pieces": lambda rank, size: tp_pieces(tp.rank, sharded, local_pieces(rank, size)),
+        "load_state": lambda read: local_load(BoxReader(read, sharded)),
+        "step_loss": lambda share: local_loss(share) if tp.rank == 0 else 0.0,
+    }
+    for name, method in overrides.items():
+        setattr(engine, name, method)  # this engine instance only: it now holds tp shards
+
+
+def assemble_all(
+    tp: Comm, sharded: Mapping[str, ShardedParam], local: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``local`` with every sharded tensor at its global shape (the same on every tp rank)."""
+    out = dict(local)
+    for name, record in sharded.items():
+        if name not in local:
+            continue
+        full = local[name].new_zeros(record.global_shape)
+        record.put(local[name], full)
+        tp.all_reduce(full, label="tp gather")
+        out[name] = full
+    return out
+
+
+def _param_of(piece_name: str) -> str | None:
+    """The parameter a checkpoint tensor belongs to: ``model/<p>`` or ``optim/<key>/<p>``."""
+    kind, _, rest = piece_name.partition("/")
+    if kind == "model":
+        return rest
+    if kind == "optim":
+        return rest.partition("/")[2]
+    return None
+
+
+def tp_pieces(tp_rank: int, sharded: Mapping[str, ShardedParam], pieces: list[Piece]) -> list[Piece]:
+    """The engine's pieces (whole local tensors) as the boxes of the global tensors they hold.
+
+    A sharded parameter's tensors (its value and each optimizer state of its shape) become one box per
+    placement; everything else (replicated parameters, step counts, buffers, engine state) is written
+    by the first tp rank only, so every element is written once over tp.
+    """
+    out = []
+    for piece in pieces:
+        record = sharded.get(_param_of(piece.name) or "")
+        if record is None or piece.global_shape != record.local_shape:
+            if tp_rank == 0:
+                out.append(piece)
+            continue
+        if piece.box is not None or (piece.start, piece.stop) != (0, piece.tensor.numel()):
+            raise RuntimeError(f"{piece.name}: a tensor-parallel shard must be written whole by its engine")
+        local = piece.tensor.reshape(record.local_shape)
+        for p in record.placements:
+            part = local[_index(p.local_box)]
+            out.append(Piece.from_box(piece.name, record.global_shape, p.global_box.offsets, part.clone()))
+    return out
+
+
+def _index(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
+
+
+class BoxReader:
+    """A checkpoint reader that shows the engine its local shapes and reads their boxes."""
+
+    def __init__(self, read: StateReader, sharded: Mapping[str, ShardedParam]) -> None:
+        self._read, self._sharded = read, sharded
+
+    def _record(self, name: str, shape: tuple[int, ...]) -> ShardedParam | None:
+        record = self._sharded.get(_param_of(name) or "")
+        return record if record is not None and shape == record.global_shape else None
+
+    @property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        shapes = dict(self._read.shapes)
+        for name, shape in shapes.items():
+            if (record := self._record(name, shape)) is not None:
+                shapes[name] = record.local_shape
+        return shapes
+
+    def __call__(self, requests: Mapping[str, Span]) -> dict[str, torch.Tensor]:
+        global_shapes = self._read.shapes
+        plain = {n: s for n, s in requests.items() if self._record(n, global_shapes.get(n, ())) is None}
+        out = self._read(plain)
+        for name in requests.keys() - plain.keys():
+            record = self._record(name, global_shapes[name])
+            assert record is not None
+            if requests[name] is not None:
+                raise RuntimeError(f"{name}: a tensor-parallel shard is read whole by its engine")
+            parts = [self._read({name: p.global_box})[name] for p in record.placements]  # q, k, v: 3
+            local = parts[0].new_empty(record.local_shape)
+            for p, part in zip(record.placements, parts, strict=True):
+                local[_index(p.local_box)] = part.reshape(p.local_box.lengths)
+            out[name] = local
+        return out
