@@ -9,8 +9,9 @@ what is global by contract (``engine/base.py``), as ``pipeline.engine.attach_pip
   the first, then summed over tp: each element once over dp x tp;
 - ``full_parameters`` / ``full_gradients``: each sharded tensor assembled at its global shape on every
   tp rank (its box written into zeros, one all-reduce over tp; boxes are disjoint, so the sum is exact);
-- ``state_pieces``: each sharded tensor (a parameter and its optimizer state) written as the boxes of
-  its placements; replicated tensors, scalars and buffers by the first tp rank only;
+- ``state_pieces``: the engine spreads its tensors over its dp group; each sharded tensor (a parameter
+  and its optimizer state) is written as the boxes of its placements; replicated tensors, scalars and
+  buffers by the first tp rank only;
 - ``load_state``: the engine's requests for whole local tensors become box reads of the global ones;
 - ``step_loss``: every tp rank computes the same loss, so only the first reports it.
 - after ``finish_grads``: under sequence parallelism, one all-reduce over tp of the gradients of the
@@ -61,12 +62,19 @@ def attach_tensor_parallel(engine: Engine, layout: TensorParallelLayout) -> None
         "finish_grads": finish_grads,
         "full_parameters": lambda: assemble_all(tp, sharded, local_params()),
         "full_gradients": lambda: assemble_all(tp, sharded, local_grads()),
-        "state_pieces": lambda rank, size: tp_pieces(tp.rank, sharded, local_pieces(rank, size)),
+        "state_pieces": lambda _rank, _size: tp_pieces(tp.rank, sharded, local_pieces(*_dp_place(engine))),
         "load_state": lambda read: local_load(BoxReader(read, sharded)),
         "step_loss": lambda share: local_loss(share) if tp.rank == 0 else 0.0,
     }
     for name, method in overrides.items():
         setattr(engine, name, method)  # this engine instance only: it now holds tp shards
+
+
+def _dp_place(engine: Engine) -> tuple[int, int]:
+    """This rank's place in its dp group: the engine spreads what it writes over that group only (each
+    tp rank of a dp rank holds other shards)."""
+    dp = engine.count_comm
+    return (dp.rank, dp.world_size) if dp is not None else (0, 1)
 
 
 def assemble_all(
