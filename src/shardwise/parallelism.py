@@ -141,8 +141,8 @@ def apply_tensor_parallel(
         return None
     plan = plan_for(model)
     try:
-        sequence_parallel = config.parallel.sequence_parallel
-        return apply_tp_plan(model, mesh.comm("tp"), plan, sequence_parallel=sequence_parallel, seed=config.seed)
+        sp = config.parallel.sequence_parallel
+        return apply_tp_plan(model, mesh.comm("tp"), plan, sequence_parallel=sp, seed=config.seed)
     except ValueError as exc:  # a width tp does not divide: the arithmetic, in one line
         raise ConfigError(f"tensor parallelism: {exc}") from None
 
