@@ -68,7 +68,7 @@ def check(config: TrainConfig) -> None:
     _check_pipeline(config)
 
 
-TENSOR_PARALLEL_STRATEGIES = ("ddp",)  # the data-parallel engines built over tp shards so far
+TENSOR_PARALLEL_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")  # data-parallel engines over tp shards
 
 
 def _check_tensor_parallel(config: TrainConfig) -> None:
@@ -88,6 +88,11 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
         raise NotBuiltError(
             f"tensor parallelism (tp {parallel.tp}) with a pipeline (pp {parallel.pp}) is not built yet; "
             "set one of them to 1"
+        )
+    if config.comm.compress:
+        raise NotBuiltError(
+            f"gradient compression (--compress {config.comm.compress}) with tensor parallelism is not "
+            "built yet (each tp rank's error feedback would need its own checkpoint slot); drop one"
         )
     if parallel.activation_checkpointing:
         raise NotBuiltError(

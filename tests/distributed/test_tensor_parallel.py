@@ -2,7 +2,7 @@
 
 ``shardwise verify`` (float64, 5 steps: losses, gradients, the global gradient norm, final parameters
 against one process) for tp 2, with sequence parallelism, on a Hugging Face Llama (grouped-query
-attention), and tp 2 x dp 2. A tp 2 x dp 2 run saves a checkpoint: the files hold the global tensors
+attention), tp 2 x dp 2, and ZeRO-1/2/3 on dp (ZeRO-3 with tp is FSDP + TP). A tp 2 x dp 2 run saves a checkpoint: the files hold the global tensors
 the saver's ranks assemble (``full_parameters``), one plain process loads them exactly, and a tp 2 x dp 2
 run resumes each rank's own shards and optimizer state bit for bit.
 """
@@ -34,6 +34,9 @@ VERIFY_CASES = {
     "tp2-sp": ["--tp", "2", "--nproc", "2", "--sequence-parallel"],
     "tp2-llama": ["--tp", "2", "--nproc", "2", "--model", "hf:tiny-llama"],
     "dp2-tp2": ["--tp", "2", "--nproc", "4"],
+    "tp2-zero1": ["--tp", "2", "--nproc", "2", "--strategy", "zero1"],
+    "dp2-tp2-zero3": ["--tp", "2", "--nproc", "4", "--strategy", "zero3"],
+    "dp2-tp2-zero2-sp": ["--tp", "2", "--nproc", "4", "--strategy", "zero2", "--sequence-parallel"],
 }
 
 

@@ -338,6 +338,13 @@ class Engine(ABC):
         """
         return first_nonfinite([(n, p.grad) for n, p in trainable(self.model)])
 
+    def held_grads(self, names: set[str]) -> list[torch.Tensor]:
+        """The part of the gradients of the parameters ``names`` this rank holds after ``finish_grads``,
+        as views (writable: a sum over another axis is written back into them). Whole gradients here;
+        sharded engines give their shard's ranges. Ranks of one dp group holding the same parameters
+        list them in the same order and sizes."""
+        return [p.grad for n, p in trainable(self.model) if n in names and p.grad is not None]
+
     def scaler_owns_overflow(self) -> bool:
         """True while a dynamic loss scale handles non-finite values itself (fp16: it skips the step
         and lowers the scale), so they are not the run's to stop or skip. Same on every rank."""

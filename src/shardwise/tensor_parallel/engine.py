@@ -2,11 +2,12 @@
 
 After ``apply_tensor_parallel`` a rank's parameters are local shards (boxes of the global tensors, in
 the layout's records) or whole copies every tp rank holds (norms, row-layer biases). The engine over
-the dp axis (DDP) knows only the local tensors. ``attach_tensor_parallel`` widens, over the tp axis,
-what is global by contract (``engine/base.py``), as ``pipeline.engine.attach_pipeline`` does over pp:
+the dp axis (DDP, ZeRO-1/2/3) knows only the local tensors. ``attach_tensor_parallel`` widens, over
+the tp axis, what is global by contract (``engine/base.py``), as ``pipeline.engine.attach_pipeline``
+does over pp:
 
-- ``grad_norm_sq``: the dp-level share, less the replicated parameters' squares on every tp rank but
-  the first, then summed over tp: each element once over dp x tp;
+- ``grad_norm_sq``: the engine's share, less the replicated parameters' squares (``held_grads``) on
+  every tp rank but the first, summed over dp, then over tp: each element once over dp x tp;
 - ``full_parameters`` / ``full_gradients``: each sharded tensor assembled at its global shape on every
   tp rank (its box written into zeros, one all-reduce over tp; boxes are disjoint, so the sum is exact);
 - ``state_pieces``: the engine spreads its tensors over its dp group; each sharded tensor (a parameter
@@ -23,17 +24,18 @@ the full model (verify, the end of a run) costs one all-reduce per sharded tenso
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from shardwise.checkpoint.boxes import Box
+from shardwise.checkpoint.boxes import Box, flat_segments, intersect
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.engine.base import Engine, Span, StateReader, sq_sum
 from shardwise.tensor_parallel.plans import TensorParallelLayout
-from shardwise.tensor_parallel.shards import ShardedParam
+from shardwise.tensor_parallel.shards import Placement, ShardedParam
 
 
 def attach_tensor_parallel(engine: Engine, layout: TensorParallelLayout) -> None:
@@ -43,19 +45,21 @@ def attach_tensor_parallel(engine: Engine, layout: TensorParallelLayout) -> None
     local_norm, local_finish = engine.grad_norm_sq, engine.finish_grads
     local_params, local_grads = engine.full_parameters, engine.full_gradients
     local_pieces, local_load, local_loss = engine.state_pieces, engine.load_state, engine.step_loss
-    replicated = [p for n, p in engine.model.named_parameters() if n in layout.params and n not in sharded]
+    replicated = {n for n in layout.params if n not in sharded}
+    sequence_parallel = set(layout.sequence_parallel_params)
 
     def grad_norm_sq() -> tuple[torch.Tensor, Comm | None]:
         share, comm = local_norm()
+        if tp.rank != 0:  # a replicated parameter counts once, on the first tp rank
+            share = share - sq_sum(engine.held_grads(replicated))
         if comm is not None:
             comm.all_reduce(share)
-        if tp.rank != 0:  # a replicated parameter counts once, on the first tp rank
-            share = share - sq_sum([p.grad for p in replicated if p.grad is not None])
         return share, tp
 
     def finish_grads() -> None:
         local_finish()
-        layout.reduce_sequence_parallel_grads(engine.model)
+        if sequence_parallel:
+            sum_over(tp, engine.held_grads(sequence_parallel))
 
     overrides: dict[str, Callable[..., Any]] = {
         "grad_norm_sq": grad_norm_sq,
@@ -68,6 +72,19 @@ def attach_tensor_parallel(engine: Engine, layout: TensorParallelLayout) -> None
     }
     for name, method in overrides.items():
         setattr(engine, name, method)  # this engine instance only: it now holds tp shards
+
+
+def sum_over(comm: Comm, tensors: list[torch.Tensor]) -> None:
+    """Sum ``tensors`` over ``comm`` in one all-reduce, written back in place (under sequence
+    parallelism each tp rank's gradient of a norm saw a tp-th of the positions)."""
+    if not tensors or comm.world_size == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    comm.all_reduce(flat, label="sequence-parallel grads")
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _dp_place(engine: Engine) -> tuple[int, int]:
@@ -103,11 +120,13 @@ def _param_of(piece_name: str) -> str | None:
 
 
 def tp_pieces(tp_rank: int, sharded: Mapping[str, ShardedParam], pieces: list[Piece]) -> list[Piece]:
-    """The engine's pieces (whole local tensors) as the boxes of the global tensors they hold.
+    """The engine's pieces of local tensors (whole, or a flat range: ZeRO's shard) as boxes of the
+    global tensors.
 
-    A sharded parameter's tensors (its value and each optimizer state of its shape) become one box per
-    placement; everything else (replicated parameters, step counts, buffers, engine state) is written
-    by the first tp rank only, so every element is written once over tp.
+    A sharded parameter's tensors (its value and each optimizer state of its shape) become boxes: the
+    flat range cut into row-major boxes (``flat_segments``), each intersected with every placement and
+    moved to the global tensor's coordinates. Everything else (replicated parameters, step counts,
+    buffers, engine state) is written by the first tp rank only, so every element is written once.
     """
     out = []
     for piece in pieces:
@@ -116,13 +135,31 @@ def tp_pieces(tp_rank: int, sharded: Mapping[str, ShardedParam], pieces: list[Pi
             if tp_rank == 0:
                 out.append(piece)
             continue
-        if piece.box is not None or (piece.start, piece.stop) != (0, piece.tensor.numel()):
-            raise RuntimeError(f"{piece.name}: a tensor-parallel shard must be written whole by its engine")
-        local = piece.tensor.reshape(record.local_shape)
-        for p in record.placements:
-            part = local[_index(p.local_box)]
-            out.append(Piece.from_box(piece.name, record.global_shape, p.global_box.offsets, part.clone()))
+        if piece.box is not None or piece.start is None or piece.stop is None:
+            raise RuntimeError(f"{piece.name}: a tensor-parallel shard is written as a flat range")
+        flat = piece.tensor.reshape(-1)
+        for local_box, at in flat_segments(record.local_shape, piece.start, piece.stop):
+            values = flat[at : at + local_box.volume].reshape(local_box.lengths)
+            for placement in record.placements:
+                for local_part, global_part in _moved(local_box, placement):
+                    part = values[_index(_relative(local_part, local_box))]
+                    box = Piece.from_box(piece.name, record.global_shape, global_part.offsets, part.clone())
+                    out.append(box)
     return out
+
+
+def _moved(local_box: Box, placement: Placement) -> list[tuple[Box, Box]]:
+    """The part of ``local_box`` a placement holds, and where it sits in the global tensor."""
+    common = intersect(local_box, placement.local_box)
+    if common is None:
+        return []
+    shift = [g - lo for g, lo in zip(placement.global_box.offsets, placement.local_box.offsets, strict=True)]
+    moved = Box(tuple(o + d for o, d in zip(common.offsets, shift, strict=True)), common.lengths)
+    return [(common, moved)]
+
+
+def _relative(inner: Box, outer: Box) -> Box:
+    return Box(tuple(i - o for i, o in zip(inner.offsets, outer.offsets, strict=True)), inner.lengths)
 
 
 def _index(box: Box) -> tuple[slice, ...]:
@@ -154,11 +191,24 @@ class BoxReader:
         for name in requests.keys() - plain.keys():
             record = self._record(name, global_shapes[name])
             assert record is not None
-            if requests[name] is not None:
-                raise RuntimeError(f"{name}: a tensor-parallel shard is read whole by its engine")
-            parts = [self._read({name: p.global_box})[name] for p in record.placements]  # q, k, v: 3
-            local = parts[0].new_empty(record.local_shape)
-            for p, part in zip(record.placements, parts, strict=True):
-                local[_index(p.local_box)] = part.reshape(p.local_box.lengths)
-            out[name] = local
+            out[name] = self._local(name, record, requests[name])
         return out
+
+    def _local(self, name: str, record: ShardedParam, span: Span) -> torch.Tensor:
+        """The local tensor (span None) or a flat range ``(a, b)`` of it, read box by box."""
+        if isinstance(span, Box):
+            raise RuntimeError(f"{name}: a tensor-parallel shard is read whole or as a flat range")
+        start, stop = span if span is not None else (0, math.prod(record.local_shape))
+        pieces: list[torch.Tensor] = []
+        for local_box, _ in flat_segments(record.local_shape, start, stop):
+            block: torch.Tensor | None = None
+            for placement in record.placements:
+                for local_part, global_part in _moved(local_box, placement):
+                    part = self._read({name: global_part})[name].reshape(global_part.lengths)
+                    if block is None:
+                        block = part.new_empty(local_box.lengths)
+                    block[_index(_relative(local_part, local_box))] = part
+            assert block is not None
+            pieces.append(block.reshape(-1))
+        flat = torch.cat(pieces)
+        return flat if span is not None else flat.reshape(record.local_shape)

@@ -151,6 +151,17 @@ class ZeroBase(Engine):
             if group.grad_shard is not None:
                 group.grad_shard.mul_(factor)
 
+    def held_grads(self, names: set[str]) -> list[torch.Tensor]:
+        """This rank's gradient shard's ranges of the parameters ``names`` (views into the shard)."""
+        out = []
+        for group in self.groups:
+            if group.grad_shard is None:
+                continue
+            for piece in group.layout.pieces(self.comm.rank):
+                if piece.name in names:
+                    out.append(group.grad_shard[piece.shard_start : piece.shard_end])
+        return out
+
     def nonfinite_grad(self) -> str | None:
         """This rank's gradient shards (what it holds after ``finish_grads``); of the parameters with a
         NaN or inf in this rank's range, the first in ``named_parameters`` order."""
