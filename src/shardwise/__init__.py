@@ -15,7 +15,9 @@ A script of your own::
 Underneath, the composable core: ``ParallelDims`` (validated degrees), ``build_mesh`` (named axes,
 one ``Comm`` each) and ``parallelize`` (tensor, pipeline, activation checkpointing, then data
 parallelism, in that order), returning the ``Engine`` whose ``train_step`` a hand-written loop calls.
-Names are imported on first use, so ``import shardwise`` stays cheap.
+Names are imported on first use, so ``import shardwise`` stays cheap. No submodule shares a name with
+an export: importing a submodule sets it as an attribute of the package, which would hide the export
+(``shardwise.launch`` the function once lived beside ``shardwise/launch.py``; the module is ``launcher``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ _EXPORTS = {
     "summed": "shardwise.engine.loss",
     "Trainer": "shardwise.train.loop",
     "load_checkpoint": "shardwise.engine.full_state",
-    "LaunchError": "shardwise.launch",
+    "LaunchError": "shardwise.launcher",
 }
 
 __all__ = [
@@ -73,7 +75,7 @@ if TYPE_CHECKING:
     from shardwise.engine.base import Engine, Role
     from shardwise.engine.full_state import load_checkpoint
     from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, summed
-    from shardwise.launch import LaunchError
+    from shardwise.launcher import LaunchError
     from shardwise.mesh import Mesh, build_mesh
     from shardwise.parallelism import parallelize
     from shardwise.train.loop import Trainer
@@ -82,4 +84,11 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public API (imported lazily, so absent from the module's dict until first used)."""
+    return sorted(set(globals()) | set(__all__))

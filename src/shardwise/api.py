@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise.launch import init_distributed, launch_local, running_under_torchrun
+from shardwise.launcher import init_distributed, launch_local, running_under_torchrun
 
 
 def init(timeout_s: float = 300.0) -> int:

@@ -34,7 +34,7 @@ from shardwise.engine.base import Engine, NonFinite, NonFiniteStop
 from shardwise.engine.loss import AutoLoss, Loss, TokenLoss, as_loss, rows, run_model
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, fast_forward
 from shardwise.engine.schedule import lr_multiplier
-from shardwise.launch import init_distributed, restart_count
+from shardwise.launcher import init_distributed, restart_count
 from shardwise.mesh import Mesh, build_mesh
 from shardwise.models import build_model
 from shardwise.observe.monitor import MONITOR

@@ -1,0 +1,26 @@
+"""The public names of ``import shardwise``: each one what it says, whatever was touched first."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+
+import shardwise
+
+
+def test_launch_stays_the_function_after_other_names_are_touched() -> None:
+    # a fresh interpreter: what was imported before decides what the package attribute holds
+    code = "import shardwise as sw; sw.Trainer; sw.init; sw.LaunchError; assert callable(sw.launch), sw.launch"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_no_submodule_shadows_an_export() -> None:
+    """Importing ``shardwise.X`` sets the package attribute X to the module, hiding an export X."""
+    modules = {info.name for info in pkgutil.iter_modules(shardwise.__path__)}
+    assert not modules & set(shardwise.__all__)
+
+
+def test_dir_lists_the_api() -> None:
+    assert set(shardwise.__all__) <= set(dir(shardwise))
