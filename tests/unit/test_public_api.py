@@ -11,7 +11,7 @@ import shardwise
 
 def test_launch_stays_the_function_after_other_names_are_touched() -> None:
     # a fresh interpreter: what was imported before decides what the package attribute holds
-    code = "import shardwise as sw; sw.Trainer; sw.init; sw.LaunchError; assert callable(sw.launch), sw.launch"
+    code = "import shardwise as sw; sw.Trainer; sw.init; sw.LaunchError; assert callable(sw.launch)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
