@@ -224,3 +224,110 @@ def test_examples_train(tmp_path: Path, runner: str, example: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     first, last = (float(v) for v in result.stdout.split("loss ")[-1].split(" -> "))
     assert last < 0.6 * first
+
+
+# -- bad input through Trainer.build / fit: one line naming the fix, on every rank ----------------------
+class _Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).squeeze(-1)  # (rows,)
+
+
+class _ReturnsNothing(_Regression):
+    def forward(self, x: torch.Tensor) -> None:  # type: ignore[override]
+        self.linear(x)
+
+
+def _squared(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return ((out - batch[1]) ** 2).sum()
+
+
+def _squared_mean(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, batch[1])
+
+
+def _bad_input_cases(rank: int, world_size: int, run_dir: str) -> dict[str, str]:
+    """Each bad input on its own Trainer; what each rank was told (every rank fails the same way)."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(3, generator=g), torch.randn((), generator=g)) for _ in range(16)]
+    mismatched = [(torch.randn(4, 3), torch.randn(3)) for _ in range(2)]  # 4 inputs, 3 targets
+    cases: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
+        "both": ({}, {"dataset": data, "batches": mismatched}),
+        "mismatched": ({}, {"batches": mismatched}),
+        "mismatched_micro": ({"data.micro_batches": "2"}, {"batches": mismatched}),
+        "short": ({"data.global_batch": "32"}, {"dataset": data}),
+        "mean": ({}, {"dataset": data, "loss": _squared_mean}),
+        "frozen": ({}, {"dataset": data, "model": _Regression().requires_grad_(False)}),
+        "forward_none": ({}, {"dataset": data, "model": _ReturnsNothing()}),
+        "optimizer_none": ({}, {"dataset": data, "optimizer": lambda named: None}),
+        "scheduler_none": ({}, {"dataset": data, "scheduler": lambda optimizer: None}),
+    }
+    told = {}
+    for name, (overrides, kwargs) in cases.items():
+        base = {"steps": "2", "data.global_batch": "8", "eval_every": "0", "run_dir": run_dir}
+        config = sw.load_config(overrides={**base, **overrides})
+        kwargs = {"model": _Regression(), "loss": _squared, **kwargs}
+        try:
+            sw.Trainer.build(config, **kwargs).fit(show_progress=False)
+        except (sw.ConfigError, ValueError) as err:  # LossError is a ValueError
+            told[name] = f"{type(err).__name__}: {err}"
+        else:
+            told[name] = "trained"
+    return told
+
+
+def test_bad_input_through_the_api_is_one_line_naming_the_fix(tmp_path: Path) -> None:
+    told = run_on_ranks(_bad_input_cases, 2, str(tmp_path), timeout_s=180)
+    assert told[0] == told[1]
+    expected = {
+        "both": "ConfigError: Trainer.build got both dataset= and batches=",
+        "mismatched": "ConfigError: the batch of step 0 has tensors with different numbers of rows",
+        "mismatched_micro": "ConfigError: the batch of step 0 has tensors with different numbers of rows",
+        "short": "ConfigError: the dataset has 16 samples, fewer than data.global_batch (32)",
+        "mean": 'LossError: the loss is a mean (reduction="mean" (MseLoss))',
+        "frozen": "ConfigError: the model has no trainable parameters",
+        "forward_none": "LossError: _ReturnsNothing.forward returned None",
+        "optimizer_none": "ConfigError: the optimizer factory returned NoneType",
+        "scheduler_none": "ConfigError: the scheduler factory returned NoneType",
+    }
+    for name, start in expected.items():
+        assert told[0][name].startswith(start), (name, told[0][name])
+        assert "\n" not in told[0][name], (name, told[0][name])
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.hidden, self.head = nn.Linear(5, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(x)))  # (rows, classes)
+
+
+def _labelled() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(6)
+    return [(torch.randn(5, generator=g, dtype=torch.float64), torch.tensor(i % 3)) for i in range(30)]
+
+
+def _classify(rank: int, world_size: int, config: sw.TrainConfig) -> dict | None:
+    trainer = sw.Trainer.build(config, model=_Classifier().double(), dataset=_labelled(), optimizer=_plain)
+    trainer.fit(show_progress=False)
+    return {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
+
+
+def test_the_default_loss_on_class_labels_matches_one_process(tmp_path: Path) -> None:
+    config = _config("ddp", str(tmp_path), "0.3,0.7")
+    params = run_on_ranks(_classify, 2, config, timeout_s=180)[0]
+    model, data = _Classifier().double(), _labelled()
+    optimizer = _plain(named(model))
+    sampler = DatasetSampler(data, 10, 0, [10], 0)
+    for step in range(STEPS):
+        inputs, labels = sampler.global_batch(step)
+        torch.nn.functional.cross_entropy(model(inputs), labels).backward()  # the mean over the batch
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert_parity({n: p.detach() for n, p in model.named_parameters()}, params, 1e-12)

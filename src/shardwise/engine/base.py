@@ -47,7 +47,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
-from shardwise.engine.loss import Loss, TokenLoss, run_model
+from shardwise.engine.loss import Loss, TokenLoss, check_summed, run_model
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.observe.monitor import MONITOR
 
@@ -226,10 +226,10 @@ class Engine(ABC):
         """The summed loss of one micro-batch: the model on the batch (under autocast when the engine
         computes in bf16/fp16 from fp32 parameters), then ``self.loss`` (which sums in fp32)."""
         if self.autocast_dtype is None:
-            return self.loss(run_model(self.model, batch), batch)
+            return check_summed(self.loss(run_model(self.model, batch), batch))
         with torch.autocast(self._device_type(), dtype=self.autocast_dtype):
             outputs = run_model(self.model, batch)
-        return self.loss(outputs, batch)
+        return check_summed(self.loss(outputs, batch))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this micro-batch's share of the mean loss; fp16 scales it first so that small

@@ -26,9 +26,9 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from shardwise.collectives.api import Comm
-from shardwise.config import TrainConfig, to_dict
+from shardwise.config import ConfigError, TrainConfig, to_dict
 from shardwise.data.corpus import load_corpus
-from shardwise.data.dataset import DatasetSampler, IterableSampler, MapDataset
+from shardwise.data.dataset import DatasetSampler, IterableSampler, MapDataset, check_rows
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
 from shardwise.engine.base import Engine, NonFinite, NonFiniteStop
 from shardwise.engine.loss import AutoLoss, Loss, TokenLoss, as_loss, rows, run_model
@@ -135,6 +135,7 @@ class Trainer:
         ``share_gradients``: make global gradients visible where a strategy keeps them elsewhere
         (the parameter server's workers), for ``verify``.
         """
+        _refuse_unused(dataset, batches, collate_fn, eval_dataset)
         init_distributed(config.timeout_s)  # a plain process that did not join a job: a world of one
         world = dist.get_world_size()
         config = config.validate(world)
@@ -245,6 +246,21 @@ class Trainer:
         return _fit(self, show_progress)
 
 
+def _refuse_unused(dataset: Any, batches: Any, collate_fn: Any, eval_dataset: Any) -> None:
+    """Arguments that would be silently dropped: refused in one line each (before any rank joins)."""
+    if dataset is not None and batches is not None:
+        raise ConfigError(
+            "Trainer.build got both dataset= and batches=: pass dataset= (shardwise shards it over the "
+            "ranks) or batches= (each rank's own stream), not both"
+        )
+    if collate_fn is not None and dataset is None and eval_dataset is None:
+        raise ConfigError("collate_fn= collates dataset= or eval_dataset= samples; pass one of them too")
+    if eval_dataset is not None and dataset is None and batches is None:
+        raise ConfigError(
+            "eval_dataset= needs dataset= or batches=: the built-in corpus has its own held-out part"
+        )
+
+
 def _eval_from(
     dataset: MapDataset | None, config: TrainConfig, collate_fn: Callable[[list[Any]], Any] | None
 ) -> list[Any] | None:
@@ -254,7 +270,10 @@ def _eval_from(
     collate = collate_fn or default_collate
     size, batch = len(dataset), max(1, config.data.global_batch)
     starts = range(0, min(size, batch * config.eval_batches), batch)
-    return [collate([dataset[i] for i in range(s, min(s + batch, size))]) for s in starts]
+    held_out = [collate([dataset[i] for i in range(s, min(s + batch, size))]) for s in starts]
+    for collated in held_out:
+        check_rows(collated, "an eval_dataset batch")
+    return held_out
 
 
 def train_worker(config: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
