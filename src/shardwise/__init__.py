@@ -40,6 +40,8 @@ _EXPORTS = {
     "Engine": "shardwise.engine.base",
     "Role": "shardwise.engine.base",
     "Loss": "shardwise.engine.loss",
+    "LossError": "shardwise.engine.loss",
+    "NonFiniteStop": "shardwise.engine.base",
     "CausalLMLoss": "shardwise.engine.loss",
     "TokenLoss": "shardwise.engine.loss",
     "summed": "shardwise.engine.loss",
@@ -54,7 +56,9 @@ __all__ = [
     "Engine",
     "LaunchError",
     "Loss",
+    "LossError",
     "Mesh",
+    "NonFiniteStop",
     "ParallelDims",
     "Role",
     "TokenLoss",
@@ -72,9 +76,9 @@ __all__ = [
 if TYPE_CHECKING:
     from shardwise.api import init, launch
     from shardwise.config import ConfigError, ParallelDims, TrainConfig, load_config
-    from shardwise.engine.base import Engine, Role
+    from shardwise.engine.base import Engine, NonFiniteStop, Role
     from shardwise.engine.full_state import load_checkpoint
-    from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, summed
+    from shardwise.engine.loss import CausalLMLoss, Loss, LossError, TokenLoss, summed
     from shardwise.launcher import LaunchError
     from shardwise.mesh import Mesh, build_mesh
     from shardwise.parallelism import parallelize

@@ -331,3 +331,28 @@ def test_the_default_loss_on_class_labels_matches_one_process(tmp_path: Path) ->
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     assert_parity({n: p.detach() for n, p in model.named_parameters()}, params, 1e-12)
+
+
+# -- failures through sw.launch: the rank's own exception, one line ------------------------------------
+def _main_with_a_bad_config(run_dir: str) -> None:
+    config = sw.load_config(overrides={"steps": "1", "parallel.dp": "3", "run_dir": run_dir})
+    sw.Trainer.build(config).fit(show_progress=False)
+
+
+def _main_that_diverges(run_dir: str) -> None:
+    overrides = {"steps": "3", "model.kind": "mlp", "optim.lr": "1e30", "eval_every": "0", "run_dir": run_dir}
+    sw.Trainer.build(sw.load_config(overrides=overrides)).fit(show_progress=False)
+
+
+def test_launch_raises_a_ranks_config_error_as_itself_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(sw.ConfigError) as raised:
+        sw.launch(_main_with_a_bad_config, 2, str(tmp_path))
+    assert str(raised.value) == "dp(3) x pp(1) x tp(1) = 3, but the world has 2 ranks"
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+
+
+def test_fit_raises_on_a_nan_and_launch_passes_it_on(tmp_path: Path) -> None:
+    with pytest.raises(sw.NonFiniteStop) as raised:
+        sw.launch(_main_that_diverges, 2, str(tmp_path))
+    assert raised.value.step == 1 and "\n" not in str(raised.value)
+    assert str(raised.value).startswith("step 1: the loss")

@@ -24,3 +24,22 @@ def test_no_submodule_shadows_an_export() -> None:
 
 def test_dir_lists_the_api() -> None:
     assert set(shardwise.__all__) <= set(dir(shardwise))
+
+
+def test_launch_refuses_what_it_cannot_send_to_the_ranks_before_starting_them() -> None:
+    import threading
+
+    import pytest
+
+    with pytest.raises(shardwise.LaunchError, match=r"cannot send '.*<lambda>' to the ranks .*top level"):
+        shardwise.launch(lambda: 1, 2)
+    with pytest.raises(shardwise.LaunchError, match=r"cannot send argument 0 \(lock\)"):
+        shardwise.launch(print, 2, threading.Lock())
+
+
+def test_a_non_finite_stop_comes_back_from_its_one_line() -> None:
+    from shardwise.engine.base import NonFinite, NonFiniteStop
+
+    stop = NonFiniteStop(7, NonFinite("the loss and the gradient of w", stop=True))
+    again = NonFiniteStop.from_message(str(stop))
+    assert (again.step, again.found, str(again)) == (7, stop.found, str(stop))

@@ -33,6 +33,7 @@ share of it each rank drew.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -114,6 +115,14 @@ class NonFiniteStop(RuntimeError):
     def __init__(self, step: int, found: NonFinite) -> None:
         super().__init__(found.message(step))
         self.step, self.found = step, found
+
+    @classmethod
+    def from_message(cls, message: str) -> NonFiniteStop:
+        """The exception back from its one line (what a rank reports to the launcher)."""
+        match = re.match(r"step (\d+): (.+?) (?:is|are) not finite", message)
+        if match is None:
+            raise ValueError(f"not a non-finite stop: {message!r}")
+        return cls(int(match[1]), NonFinite(match[2], stop=True))
 
 
 def describe_nonfinite(loss_ok: bool, grad_name: str | None) -> str:

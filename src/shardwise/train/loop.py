@@ -4,7 +4,8 @@ One step: draw this rank's share of the global batch, ``engine.forward_backward`
 gradient communication), one tiny all-reduce agreeing whether the loss and gradients are finite (see
 ``nonfinite``), ``engine.optimizer_step`` (or ``skip_update``), then one tiny all-gather of per-rank
 figures (see ``metrics``). Rank 0 shows a progress bar, writes ``metrics.jsonl`` and returns the
-summary. A run stopped on a non-finite value returns ``{"error": <one line>}`` from the reporting rank.
+summary. A run stopped on a non-finite value raises ``NonFiniteStop`` (one line naming the step) on
+every rank; ``run_training``, the command line's entry, returns it as ``{"error": <one line>}``.
 """
 
 from __future__ import annotations
@@ -242,7 +243,9 @@ class Trainer:
 
     def fit(self, show_progress: bool = True) -> dict[str, Any] | None:
         """Train ``config.steps`` steps (resuming from a checkpoint when there is one); the reporting
-        rank returns the summary, every other rank None."""
+        rank returns the summary, every other rank None. ``show_progress``: the reporting rank's
+        progress bar on stderr. A loss or gradient that is not finite (with ``on_nonfinite = "stop"``,
+        the default) raises ``NonFiniteStop`` on every rank, after the step's metrics are written."""
         return _fit(self, show_progress)
 
 
@@ -287,15 +290,20 @@ def train_worker(config: TrainConfig, show_progress: bool) -> dict[str, Any] | N
 
 def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, Any] | None:
     """Train the built-in model on the already-initialised process group; the reporting rank returns
-    the summary, others None."""
-    return Trainer.build(config).fit(show_progress)
+    the summary, others None. A run stopped on a non-finite value returns ``{"error": <one line>,
+    "step": <step>}`` from the reporting rank instead: every rank returns normally, so the agent does
+    not restart a run that would diverge again (the command line prints the line, exit code 1)."""
+    trainer = Trainer.build(config)
+    try:
+        return trainer.fit(show_progress)
+    except NonFiniteStop as stop:
+        return {"error": str(stop), "step": stop.step} if trainer.engine.role.reports else None
 
 
 def _fit(trainer: Trainer, show_progress: bool) -> dict[str, Any] | None:
     """The loop. With checkpointing on (``checkpoint.dir`` or ``checkpoint.every``), the run first
     resumes from the newest usable checkpoint, if any (see ``train.checkpointing``). A run stopped on
-    a non-finite value (``on_nonfinite = "stop"``) returns ``{"error": <one line>, "step": <step>}``
-    from the reporting rank instead."""
+    a non-finite value (``on_nonfinite = "stop"``) raises ``NonFiniteStop`` on every rank."""
     config = trainer.config
     rank = dist.get_rank()
     write_pid_file(config.run_dir, rank)
@@ -350,11 +358,11 @@ def _loop(
         if ckpt:
             ckpt.close()
         params = trainer.engine.full_parameters()
-    except NonFiniteStop as stop:
+    except NonFiniteStop:
         trainer.engine.finish()  # what is still owed to serving ranks (a parameter server's last pull)
         if ckpt:
             ckpt.close()  # an asynchronous save still being written is finished, not left half done
-        return {"error": str(stop), "step": stop.step} if role.reports else None
+        raise
     finally:
         progress.close()
         writer.close()
@@ -404,9 +412,10 @@ def _serve(trainer: Trainer, ckpt: TrainCheckpoints | None) -> None:
         if ckpt:
             ckpt.close()
         trainer.engine.full_parameters()
-    except NonFiniteStop:  # the workers stop with it, and the reporting one says why
+    except NonFiniteStop:  # the workers stop with it too
         if ckpt:
             ckpt.close()
+        raise
     finally:
         trainer.engine.close()
 
