@@ -9,9 +9,12 @@ on loopback for local ranks, torchrun's for multi-node jobs).
 
 from __future__ import annotations
 
+import ast
 import functools
 import pickle
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -58,7 +61,8 @@ def launch(
     (``NonFiniteStop``) is raised here as that same exception, its message one line, as under
     torchrun; any other failure is a ``LaunchError`` holding the failed rank's traceback. ``fn`` and
     ``args`` must pickle by reference (``fn`` a top-level function of an importable script, which
-    guards its own start with ``if __name__ == "__main__":``); else ``LaunchError`` says so at once.
+    guards its own start with ``if __name__ == "__main__":``, and is not defined inside that block);
+    else ``LaunchError`` says so at once.
     """
     if running_under_torchrun() or dist.is_initialized():
         init(timeout_s)
@@ -82,6 +86,12 @@ def _check_sendable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
             f"launch cannot send {getattr(fn, '__qualname__', fn)!r} to the ranks ({err}): pass a function "
             "defined at the top level of the script or of a module, not a lambda or a nested function"
         ) from None
+    if _defined_only_under_main_guard(fn):
+        raise LaunchError(
+            f"launch cannot send {fn.__name__!r} to the ranks: it is defined inside the script's "
+            '`if __name__ == "__main__":` block, which the ranks do not run when they import the script; '
+            "define it at the top level"
+        )
     for i, arg in enumerate(args):
         try:
             pickle.dumps(arg)
@@ -90,6 +100,41 @@ def _check_sendable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
                 f"launch cannot send argument {i} ({type(arg).__name__}) to the ranks ({err}): pass "
                 "arguments that pickle, or build the object inside the function"
             ) from None
+
+
+def _defined_only_under_main_guard(fn: Callable[..., Any]) -> bool:
+    """Whether the script's ``fn`` is bound inside its ``if __name__ == "__main__":`` block and nowhere
+    else: it pickles here by name, but a spawned rank imports the script without that block."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(fn, "__module__", None) != "__main__" or not path or not Path(path).is_file():
+        return False
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return False
+    guarded = [node for node in tree.body if _is_main_guard(node)]
+    elsewhere = [node for node in tree.body if not _is_main_guard(node)]
+    name = getattr(fn, "__name__", "")
+    return any(name in _bound(node) for node in guarded) and not any(name in _bound(n) for n in elsewhere)
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    test = ast.unparse(node.test) if isinstance(node, ast.If) else ""
+    return "__name__" in test and "__main__" in test
+
+
+def _bound(node: ast.AST) -> set[str]:
+    """Names a statement binds anywhere inside it: definitions, assignments, imports."""
+    names = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(sub.name)
+        elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+            names.add(sub.id)
+        elif isinstance(sub, ast.alias):
+            names.add(sub.asname or sub.name.split(".")[0])
+    return names
 
 
 # what a rank's user-input error is raised as here, by the name the rank reported (launcher.USER_ERRORS)

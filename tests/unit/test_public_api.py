@@ -43,3 +43,20 @@ def test_a_non_finite_stop_comes_back_from_its_one_line() -> None:
     stop = NonFiniteStop(7, NonFinite("the loss and the gradient of w", stop=True))
     again = NonFiniteStop.from_message(str(stop))
     assert (again.step, again.found, str(again)) == (7, stop.found, str(stop))
+
+
+def test_launch_refuses_a_function_the_ranks_cannot_import(tmp_path) -> None:
+    """Defined under the main guard, it pickles by name here but the ranks never define it."""
+    script = tmp_path / "guarded.py"
+    script.write_text(
+        "import shardwise as sw\n\n"
+        "if __name__ == '__main__':\n"
+        "    def main():\n"
+        "        return 1\n\n"
+        "    sw.launch(main, 2)\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1
+    assert last.startswith("shardwise.launcher.LaunchError: launch cannot send 'main'")
+    assert "define it at the top level" in last and "rank 0 failed" not in result.stderr
