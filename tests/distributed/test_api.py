@@ -356,3 +356,16 @@ def test_fit_raises_on_a_nan_and_launch_passes_it_on(tmp_path: Path) -> None:
         sw.launch(_main_that_diverges, 2, str(tmp_path))
     assert raised.value.step == 1 and "\n" not in str(raised.value)
     assert str(raised.value).startswith("step 1: the loss")
+
+
+def _frozen_head(rank: int, world_size: int, config: sw.TrainConfig) -> dict[str, bool]:
+    model = _Classifier().double()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sw.Trainer.build(config, model=model, dataset=_labelled()).fit(show_progress=False)
+    return {n: torch.equal(before[n], p.detach()) for n, p in model.named_parameters()}
+
+
+def test_model_freeze_applies_to_a_model_of_ones_own(tmp_path: Path) -> None:
+    config = _config("ddp", str(tmp_path), "", **{"model.freeze": "head"})
+    unchanged = run_on_ranks(_frozen_head, 2, config, timeout_s=120)[0]
+    assert unchanged == {"hidden.weight": False, "hidden.bias": False, "head.weight": True, "head.bias": True}

@@ -37,7 +37,7 @@ from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, fast_forw
 from shardwise.engine.schedule import lr_multiplier
 from shardwise.launcher import init_distributed, restart_count
 from shardwise.mesh import Mesh, build_mesh
-from shardwise.models import build_model
+from shardwise.models import apply_freeze, build_model
 from shardwise.observe.monitor import MONITOR
 from shardwise.parallelism import parallelize
 from shardwise.train.checkpointing import (
@@ -144,7 +144,10 @@ class Trainer:
         seed_everything(config.seed)
         # with weights to load, parameters start on meta: each rank materialises only what it holds
         meta = bool(config.model.init_from)
-        net = model if model is not None else build_model(config.model, torch_dtype(config.dtype), meta=meta)
+        if model is not None:
+            net = apply_freeze(model, config.model.freeze)  # as build_model does for its own models
+        else:
+            net = build_model(config.model, torch_dtype(config.dtype), meta=meta)
         engine = parallelize(net, mesh, config, optimizer, share_gradients, scheduler=scheduler)
         engine.loss = as_loss(loss) if loss is not None else default_loss(config, model is not None)
         counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)
