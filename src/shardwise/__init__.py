@@ -15,7 +15,9 @@ A script of your own::
 Underneath, the composable core: ``ParallelDims`` (validated degrees), ``build_mesh`` (named axes,
 one ``Comm`` each) and ``parallelize`` (tensor, pipeline, activation checkpointing, then data
 parallelism, in that order), returning the ``Engine`` whose ``train_step`` a hand-written loop calls.
-Names are imported on first use, so ``import shardwise`` stays cheap.
+Names are imported on first use, so ``import shardwise`` stays cheap. No submodule shares a name with
+an export: importing a submodule sets it as an attribute of the package, which would hide the export
+(``shardwise.launch`` the function once lived beside ``shardwise/launch.py``; the module is ``launcher``).
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ _EXPORTS = {
     "Engine": "shardwise.engine.base",
     "Role": "shardwise.engine.base",
     "Loss": "shardwise.engine.loss",
+    "LossError": "shardwise.engine.loss",
+    "NonFiniteStop": "shardwise.engine.base",
     "CausalLMLoss": "shardwise.engine.loss",
     "TokenLoss": "shardwise.engine.loss",
     "summed": "shardwise.engine.loss",
     "Trainer": "shardwise.train.loop",
     "load_checkpoint": "shardwise.engine.full_state",
-    "LaunchError": "shardwise.launch",
+    "LaunchError": "shardwise.launcher",
 }
 
 __all__ = [
@@ -52,7 +56,9 @@ __all__ = [
     "Engine",
     "LaunchError",
     "Loss",
+    "LossError",
     "Mesh",
+    "NonFiniteStop",
     "ParallelDims",
     "Role",
     "TokenLoss",
@@ -70,10 +76,10 @@ __all__ = [
 if TYPE_CHECKING:
     from shardwise.api import init, launch
     from shardwise.config import ConfigError, ParallelDims, TrainConfig, load_config
-    from shardwise.engine.base import Engine, Role
+    from shardwise.engine.base import Engine, NonFiniteStop, Role
     from shardwise.engine.full_state import load_checkpoint
-    from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, summed
-    from shardwise.launch import LaunchError
+    from shardwise.engine.loss import CausalLMLoss, Loss, LossError, TokenLoss, summed
+    from shardwise.launcher import LaunchError
     from shardwise.mesh import Mesh, build_mesh
     from shardwise.parallelism import parallelize
     from shardwise.train.loop import Trainer
@@ -82,4 +88,11 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public API (imported lazily, so absent from the module's dict until first used)."""
+    return sorted(set(globals()) | set(__all__))

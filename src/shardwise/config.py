@@ -339,10 +339,10 @@ class TrainConfig:
     run_dir: str = checked("runs/latest", NonEmpty("a folder path"))
     timeout_s: float = checked(300.0, Range(ge=MIN_TIMEOUT_S))
     max_restarts: int = checked(0, Range(ge=0))
-    # a rank blocked in one call this long names the rank that holds it up and stops the job; 0: off;
-    # -1: automatic, 5 x the median step time and at least 30 s
     tensorboard: bool = False  # also write the metrics as TensorBoard events in <run_dir>/tensorboard
     trace: bool = False  # record per-rank spans into <run_dir>/trace.json (Chrome trace / Perfetto)
+    # a rank blocked in one call this long names the rank that holds it up and stops the job; 0: off;
+    # -1: automatic, 5 x the median step time and at least 30 s
     hang_timeout_s: float = checked(-1.0, Range(ge=0, also=(-1.0,), note="or -1 for automatic"))
     # compute in fp32 (the model's own dtype), or bf16/fp16 with fp32 masters (ZeRO: master shards and
     # compute copies; the others: fp32 parameters under autocast); fp16 scales the loss dynamically

@@ -281,6 +281,11 @@ def parallelize(
     ``torch.optim.lr_scheduler`` over each optimizer, stepped after every update; ``share_gradients``
     makes global gradients visible on every rank that steps (``verify``).
     """
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
+            "to train; leave some unfrozen"
+        )
     layout = apply_tensor_parallel(model, mesh, config)
     runner = apply_pipeline(model, mesh, config)
     apply_activation_checkpointing(model, config)

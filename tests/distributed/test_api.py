@@ -224,3 +224,148 @@ def test_examples_train(tmp_path: Path, runner: str, example: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     first, last = (float(v) for v in result.stdout.split("loss ")[-1].split(" -> "))
     assert last < 0.6 * first
+
+
+# -- bad input through Trainer.build / fit: one line naming the fix, on every rank ----------------------
+class _Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).squeeze(-1)  # (rows,)
+
+
+class _ReturnsNothing(_Regression):
+    def forward(self, x: torch.Tensor) -> None:  # type: ignore[override]
+        self.linear(x)
+
+
+def _squared(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return ((out - batch[1]) ** 2).sum()
+
+
+def _squared_mean(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, batch[1])
+
+
+def _bad_input_cases(rank: int, world_size: int, run_dir: str) -> dict[str, str]:
+    """Each bad input on its own Trainer; what each rank was told (every rank fails the same way)."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(3, generator=g), torch.randn((), generator=g)) for _ in range(16)]
+    mismatched = [(torch.randn(4, 3), torch.randn(3)) for _ in range(2)]  # 4 inputs, 3 targets
+    cases: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
+        "both": ({}, {"dataset": data, "batches": mismatched}),
+        "mismatched": ({}, {"batches": mismatched}),
+        "mismatched_micro": ({"data.micro_batches": "2"}, {"batches": mismatched}),
+        "short": ({"data.global_batch": "32"}, {"dataset": data}),
+        "mean": ({}, {"dataset": data, "loss": _squared_mean}),
+        "frozen": ({}, {"dataset": data, "model": _Regression().requires_grad_(False)}),
+        "forward_none": ({}, {"dataset": data, "model": _ReturnsNothing()}),
+        "optimizer_none": ({}, {"dataset": data, "optimizer": lambda named: None}),
+        "scheduler_none": ({}, {"dataset": data, "scheduler": lambda optimizer: None}),
+    }
+    told = {}
+    for name, (overrides, kwargs) in cases.items():
+        base = {"steps": "2", "data.global_batch": "8", "eval_every": "0", "run_dir": run_dir}
+        config = sw.load_config(overrides={**base, **overrides})
+        kwargs = {"model": _Regression(), "loss": _squared, **kwargs}
+        try:
+            sw.Trainer.build(config, **kwargs).fit(show_progress=False)
+        except (sw.ConfigError, ValueError) as err:  # LossError is a ValueError
+            told[name] = f"{type(err).__name__}: {err}"
+        else:
+            told[name] = "trained"
+    return told
+
+
+def test_bad_input_through_the_api_is_one_line_naming_the_fix(tmp_path: Path) -> None:
+    told = run_on_ranks(_bad_input_cases, 2, str(tmp_path), timeout_s=180)
+    assert told[0] == told[1]
+    expected = {
+        "both": "ConfigError: Trainer.build got both dataset= and batches=",
+        "mismatched": "ConfigError: the batch of step 0 has tensors with different numbers of rows",
+        "mismatched_micro": "ConfigError: the batch of step 0 has tensors with different numbers of rows",
+        "short": "ConfigError: the dataset has 16 samples, fewer than data.global_batch (32)",
+        "mean": 'LossError: the loss is a mean (reduction="mean" (MseLoss))',
+        "frozen": "ConfigError: the model has no trainable parameters",
+        "forward_none": "LossError: _ReturnsNothing.forward returned None",
+        "optimizer_none": "ConfigError: the optimizer factory returned NoneType",
+        "scheduler_none": "ConfigError: the scheduler factory returned NoneType",
+    }
+    for name, start in expected.items():
+        assert told[0][name].startswith(start), (name, told[0][name])
+        assert "\n" not in told[0][name], (name, told[0][name])
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.hidden, self.head = nn.Linear(5, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(x)))  # (rows, classes)
+
+
+def _labelled() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(6)
+    return [(torch.randn(5, generator=g, dtype=torch.float64), torch.tensor(i % 3)) for i in range(30)]
+
+
+def _classify(rank: int, world_size: int, config: sw.TrainConfig) -> dict | None:
+    trainer = sw.Trainer.build(config, model=_Classifier().double(), dataset=_labelled(), optimizer=_plain)
+    trainer.fit(show_progress=False)
+    return {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
+
+
+def test_the_default_loss_on_class_labels_matches_one_process(tmp_path: Path) -> None:
+    config = _config("ddp", str(tmp_path), "0.3,0.7")
+    params = run_on_ranks(_classify, 2, config, timeout_s=180)[0]
+    model, data = _Classifier().double(), _labelled()
+    optimizer = _plain(named(model))
+    sampler = DatasetSampler(data, 10, 0, [10], 0)
+    for step in range(STEPS):
+        inputs, labels = sampler.global_batch(step)
+        torch.nn.functional.cross_entropy(model(inputs), labels).backward()  # the mean over the batch
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert_parity({n: p.detach() for n, p in model.named_parameters()}, params, 1e-12)
+
+
+# -- failures through sw.launch: the rank's own exception, one line ------------------------------------
+def _main_with_a_bad_config(run_dir: str) -> None:
+    config = sw.load_config(overrides={"steps": "1", "parallel.dp": "3", "run_dir": run_dir})
+    sw.Trainer.build(config).fit(show_progress=False)
+
+
+def _main_that_diverges(run_dir: str) -> None:
+    overrides = {"steps": "3", "model.kind": "mlp", "optim.lr": "1e30", "eval_every": "0", "run_dir": run_dir}
+    sw.Trainer.build(sw.load_config(overrides=overrides)).fit(show_progress=False)
+
+
+def test_launch_raises_a_ranks_config_error_as_itself_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(sw.ConfigError) as raised:
+        sw.launch(_main_with_a_bad_config, 2, str(tmp_path))
+    assert str(raised.value) == "dp(3) x pp(1) x tp(1) = 3, but the world has 2 ranks"
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+
+
+def test_fit_raises_on_a_nan_and_launch_passes_it_on(tmp_path: Path) -> None:
+    with pytest.raises(sw.NonFiniteStop) as raised:
+        sw.launch(_main_that_diverges, 2, str(tmp_path))
+    assert raised.value.step == 1 and "\n" not in str(raised.value)
+    assert str(raised.value).startswith("step 1: the loss")
+
+
+def _frozen_head(rank: int, world_size: int, config: sw.TrainConfig) -> dict[str, bool]:
+    model = _Classifier().double()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sw.Trainer.build(config, model=model, dataset=_labelled()).fit(show_progress=False)
+    return {n: torch.equal(before[n], p.detach()) for n, p in model.named_parameters()}
+
+
+def test_model_freeze_applies_to_a_model_of_ones_own(tmp_path: Path) -> None:
+    config = _config("ddp", str(tmp_path), "", **{"model.freeze": "head"})
+    unchanged = run_on_ranks(_frozen_head, 2, config, timeout_s=120)[0]
+    assert unchanged == {"hidden.weight": False, "hidden.bias": False, "head.weight": True, "head.bias": True}

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.launch import LaunchError, init_distributed, launch_local
+from shardwise.launcher import LaunchError, init_distributed, launch_local
 
 from .cli_helpers import last_json, shardwise
 

@@ -132,7 +132,7 @@ def initial_heldout_loss(config: TrainConfig) -> float:
 
 
 def _ours(config: TrainConfig, nproc: int) -> dict[str, float]:
-    from shardwise.launch import launch_local
+    from shardwise.launcher import launch_local
     from shardwise.train.loop import train_worker
 
     config = config.validate(nproc)
@@ -158,7 +158,7 @@ def torch_worker(config: TrainConfig, powersgd_rank: int) -> dict[str, float] | 
     from shardwise.engine.loss import loss_sum
     from shardwise.engine.optim import build_optimizer, named
     from shardwise.engine.schedule import lr_multiplier
-    from shardwise.launch import init_distributed
+    from shardwise.launcher import init_distributed
     from shardwise.models import build_model
     from shardwise.train.loop import seed_everything
 
@@ -214,7 +214,7 @@ def torch_worker(config: TrainConfig, powersgd_rank: int) -> dict[str, float] | 
 
 
 def _torch(config: TrainConfig, nproc: int, powersgd_rank: int) -> dict[str, float]:
-    from shardwise.launch import launch_local
+    from shardwise.launcher import launch_local
 
     results = launch_local(torch_worker, (config.validate(nproc), powersgd_rank), nproc, 0)
     return next(r for r in results.values() if r is not None)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shardwise.config import TrainConfig, load_config
-from shardwise.launch import init_distributed, launch_local
+from shardwise.launcher import init_distributed, launch_local
 from shardwise.observe.watchdog import Watchdog
 from shardwise.preflight import preflight
 

@@ -95,7 +95,7 @@ MODES = {  # label -> (ps.mode, ps.staleness_lr)
 
 
 def _train_summary(config: TrainConfig, nproc: int) -> dict[str, Any]:
-    from shardwise.launch import launch_local
+    from shardwise.launcher import launch_local
     from shardwise.train.loop import train_worker
 
     results = launch_local(train_worker, (config, False), nproc, 0)

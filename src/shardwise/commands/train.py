@@ -10,7 +10,7 @@ from rich.table import Table
 
 from shardwise.commands.output import emit
 from shardwise.config import TrainConfig
-from shardwise.launch import LaunchError, launch_local, running_under_torchrun, torchrun_world_size
+from shardwise.launcher import LaunchError, launch_local, running_under_torchrun, torchrun_world_size
 from shardwise.preflight import preflight
 from shardwise.train.loop import train_worker
 

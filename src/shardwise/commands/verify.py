@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from shardwise.config import TrainConfig
-from shardwise.launch import LaunchError, init_distributed, launch_local
+from shardwise.launcher import LaunchError, init_distributed, launch_local
 from shardwise.preflight import preflight
 from shardwise.testing.parity import compare_tensors
 

@@ -5,8 +5,10 @@ seeded by a hash of (seed, epoch); step s takes positions [s * B, (s + 1) * B) o
 Every rank computes the same global batch and keeps its contiguous slice (``split_counts``: even, or
 ``--data-weights``), so the slices in rank order are exactly the batch one process would draw, and a
 run resumed at step k (mid-epoch included) continues with exactly the batches it would have seen.
-Samples are collated with the user's ``collate_fn`` (default: torch's ``default_collate``). No
-communication.
+Samples are collated with the user's ``collate_fn`` (default: torch's ``default_collate``). A
+dataset smaller than the global batch is refused (a step would hold some samples twice), and so is a
+batch whose tensors disagree on their number of rows (inputs and targets of different lengths would
+broadcast in a loss and train on nonsense). No communication.
 """
 
 from __future__ import annotations
@@ -56,6 +58,44 @@ def slice_rows(batch: Any, start: int, stop: int) -> Any:
     )
 
 
+def check_rows(batch: Any, what: str = "a batch") -> int:
+    """The number of rows of a collated batch, after checking that every tensor in it has that many
+    (dim 0: one row per sample)."""
+    found = list(_leaf_rows(batch, "batch"))
+    if not found:
+        raise ConfigError(f"{what} holds no tensor; batches are tensors, tuples or dicts of tensors")
+    counts = {n for _, n in found}
+    if None in counts:
+        where = next(path for path, n in found if n is None)
+        raise ConfigError(
+            f"{what}: {where} is a 0-d tensor; every tensor of a batch needs a first dimension with "
+            "one row per sample"
+        )
+    if len(counts) > 1:
+        listed = ", ".join(f"{path} has {n}" for path, n in found)
+        raise ConfigError(
+            f"{what} has tensors with different numbers of rows (dim 0): {listed}; give every tensor "
+            "of a batch one row per sample (inputs and targets of the same length)"
+        )
+    return int(found[0][1] or 0)
+
+
+def _leaf_rows(batch: Any, path: str) -> Iterator[tuple[str, int | None]]:
+    """(where, rows) of each tensor in a batch; rows None for a 0-d tensor."""
+    if isinstance(batch, torch.Tensor):
+        yield path, int(batch.size(0)) if batch.dim() else None
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from _leaf_rows(value, f"{path}[{key!r}]")
+    elif isinstance(batch, tuple | list):
+        for i, value in enumerate(batch):
+            yield from _leaf_rows(value, f"{path}[{i}]")
+    else:
+        raise ConfigError(
+            f"{path} is a {type(batch).__name__}; batches must be tensors, tuples or dicts of tensors"
+        )
+
+
 class DatasetSampler:
     """This rank's micro-batches of a map-style dataset, step by step (see the module docstring)."""
 
@@ -70,6 +110,11 @@ class DatasetSampler:
     ) -> None:
         if len(dataset) < 1:
             raise ConfigError("the dataset is empty: it needs at least one sample")
+        if len(dataset) < global_batch:  # one step would draw some samples twice (two epochs' worth)
+            raise ConfigError(
+                f"the dataset has {len(dataset)} samples, fewer than data.global_batch ({global_batch}): "
+                f"each step would hold some samples twice; set data.global_batch to at most {len(dataset)}"
+            )
         if sum(counts) != global_batch:
             raise ConfigError(f"counts {list(counts)} must sum to global_batch({global_batch})")
         self.dataset, self.global_batch_size, self.seed = dataset, global_batch, seed
@@ -98,6 +143,7 @@ class DatasetSampler:
         for size in sizes:
             if size:
                 out.append(self.collate([self.dataset[i] for i in indices[at : at + size]]))
+                check_rows(out[-1], "a collated batch")  # a collate_fn of the user's may disagree
             elif keep_empty:
                 out.append(self._empty_batch())
             at += size
@@ -156,6 +202,7 @@ class IterableSampler:
             batch = next(self._iterator)
         except StopIteration:
             raise ConfigError(f"the batches ran out at step {step}: give more, or lower steps") from None
+        check_rows(batch, f"the batch of step {step}")
         self._empty = slice_rows(batch, 0, 0)
         return batch
 

@@ -33,6 +33,7 @@ share of it each rank drew.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -47,7 +48,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
-from shardwise.engine.loss import Loss, TokenLoss, run_model
+from shardwise.engine.loss import Loss, TokenLoss, check_summed, run_model
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.engine.step import MicroBatchLoop, StepRunner
 
@@ -114,6 +115,14 @@ class NonFiniteStop(RuntimeError):
     def __init__(self, step: int, found: NonFinite) -> None:
         super().__init__(found.message(step))
         self.step, self.found = step, found
+
+    @classmethod
+    def from_message(cls, message: str) -> NonFiniteStop:
+        """The exception back from its one line (what a rank reports to the launcher)."""
+        match = re.match(r"step (\d+): (.+?) (?:is|are) not finite", message)
+        if match is None:
+            raise ValueError(f"not a non-finite stop: {message!r}")
+        return cls(int(match[1]), NonFinite(match[2], stop=True))
 
 
 def describe_nonfinite(loss_ok: bool, grad_name: str | None) -> str:
@@ -234,10 +243,10 @@ class Engine(ABC):
         """The summed loss of one micro-batch: the model on the batch (under autocast when the engine
         computes in bf16/fp16 from fp32 parameters), then ``self.loss`` (which sums in fp32)."""
         if self.autocast_dtype is None:
-            return self.loss(run_model(self.model, batch), batch)
+            return check_summed(self.loss(run_model(self.model, batch), batch))
         with torch.autocast(self._device_type(), dtype=self.autocast_dtype):
             outputs = run_model(self.model, batch)
-        return self.loss(outputs, batch)
+        return check_summed(self.loss(outputs, batch))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this micro-batch's share of the mean loss; fp16 scales it first so that small

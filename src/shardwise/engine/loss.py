@@ -57,7 +57,13 @@ def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 def run_model(model: nn.Module, batch: Any) -> Any:
     args, kwargs = model_inputs(batch)
-    return model(*args, **kwargs)
+    outputs = model(*args, **kwargs)
+    if outputs is None:
+        raise LossError(
+            f"{type(model).__name__}.forward returned None; return its outputs (the logits, or a tuple or "
+            "dict holding them)"
+        )
+    return outputs
 
 
 def logits_of(outputs: Any) -> torch.Tensor:
@@ -146,21 +152,116 @@ class CausalLMLoss:
         return int((self._labels(batch)[:, 1:] != self.ignore_index).sum())
 
 
+class ClassLoss:
+    """Summed cross-entropy of one class label per row: logits (rows, classes), targets (rows,);
+    labels equal to ``ignore_index`` carry no loss and are not counted."""
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
+        self.ignore_index = ignore_index
+
+    def __call__(self, outputs: Any, batch: Any) -> torch.Tensor:
+        logits, targets = _upcast(logits_of(outputs)), batch[1]
+        if logits.dim() != 2 or logits.size(0) != targets.size(0):
+            raise LossError(
+                f"class labels of shape {tuple(targets.shape)} need logits of shape (rows, classes), but "
+                f"the model returned {tuple(logits.shape)}; pass your own loss for other outputs"
+            )
+        return F.cross_entropy(logits, targets, ignore_index=self.ignore_index, reduction="sum")
+
+    def count(self, batch: Any) -> int:
+        return int((batch[1] != self.ignore_index).sum())
+
+
+def _targets(batch: Any) -> torch.Tensor:
+    """The integer targets of an ``(inputs, targets)`` batch, for the default loss."""
+    has_targets = isinstance(batch, Sequence) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor)
+    if not has_targets:
+        raise LossError(
+            f"the default loss needs (inputs, targets) batches or dicts with 'labels'; got a "
+            f"{type(batch).__name__}: pass loss=sw.summed(fn), fn returning the SUM of the item losses"
+        )
+    targets = batch[1]
+    ids = not (targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool)
+    if not ids or targets.dim() > 2:
+        raise LossError(
+            "the default loss is cross-entropy over integer class ids (rows,) or token ids "
+            f"(rows, positions); the targets are {str(targets.dtype).removeprefix('torch.')} "
+            f"of shape {tuple(targets.shape)}: "
+            "pass loss=sw.summed(fn), fn returning the SUM of the item losses"
+        )
+    return targets
+
+
 class AutoLoss:
     """The default loss for a user's model: causal-LM cross-entropy for dict batches (Hugging Face
-    style, labels -100 ignored), token cross-entropy for ``(inputs, targets)`` batches."""
+    style, labels -100 ignored); for ``(inputs, targets)`` batches, class cross-entropy when the
+    targets hold one class id per row, token cross-entropy when they hold one id per position."""
 
     def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
         self.causal, self.tokens = CausalLMLoss(ignore_index), TokenLoss()
+        self.classes = ClassLoss(ignore_index)
 
     def _pick(self, batch: Any) -> Loss:
-        return self.causal if isinstance(batch, Mapping) else self.tokens
+        if isinstance(batch, Mapping):
+            return self.causal
+        return self.classes if _targets(batch).dim() == 1 else self.tokens
 
     def __call__(self, outputs: Any, batch: Any) -> torch.Tensor:
-        return self._pick(batch)(outputs, batch)
+        loss = self._pick(batch)
+        if loss is self.tokens:
+            _check_token_logits(logits_of(outputs), batch[1])
+        return loss(outputs, batch)
 
     def count(self, batch: Any) -> int:
         return self._pick(batch).count(batch)
+
+
+def _check_token_logits(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    fits = logits.dim() == 3 and logits.size(0) == targets.size(0) and logits.size(1) <= targets.size(1)
+    if not fits:
+        raise LossError(
+            f"token targets of shape {tuple(targets.shape)} need logits of shape (rows, positions, vocab), "
+            f"but the model returned {tuple(logits.shape)}; pass your own loss for other outputs"
+        )
+
+
+# autograd nodes of a loss that averages: ``.mean()``, and the ``reduction="mean"`` of torch's losses
+_MEAN_NODES = ("MeanBackward0", "MeanBackward1")
+_REDUCTION_MEAN = 1  # torch's at::Reduction::Mean, as saved on a loss's backward node
+
+
+def averaged_by(loss: torch.Tensor) -> str | None:
+    """The operation by which ``loss`` is a mean over more than one item, read off its last autograd
+    step (a cast looked through); None when it is not one (a sum, or anything else: never guessed)."""
+    node = loss.grad_fn
+    while node is not None and node.name() == "ToCopyBackward0":
+        node = node.next_functions[0][0]
+    if node is None:
+        return None
+    if node.name() in _MEAN_NODES:
+        return ".mean()" if int(getattr(node, "_saved_self_sym_numel", 2)) > 1 else None
+    if getattr(node, "_saved_reduction", None) == _REDUCTION_MEAN:
+        target = getattr(node, "_saved_target", None)
+        if isinstance(target, torch.Tensor) and target.numel() > 1:
+            return f'reduction="mean" ({node.name().removesuffix("Backward0")})'
+    return None
+
+
+def check_summed(loss: Any) -> torch.Tensor:
+    """``loss`` if it can be the SUM of a micro-batch's item losses: one number, not a mean."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise LossError(
+            f"the loss returned {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            + "; it must return one number: the SUM of the micro-batch's item losses"
+        )
+    if how := averaged_by(loss):
+        raise LossError(
+            f"the loss is a mean ({how}), but shardwise divides a SUM by the global item count: return "
+            'the sum of the item losses (reduction="sum", .sum()) and count them with '
+            "sw.summed(fn, count=...)"
+        )
+    return loss
 
 
 class _Summed:
@@ -168,14 +269,7 @@ class _Summed:
         self.fn, self._count = fn, count
 
     def __call__(self, outputs: Any, batch: Any) -> torch.Tensor:
-        loss = self.fn(outputs, batch)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise LossError(
-                f"the loss function returned {type(loss).__name__}"
-                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-                + "; it must return one number: the SUM of the micro-batch's item losses"
-            )
-        return loss
+        return self.fn(outputs, batch)  # the engine checks it is a sum (check_summed)
 
     def count(self, batch: Any) -> int:
         return int(self._count(batch))

@@ -60,9 +60,31 @@ def attach_optimizers(engine: E, factory: OptimizerFactory, scheduler: Scheduler
     ``scheduler`` is given) and hand them over; returns the engine."""
     if not engine.units_are_parameters:
         _refuse_param_groups(engine, factory)
-    engine.attach_optimizers([factory(unit) for unit in engine.optimizer_units()])
-    engine.schedulers = [scheduler(optimizer) for optimizer in engine.optimizers] if scheduler else []
+    engine.attach_optimizers([_optimizer(factory, unit) for unit in engine.optimizer_units()])
+    engine.schedulers = [_scheduler(scheduler, opt) for opt in engine.optimizers] if scheduler else []
     return engine
+
+
+def _optimizer(factory: OptimizerFactory, named: NamedParams) -> torch.optim.Optimizer:
+    """``factory(named)``, which must be an optimizer (a factory that forgot its ``return`` is common)."""
+    optimizer = factory(named)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer: "
+            "make it return the optimizer it builds over the (name, parameter) pairs it is given"
+        )
+    return optimizer
+
+
+def _scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer) -> LRScheduler:
+    """``factory(optimizer)``, which must be a learning-rate scheduler (something with ``step()``)."""
+    scheduler = factory(optimizer)
+    if not callable(getattr(scheduler, "step", None)):
+        raise ConfigError(
+            f"the scheduler factory returned {type(scheduler).__name__}, not a learning-rate scheduler: "
+            "make it return the torch.optim.lr_scheduler it builds over the optimizer it is given"
+        )
+    return scheduler
 
 
 def _refuse_param_groups(engine: Engine, factory: OptimizerFactory) -> None:
@@ -71,7 +93,7 @@ def _refuse_param_groups(engine: Engine, factory: OptimizerFactory) -> None:
     The factory is tried on the model's own named parameters (building an optimizer allocates no
     state); more than one param group is refused in one line rather than silently merged.
     """
-    probe = factory([(n, p) for n, p in engine.model.named_parameters() if p.requires_grad])
+    probe = _optimizer(factory, [(n, p) for n, p in engine.model.named_parameters() if p.requires_grad])
     if len(probe.param_groups) > 1:
         raise ConfigError(
             f"{engine.name} steps flat shards that mix parameters, so the optimizer factory's "

@@ -2,7 +2,9 @@
 
 ``plot_run`` draws four PNGs (train and held-out loss; tokens/s; per-rank step time with the share of
 it spent blocked in communication; per-rank memory) and ``plot_timeline`` one (each rank a lane,
-compute and communication in their own rows and colours, the time no span covers shaded as idle).
+compute and communication in their own rows and colours, the time no span covers shaded as idle, and
+a dashed line where each of the rank's steps begins, labelled with the step's number as
+``metrics.jsonl`` counts it, from 0).
 Both read only what the run wrote, so they work on a finished run and on one still running (a row
 still being written is skipped). matplotlib (the ``plot`` extra) is imported only here. No
 communication.
@@ -129,16 +131,34 @@ def plot_timeline(run_dir: Path, out: Path | None = None, last_steps: int = 3) -
     for lane, rank in enumerate(ranks):
         mine = [e for e in events if e["pid"] == rank and window[0] <= e["ts"] <= window[1]]
         _lane(ax, lane, mine, window)
+        for x, label in step_marks(mine, window[0]):
+            ax.vlines(x, lane - 0.45, lane + 0.45, colors="black", linestyles="dashed", linewidth=0.8)
+            ax.text(x, lane - 0.47, f" {label}", fontsize=7, va="bottom")
     ax.set_yticks([lane for lane in range(len(ranks))], [f"rank {r}" for r in ranks])
     ax.set_xlabel("ms")
-    ax.set_title(f"timeline of the last {last_steps} steps (blue compute, orange communication, grey idle)")
+    ax.set_title(
+        f"timeline of the last {last_steps} steps (blue compute, orange communication, grey idle; "
+        "dashed: a step begins)"
+    )
     ax.invert_yaxis()
     return _save(fig, out or run_dir / "plots" / "timeline.png")
 
 
-def _window(events: list[dict[str, Any]], last_steps: int) -> tuple[float, float]:
+def step_marks(events: list[dict[str, Any]], start: float) -> list[tuple[float, str]]:
+    """(ms from ``start``, "step N") where each step span among a rank's ``events`` begins."""
     steps = sorted((e for e in events if e.get("cat") == "step"), key=lambda e: e["ts"])
-    chosen = steps[-last_steps:] if steps else events
+    return [((e["ts"] - start) / 1000, e["name"]) for e in steps]
+
+
+def _window(events: list[dict[str, Any]], last_steps: int) -> tuple[float, float]:
+    """From the first rank's start of the last ``last_steps`` steps to the last rank's end of them
+    (each rank records its own span of a step: the window counts steps, not spans)."""
+    steps = [e for e in events if e.get("cat") == "step"]
+    first: dict[str, float] = {}
+    for e in steps:
+        first[e["name"]] = min(e["ts"], first.get(e["name"], e["ts"]))
+    names = sorted(first, key=first.__getitem__)
+    chosen = [e for e in steps if e["name"] in names[-last_steps:]] if steps else events
     return min(e["ts"] for e in chosen), max(e["ts"] + e["dur"] for e in chosen)
 
 

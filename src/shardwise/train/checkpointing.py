@@ -38,7 +38,7 @@ from shardwise.checkpoint.rng import torch_rng_name
 from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, TrainConfig, to_dict
 from shardwise.engine.full_state import FolderReader
-from shardwise.launch import restart_count
+from shardwise.launcher import restart_count
 from shardwise.train.metrics import StepRecord
 
 # Config keys a resumed run must share with the run that saved (anything else may change: the

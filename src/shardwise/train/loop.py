@@ -4,7 +4,8 @@ One step: draw this rank's share of the global batch, ``engine.forward_backward`
 gradient communication), one tiny all-reduce agreeing whether the loss and gradients are finite (see
 ``nonfinite``), ``engine.optimizer_step`` (or ``skip_update``), then one tiny all-gather of per-rank
 figures (see ``metrics``). Rank 0 shows a progress bar, writes ``metrics.jsonl`` and returns the
-summary. A run stopped on a non-finite value returns ``{"error": <one line>}`` from the reporting rank.
+summary. A run stopped on a non-finite value raises ``NonFiniteStop`` (one line naming the step) on
+every rank; ``run_training``, the command line's entry, returns it as ``{"error": <one line>}``.
 """
 
 from __future__ import annotations
@@ -26,17 +27,17 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from shardwise.collectives.api import Comm
-from shardwise.config import TrainConfig, to_dict
+from shardwise.config import ConfigError, TrainConfig, to_dict
 from shardwise.data.corpus import load_corpus
-from shardwise.data.dataset import DatasetSampler, IterableSampler, MapDataset
+from shardwise.data.dataset import DatasetSampler, IterableSampler, MapDataset, check_rows
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
 from shardwise.engine.base import Engine, NonFinite, NonFiniteStop
 from shardwise.engine.loss import AutoLoss, Loss, TokenLoss, as_loss, rows, run_model
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, fast_forward
 from shardwise.engine.schedule import lr_multiplier
-from shardwise.launch import init_distributed, restart_count
+from shardwise.launcher import init_distributed, restart_count
 from shardwise.mesh import Mesh, build_mesh
-from shardwise.models import build_model
+from shardwise.models import apply_freeze, build_model
 from shardwise.observe.monitor import MONITOR
 from shardwise.parallelism import parallelize
 from shardwise.train.checkpointing import (
@@ -135,6 +136,7 @@ class Trainer:
         ``share_gradients``: make global gradients visible where a strategy keeps them elsewhere
         (the parameter server's workers), for ``verify``.
         """
+        _refuse_unused(dataset, batches, collate_fn, eval_dataset)
         init_distributed(config.timeout_s)  # a plain process that did not join a job: a world of one
         world = dist.get_world_size()
         config = config.validate(world)
@@ -142,7 +144,10 @@ class Trainer:
         seed_everything(config.seed)
         # with weights to load, parameters start on meta: each rank materialises only what it holds
         meta = bool(config.model.init_from)
-        net = model if model is not None else build_model(config.model, torch_dtype(config.dtype), meta=meta)
+        if model is not None:
+            net = apply_freeze(model, config.model.freeze)  # as build_model does for its own models
+        else:
+            net = build_model(config.model, torch_dtype(config.dtype), meta=meta)
         chosen = as_loss(loss) if loss is not None else default_loss(config, model is not None)
         engine = parallelize(net, mesh, config, optimizer, share_gradients, loss=chosen, scheduler=scheduler)
         counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)
@@ -241,8 +246,25 @@ class Trainer:
 
     def fit(self, show_progress: bool = True) -> dict[str, Any] | None:
         """Train ``config.steps`` steps (resuming from a checkpoint when there is one); the reporting
-        rank returns the summary, every other rank None."""
+        rank returns the summary, every other rank None. ``show_progress``: the reporting rank's
+        progress bar on stderr. A loss or gradient that is not finite (with ``on_nonfinite = "stop"``,
+        the default) raises ``NonFiniteStop`` on every rank, after the step's metrics are written."""
         return _fit(self, show_progress)
+
+
+def _refuse_unused(dataset: Any, batches: Any, collate_fn: Any, eval_dataset: Any) -> None:
+    """Arguments that would be silently dropped: refused in one line each (before any rank joins)."""
+    if dataset is not None and batches is not None:
+        raise ConfigError(
+            "Trainer.build got both dataset= and batches=: pass dataset= (shardwise shards it over the "
+            "ranks) or batches= (each rank's own stream), not both"
+        )
+    if collate_fn is not None and dataset is None and eval_dataset is None:
+        raise ConfigError("collate_fn= collates dataset= or eval_dataset= samples; pass one of them too")
+    if eval_dataset is not None and dataset is None and batches is None:
+        raise ConfigError(
+            "eval_dataset= needs dataset= or batches=: the built-in corpus has its own held-out part"
+        )
 
 
 def _eval_from(
@@ -254,7 +276,10 @@ def _eval_from(
     collate = collate_fn or default_collate
     size, batch = len(dataset), max(1, config.data.global_batch)
     starts = range(0, min(size, batch * config.eval_batches), batch)
-    return [collate([dataset[i] for i in range(s, min(s + batch, size))]) for s in starts]
+    held_out = [collate([dataset[i] for i in range(s, min(s + batch, size))]) for s in starts]
+    for collated in held_out:
+        check_rows(collated, "an eval_dataset batch")
+    return held_out
 
 
 def train_worker(config: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
@@ -268,15 +293,20 @@ def train_worker(config: TrainConfig, show_progress: bool) -> dict[str, Any] | N
 
 def run_training(config: TrainConfig, show_progress: bool = True) -> dict[str, Any] | None:
     """Train the built-in model on the already-initialised process group; the reporting rank returns
-    the summary, others None."""
-    return Trainer.build(config).fit(show_progress)
+    the summary, others None. A run stopped on a non-finite value returns ``{"error": <one line>,
+    "step": <step>}`` from the reporting rank instead: every rank returns normally, so the agent does
+    not restart a run that would diverge again (the command line prints the line, exit code 1)."""
+    trainer = Trainer.build(config)
+    try:
+        return trainer.fit(show_progress)
+    except NonFiniteStop as stop:
+        return {"error": str(stop), "step": stop.step} if trainer.engine.role.reports else None
 
 
 def _fit(trainer: Trainer, show_progress: bool) -> dict[str, Any] | None:
     """The loop. With checkpointing on (``checkpoint.dir`` or ``checkpoint.every``), the run first
     resumes from the newest usable checkpoint, if any (see ``train.checkpointing``). A run stopped on
-    a non-finite value (``on_nonfinite = "stop"``) returns ``{"error": <one line>, "step": <step>}``
-    from the reporting rank instead."""
+    a non-finite value (``on_nonfinite = "stop"``) raises ``NonFiniteStop`` on every rank."""
     config = trainer.config
     rank = dist.get_rank()
     write_pid_file(config.run_dir, rank)
@@ -331,11 +361,11 @@ def _loop(
         if ckpt:
             ckpt.close()
         params = trainer.engine.full_parameters()
-    except NonFiniteStop as stop:
+    except NonFiniteStop:
         trainer.engine.finish()  # what is still owed to serving ranks (a parameter server's last pull)
         if ckpt:
             ckpt.close()  # an asynchronous save still being written is finished, not left half done
-        return {"error": str(stop), "step": stop.step} if role.reports else None
+        raise
     finally:
         progress.close()
         writer.close()
@@ -385,9 +415,10 @@ def _serve(trainer: Trainer, ckpt: TrainCheckpoints | None) -> None:
         if ckpt:
             ckpt.close()
         trainer.engine.full_parameters()
-    except NonFiniteStop:  # the workers stop with it, and the reporting one says why
+    except NonFiniteStop:  # the workers stop with it too
         if ckpt:
             ckpt.close()
+        raise
     finally:
         trainer.engine.close()
 

@@ -39,12 +39,13 @@ class LaunchError(RuntimeError):
     """A rank failed; the message holds its rank and traceback.
 
     ``user_error`` is set when the rank stopped on a mistake in the input (a config or a checkpoint
-    that does not fit): one line to show instead of a traceback.
+    that does not fit): one line to show instead of a traceback; ``error_type`` names the exception
+    the rank raised then (one of ``USER_ERRORS``).
     """
 
-    def __init__(self, message: str, user_error: str | None = None) -> None:
+    def __init__(self, message: str, user_error: str | None = None, error_type: str | None = None) -> None:
         super().__init__(message)
-        self.user_error = user_error
+        self.user_error, self.error_type = user_error, error_type
 
     def report(self, command: str) -> int:
         """Print the failure for ``shardwise <command>``; the exit code: 2 for bad input, else 1."""
@@ -55,8 +56,9 @@ class LaunchError(RuntimeError):
         return 1
 
 
-# exceptions that mean "the input is wrong", shown as their message alone
-USER_ERRORS = ("ConfigError", "StateMismatchError", "CheckpointWriteError")
+# exceptions that mean "the input is wrong" (or, NonFiniteStop, that the run diverged), shown as their
+# message alone
+USER_ERRORS = ("ConfigError", "StateMismatchError", "CheckpointWriteError", "LossError", "NonFiniteStop")
 
 
 def running_under_torchrun() -> bool:
@@ -120,7 +122,7 @@ def launch_local(
     except ChildFailedError as exc:
         if hang_report.exists():  # a rank's watchdog named (above) the rank that held the job up
             raise LaunchError("the job stopped on the hang named above") from None
-        raise LaunchError(_describe_failure(exc), _user_error(exc)) from None
+        raise LaunchError(_describe_failure(exc), *_user_error(exc)) from None
     except SignalException as exc:  # a signal the agent handled: it has already stopped the ranks
         raise signals.Interrupted(int(exc.sigval)) from None
     finally:
@@ -191,14 +193,14 @@ def _failure_text(failure: Any) -> str:
     return str(message).strip()
 
 
-def _user_error(exc: Any) -> str | None:
-    """The message of a user-input error any rank raised, if that is what stopped the job."""
+def _user_error(exc: Any) -> tuple[str | None, str | None]:
+    """The message and type of a user-input error any rank raised, if that is what stopped the job."""
     for _, failure in sorted(exc.failures.items()):
         first = _failure_text(failure).splitlines()[0] if _failure_text(failure) else ""
         name, sep, message = first.partition(": ")
         if sep and name.rsplit(".", 1)[-1] in USER_ERRORS:
-            return message
-    return None
+            return message, name.rsplit(".", 1)[-1]
+    return None, None
 
 
 def _describe_failure(exc: Any) -> str:
