@@ -10,8 +10,8 @@ import torch
 
 from shardwise.config import ConfigError, ModelConfig
 from shardwise.models import build_model, count_parameters
+from shardwise.planner.calibration import Calibration
 from shardwise.planner.memory import (
-    Calibration,
     Layout,
     Training,
     block_activations,

@@ -46,6 +46,7 @@ import math
 from dataclasses import dataclass, field
 
 from shardwise.config import ConfigError
+from shardwise.planner.calibration import Calibration
 from shardwise.planner.model import ModelShape
 
 STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3")
@@ -153,15 +154,6 @@ class Layout:
         if self.sequence_parallel:
             parts.append("sp")
         return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Constants measured on a machine, never fitted on the layout being checked."""
-
-    overhead_bytes: float = 0.0  # per process: allocator, runtime, kernels (one process, no strategy)
-    flops_per_s: float = 50e12  # achieved matmul throughput of one device in the compute dtype
-    source: str = "built-in default (not measured)"
 
 
 @dataclass(frozen=True)
