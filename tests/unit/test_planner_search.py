@@ -74,7 +74,7 @@ def test_nothing_fits_says_so_with_the_smallest_layout() -> None:
     tiny_devices = Machine(devices=2, device_memory=1e9, link_bytes_per_s=1e10)
     result = plan(LLAMA3_8B, Training(2, 128, "bf16"), tiny_devices)
     assert not result.ranked and result.best is None
-    assert result.why.startswith("nothing fits in 1.0 GB per device: the smallest layout, zero3 dp2")
+    assert result.why.startswith("nothing fits in 1.00 GB per device: the smallest layout, zero3 dp2")
     with pytest.raises(ConfigError, match=r"divides global_batch\(3\)"):
         plan(LLAMA3_8B, Training(3, 128), tiny_devices)
 

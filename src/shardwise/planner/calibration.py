@@ -10,6 +10,7 @@ stated as unmeasured.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardwise.collectives.cost import CostProfile
@@ -29,8 +30,9 @@ class Calibration:
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "memory_bytes_per_s", "host_bytes_per_s", "host_link_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"calibration {name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ConfigError(f"calibration {name} must be a finite number > 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Machine:
     def __post_init__(self) -> None:
         if self.devices < 1:
             raise ConfigError(f"devices must be >= 1, got {self.devices}")
+        if not self.link_latency_s >= 0:
+            raise ConfigError(f"link latency must be >= 0 seconds, got {self.link_latency_s}")
         if not self.device_memory > 0 or not self.link_bytes_per_s > 0:
             raise ConfigError(
                 f"device memory and link must be > 0; got {self.device_memory} bytes, "

@@ -129,6 +129,8 @@ class Layout:
         for name in ("dp", "pp", "tp", "micro_batches", "ps_servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"layout {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.bucket_mb < math.inf:
+            raise ConfigError(f"bucket_mb must be a finite number > 0, got {self.bucket_mb}")
         if self.offload not in ("none", "cpu"):
             raise ConfigError(f"the planner models offload none or cpu; got {self.offload!r}")
         if self.offload != "none" and not self.strategy.startswith("zero"):

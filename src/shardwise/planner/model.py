@@ -43,6 +43,9 @@ class ModelShape:
         for field_name in ("n_layer", "d_model", "n_head", "vocab"):
             if getattr(self, field_name) < 1:
                 raise ConfigError(f"model {field_name} must be >= 1, got {getattr(self, field_name)}")
+        for field_name in ("d_ff", "n_kv_head", "positions"):
+            if getattr(self, field_name) < 0:
+                raise ConfigError(f"model {field_name} must be >= 0, got {getattr(self, field_name)}")
         if self.d_model % self.n_head:
             raise ConfigError(f"d_model({self.d_model}) is not divisible by n_head({self.n_head})")
         if self.n_head % self.kv_heads:

@@ -123,7 +123,8 @@ def enumerate_layouts(
 
 
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / GB:.1f} GB"
+    """Gigabytes (1e9 bytes), with two decimals below 10 GB so that near misses stay visible."""
+    return f"{nbytes / GB:.2f} GB" if nbytes < 10 * GB else f"{nbytes / GB:.1f} GB"
 
 
 def _drop_reason(memory: MemoryEstimate, limit: float) -> str:
@@ -186,24 +187,27 @@ def explain(ranked: Sequence[Candidate], dropped: Sequence[Candidate], machine: 
     if best.time.comm_s:
         lines.append(f"Compute hides {best.time.hidden_fraction:.0%} of its communication.")
     if len(ranked) > 1 and ranked[1].time is not None:
-        second = ranked[1]
-        gap = ranked[1].time.total_s / best.time.total_s - 1
-        lines.append(
-            f"The runner-up, {second.layout.name()}, is {gap:.1%} slower ({_differs(best, second)})."
-        )
+        lines.append(f"The runner-up, {ranked[1].layout.name()}, {_behind(best, ranked[1])}.")
     for strategy in dict.fromkeys(c.layout.strategy for c in (*ranked, *dropped)):
         if strategy == best.layout.strategy:
             continue
         fit = [c for c in ranked if c.layout.strategy == strategy]
         if fit and fit[0].time is not None:
-            gap = fit[0].time.total_s / best.time.total_s - 1
-            lines.append(
-                f"Best {strategy}: {fit[0].layout.name()}, {gap:.1%} slower ({_differs(best, fit[0])})."
-            )
+            lines.append(f"The best {strategy} layout, {fit[0].layout.name()}, {_behind(best, fit[0])}.")
         else:
             least = min((c for c in dropped if c.layout.strategy == strategy), key=lambda c: c.memory.total)
             lines.append(f"No {strategy} layout fits: even {least.layout.name()} {least.reason}.")
     return " ".join(lines)
+
+
+def _behind(best: Candidate, other: Candidate) -> str:
+    """How far ``other`` is behind ``best``, and what makes the difference."""
+    assert best.time is not None and other.time is not None
+    gap = other.time.total_s / best.time.total_s - 1
+    if gap < 5e-4:  # a tie on time: the ranking took the layout that needs less memory
+        return f"is as fast and needs {_gb(other.memory.total)} against {_gb(best.memory.total)}"
+    shown = f"{gap:.1%}" if gap >= 0.01 else f"{gap:.2%}"
+    return f"is {shown} slower ({_differs(best, other)})"
 
 
 def _differs(best: Candidate, other: Candidate) -> str:
