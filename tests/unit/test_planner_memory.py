@@ -127,7 +127,7 @@ def test_checkpointing_keeps_one_input_per_block_and_rebuilds_one_block() -> Non
     head = tokens * shape.d_model * 8
     assert plain["activations"] == shape.n_layer * acts.full + head
     assert ckpt["activations"] == shape.n_layer * tokens * shape.d_model * 4 + head
-    assert ckpt["logits"] == max(plain["logits"], acts.full)
+    assert ckpt["recomputed_block"] == acts.full and ckpt["logits"] == plain["logits"]
     assert plain["logits"] == tokens * 256 * 16  # logits, log-softmax and both gradients, fp32
 
 
@@ -146,10 +146,32 @@ def test_buffers_by_strategy() -> None:
     assert _estimate(Layout("ddp", dp=2), "bf16")["autocast_weights"] == 2 * psi
     assert _estimate(Layout("zero1", dp=2), "bf16")["reduce_buffers"] == 4 * psi
     assert _estimate(Layout("zero2", dp=2, bucket_mb=1))["reduce_buffers"] == 3 * 2**20
+    assert _estimate(Layout("zero2", dp=2, bucket_mb=1000))["reduce_buffers"] == 4 * psi  # one bucket
     z3 = _estimate(Layout("zero3", dp=2))
-    assert z3["gathered_params"] == 4 * shape.root_params + 2 * 4 * shape.block_params
+    assert (
+        z3["gathered_root"] == 4 * shape.root_params and z3["gathered_blocks"] == 2 * 4 * shape.block_params
+    )
     no_prefetch = _estimate(Layout("zero3", dp=2, prefetch=False))
-    assert z3["gathered_params"] - no_prefetch["gathered_params"] == 4 * shape.block_params
+    assert no_prefetch["gathered_blocks"] == 4 * shape.block_params
+
+
+def test_the_peak_is_the_fullest_phase() -> None:
+    """Activations are gone when ZeRO-2/3's gradient shards arrive; the logits before buckets fill."""
+    shape = preset_shape("large", 64)
+    z2 = estimate_memory(shape, Training(8, 64), Layout("zero2", dp=2))
+    always = z2.device["params"] + z2.device["optimizer_state"]
+    assert z2.in_phase("forward") == always + z2.device["activations"] + z2.device["logits"]
+    assert z2.in_phase("backward") == always + z2.device["activations"] + z2.device["reduce_buffers"]
+    assert z2.in_phase("step") == always + z2.device["grads"]
+    assert z2.total == max(z2.in_phase(p) for p in ("forward", "backward", "step"))
+    assert z2.total < sum(z2.device.values())
+    assert z2.peak_phase == "backward"
+    assert {name for name, _ in z2.largest(10)} == {
+        "params",
+        "optimizer_state",
+        "activations",
+        "reduce_buffers",
+    }
 
 
 def test_offload_moves_masters_and_moments_to_the_host() -> None:

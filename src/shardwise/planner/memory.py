@@ -14,11 +14,18 @@ memory. Rajbhandari et al. (SC 2020, "ZeRO", section 5) count the same states wi
 an fp16 parameter shard (``zero_paper_bytes``: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N for K = 12).
 
 **Communication buffers**: DDP's gradients *are* its buckets (views), so nothing extra; ZeRO-1 under
-mixed precision casts every bucket to fp32 for the reduction (4Ψ at the end of backward); ZeRO-2 holds
-up to three fp32 buckets of ``bucket_mb`` (one collecting, two reducing); ZeRO-3 holds the root unit
-(embeddings, final norm, head) gathered with its gradients for the whole step, one or two gathered
-blocks (two with prefetch) and one fp32 flat gradient buffer of a block (or of the root, at the end).
-Mixed-precision DDP also keeps autocast's low-precision copy of every weight from forward to backward.
+mixed precision casts every bucket to fp32 for the reduction (4Ψ, all held at the end of backward);
+ZeRO-2 holds up to three fp32 buckets of ``bucket_mb`` in backward (one collecting, two reducing);
+ZeRO-3 holds the root unit (embeddings, final norm, head) gathered all step, one or two gathered blocks
+in backward (two with prefetch) with one fp32 flat gradient buffer of a block, and the root's gradients
+at the end. Mixed-precision DDP also keeps autocast's low-precision copy of every weight from forward
+to backward.
+
+**Phases.** Not everything is alive at once: the peak is the largest of three phases: the end of
+forward (every activation, the logits peak at the loss), backward (activations, the buffers gradients
+fill) and the step (ZeRO-2/3's gradient shards and stage 1's fp32 slice, which arrive as the
+activations go). Measured on 2 ranks with a dispatch mode (tensor bytes, not RSS), the built-in GPT
+small and base presets (fp32 and bf16) peak within 0.97-1.09 of this for DDP and ZeRO-1/2/3.
 
 **Activations** per block and micro-batch of b sequences of s tokens, width h, a heads, tp degree t.
 Korthikanti et al. (MLSys 2023, "Reducing Activation Recomputation in Large Transformer Models")
@@ -292,25 +299,46 @@ def logits_peak_bytes(tokens: int, vocab: int, compute_bytes: int, loss_bytes: i
 # -- the estimate -----------------------------------------------------------------------------------
 
 
+PHASES = ("forward", "backward", "step")  # the end of forward (at the loss), backward, the update
+ALWAYS = PHASES
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank by component; ``device`` is what must fit, ``host`` what offload moved out."""
+    """Bytes per rank by component; ``device`` is what must fit, ``host`` what offload moved out.
+
+    Each component is alive in some of the step's phases (``phases``; absent: all of them), and the
+    peak (``total``) is the largest phase: activations are gone when ZeRO's gradient shards arrive,
+    and the logits are gone before the first gradient bucket fills.
+    """
 
     layout: Layout
     device: dict[str, float]
     host: dict[str, float] = field(default_factory=dict)
     micro_batch: int = 1  # sequences per micro-batch per rank
+    phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def in_phase(self, phase: str) -> float:
+        return sum(v for k, v in self.device.items() if phase in self.phases.get(k, ALWAYS))
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PHASES, key=self.in_phase)
 
     @property
     def total(self) -> float:
-        return sum(self.device.values())
+        """The peak: the phase that holds the most."""
+        return self.in_phase(self.peak_phase)
 
     @property
     def host_total(self) -> float:
         return sum(self.host.values())
 
     def largest(self, count: int = 3) -> list[tuple[str, float]]:
-        return sorted(self.device.items(), key=lambda kv: -kv[1])[:count]
+        """The largest components alive at the peak."""
+        phase = self.peak_phase
+        alive = [(k, v) for k, v in self.device.items() if v > 0 and phase in self.phases.get(k, ALWAYS)]
+        return sorted(alive, key=lambda kv: -kv[1])[:count]
 
 
 def micro_batch_size(training: Training, layout: Layout) -> int:
@@ -334,29 +362,34 @@ def _stage_psi(model: ModelShape, layout: Layout) -> tuple[float, float, float]:
     return blocks * block + root, block, root
 
 
-def _comm_buffers(model: ModelShape, training: Training, layout: Layout) -> dict[str, float]:
+Parts = dict[str, tuple[float, tuple[str, ...]]]  # component -> (bytes, phases it is alive in)
+
+
+def _comm_buffers(model: ModelShape, training: Training, layout: Layout) -> Parts:
     psi, block, root = _stage_psi(model, layout)
     stage, cb, mb = zero_stage(layout.strategy), training.compute_bytes, training.master_bytes
-    out: dict[str, float] = {}
-    if stage == 0 and training.mixed:
-        out["autocast_weights"] = psi * cb  # low-precision casts saved from forward until backward
-    if layout.strategy == "ps":
-        # a worker pushes its flat gradient and receives the weights, one message of each in memory
-        out["ps_messages"] = 2 * psi * training.param_bytes
+    out: Parts = {}
+    if stage == 0 and training.mixed:  # low-precision casts saved from forward until backward
+        out["autocast_weights"] = (psi * cb, ("forward", "backward"))
+    if layout.strategy == "ps":  # a worker's flat gradient pushed and the weights pulled
+        out["ps_messages"] = (2 * psi * training.param_bytes, ("step",))
     if stage == 1 and training.mixed:
-        out["reduce_buffers"] = psi * mb  # every bucket cast to fp32 for its reduction
-    if stage == 2:
-        bucket = min(layout.bucket_mb * 2**20, psi * mb)
-        out["reduce_buffers"] = 3 * bucket  # one collecting, two reducing
+        # every bucket is cast to fp32 for its reduction as it completes, and all are held to the end
+        # of backward, as the activations go: together at the step
+        out["reduce_buffers"] = (psi * mb, ("step",))
+    if stage == 2:  # one bucket collecting, two reducing (a bucket's parameters are in no other)
+        out["reduce_buffers"] = (min(3 * layout.bucket_mb * 2**20, psi * mb), ("backward",))
     if stage == 3:
         units = 2 if layout.prefetch else 1
-        out["gathered_params"] = root * cb + units * block * cb
-        out["root_grads"] = root * cb
-        out["reduce_buffers"] = max(block, root) * mb
+        out["gathered_root"] = (root * cb, ALWAYS)
+        out["gathered_blocks"] = (units * block * cb, ("backward",))  # forward frees each as it goes
+        out["reduce_buffers"] = (block * mb, ("backward",))
+        # the root's gradients stay as .grad until its last (the embedding's) arrives, then go flat
+        out["root_grads"] = (root * (cb + mb), ("step",))
     return out
 
 
-def _activations(model: ModelShape, training: Training, layout: Layout, micro_batch: int) -> dict[str, float]:
+def _activations(model: ModelShape, training: Training, layout: Layout, micro_batch: int) -> Parts:
     tokens = micro_batch * training.seq_len
     cb = training.compute_bytes
     replicated = zero_stage(layout.strategy) == 0
@@ -368,44 +401,52 @@ def _activations(model: ModelShape, training: Training, layout: Layout, micro_ba
     # the final norm's input (and, RMSNorm, its normalised copy) and the head's input
     head = tokens * model.d_model * (residual + cb + (0 if model.layer_norm else cb)) / seq
     logits = logits_peak_bytes(tokens, model.vocab, cb, training.master_bytes, layout.tp)
-    if layout.activation_checkpointing:
-        stored = in_flight * blocks * acts.checkpointed
-        # backward rebuilds one block at a time; the logits are gone by then
-        return {"activations": stored + head, "logits": max(logits, acts.full)}
-    return {"activations": in_flight * blocks * acts.full + head, "logits": logits}
+    out: Parts = {"logits": (logits, ("forward",))}
+    if layout.activation_checkpointing:  # inputs kept; backward rebuilds one block at a time
+        out["activations"] = (in_flight * blocks * acts.checkpointed + head, ("forward", "backward"))
+        out["recomputed_block"] = (acts.full, ("backward",))
+    else:
+        out["activations"] = (in_flight * blocks * acts.full + head, ("forward", "backward"))
+    return out
 
 
 def estimate_memory(
     model: ModelShape, training: Training, layout: Layout, calibration: Calibration | None = None
 ) -> MemoryEstimate:
-    """Peak bytes on one rank (a worker, for the parameter server), by component."""
+    """Peak bytes on one rank (a worker, for the parameter server), by component and phase."""
     calibration = calibration or Calibration()
     micro_batch = micro_batch_size(training, layout)
     psi, _, _ = _stage_psi(model, layout)
+    stage = zero_stage(layout.strategy)
     states = model_states(
         psi, layout.strategy, layout.dp, training.precision, training.states, training.param_bytes
     )
-    device = {
-        "params": states.params,
-        "master_params": states.master,
-        "grads": states.grads,
-        "optimizer_state": states.optimizer_state,
-    }
-    if layout.strategy == "ps":  # workers keep no optimizer; the servers do (ps_server_bytes)
-        device["optimizer_state"] = 0.0
+    # DDP's buckets and stage 1's flat gradients live all step; stages 2-3's shards arrive at its end
+    grad_phases = ("step",) if stage >= 2 else ALWAYS
+    parts: Parts = {
+        "params": (states.params, ALWAYS),
+        "master_params": (states.master, ALWAYS),
+        "grads": (states.grads, grad_phases),
+        "optimizer_state": (0.0 if layout.strategy == "ps" else states.optimizer_state, ALWAYS),
+    }  # a parameter server's workers keep no optimizer: its servers do (ps_server_bytes)
+    if stage == 1 and training.mixed:  # the full bf16 gradients stay; the fp32 slice comes at the end
+        full = training.compute_bytes * psi
+        parts["grads"], parts["grad_shard"] = (full, ALWAYS), (states.grads - full, ("step",))
     host: dict[str, float] = {}
     if layout.offload == "cpu":
         host = {"master_params": states.master, "optimizer_state": states.optimizer_state}
-        if zero_stage(layout.strategy) == 3 and not training.mixed:
+        if stage == 3 and not training.mixed:
             host["params"] = states.params  # the parameter shard is the master
-            device["params"] = 0.0
+            parts["params"] = (0.0, ALWAYS)
         elif not training.mixed:  # with offload the master no longer aliases the parameters
             host["master_params"] = training.param_bytes * psi / layout.dp
-        device["master_params"] = device["optimizer_state"] = 0.0
-    device.update(_comm_buffers(model, training, layout))
-    device.update(_activations(model, training, layout, micro_batch))
-    device["overhead"] = calibration.overhead_bytes
-    return MemoryEstimate(layout, device, host, micro_batch)
+        parts["master_params"] = parts["optimizer_state"] = (0.0, ALWAYS)
+    parts.update(_comm_buffers(model, training, layout))
+    parts.update(_activations(model, training, layout, micro_batch))
+    parts["overhead"] = (calibration.overhead_bytes, ALWAYS)
+    device = {name: value for name, (value, _) in parts.items()}
+    phases = {name: when for name, (_, when) in parts.items()}
+    return MemoryEstimate(layout, device, host, micro_batch, phases)
 
 
 def ps_server_bytes(model: ModelShape, training: Training, layout: Layout) -> float:
