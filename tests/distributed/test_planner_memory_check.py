@@ -49,3 +49,20 @@ def test_predicted_peak_is_within_10_percent_of_the_measured(precision: str, tmp
             ratios[f"{strategy} rank {rank}"] = predicted.total / got["peak"]
     print(precision, {k: round(v, 3) for k, v in ratios.items()})
     assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+
+
+@pytest.mark.slow
+def test_plan_check_prints_predicted_beside_measured() -> None:
+    """``shardwise plan --check``: the command a user types; memory within the bound, time reported."""
+    from .cli_helpers import last_json, shardwise
+
+    result = shardwise(
+        "plan", "--preset", PRESET, "--check", "--nproc", "2", "--steps", "2",
+        "--strategies", "zero2,zero3", "--json", timeout_s=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = last_json(result)["check"]
+    assert [row["strategy"] for row in rows] == ["zero2", "zero3"]
+    for row in rows:
+        assert 0.9 <= row["memory_ratio"] <= 1.1, row
+        assert row["measured_step_s"] > 0 and row["time_ratio"] > 0, row  # reported; this machine is shared

@@ -71,6 +71,9 @@ def test_llama3_8b_on_eight_h100s_prints_a_ranked_list_with_reasons(
         (["--preset", "large", *MACHINE, "--bucket-mb", "nan"], "bucket_mb must be a finite number > 0"),
         (["--preset", "large", *MACHINE, "--flops", "0"], "flops_per_s must be a finite number > 0"),
         (["--preset", "large", *MACHINE, "--link-latency-us", "-1"], "link latency must be >= 0"),
+        (["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "9", "--check"], "not sizes by hand"),
+        (["--preset", "small", "--check", "--steps", "1"], "--steps >= 2; got 2, 1"),
+        (["--preset", "small", "--check", "--nproc", "0"], "--nproc >= 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -83,6 +83,13 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--flops", type=float, help="achieved FLOP/s per device (default: an unmeasured 400e12)")
     p.add_argument("--overhead", help="framework bytes per process, e.g. 1GB (default 0)")
     p.add_argument("--top", type=int, default=10, help="table rows to print (default 10)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="run each strategy here on --nproc local ranks; predicted beside measured memory and time",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="--check: local ranks (default 2)")
+    p.add_argument("--steps", type=int, default=5, help="--check: timed steps per layout (default 5)")
     p.add_argument("--json", action="store_true", help="print the whole plan as one JSON line")
     p.set_defaults(run=plan_command)
 
@@ -140,16 +147,23 @@ def machine_from_args(args: argparse.Namespace) -> Machine:
     )
 
 
-def plan_command(args: argparse.Namespace) -> int:
-    model = model_from_args(args)
-    machine = machine_from_args(args)
-    training = Training(args.global_batch, args.seq_len, args.precision, args.optimizer)
+def _strategies(args: argparse.Namespace) -> list[str]:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in SEARCHED]
     if unknown or not strategies:
         raise ConfigError(
             f"--strategies: {', '.join(unknown) or 'none given'}; choose from {', '.join(SEARCHED)}"
         )
+    return strategies
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    model = model_from_args(args)
+    training = Training(args.global_batch, args.seq_len, args.precision, args.optimizer)
+    strategies = _strategies(args)
+    if args.check:
+        return check_command(args, model, training, strategies)
+    machine = machine_from_args(args)
     calibration = Calibration(
         overhead_bytes=parse_bytes(args.overhead, "--overhead") if args.overhead else 0.0,
         **({"flops_per_s": args.flops, "source": "--flops"} if args.flops is not None else {}),
@@ -186,3 +200,52 @@ def _render(result: dict[str, Any], top: int) -> None:
     for row in sorted(result["dropped"], key=lambda r: r["memory_bytes"])[:3]:
         print(f"     {row['layout']}: {row['reason']}")
     print(result["why"])
+
+
+def check_command(
+    args: argparse.Namespace, model: ModelShape, training: Training, strategies: list[str]
+) -> int:
+    """Each strategy run here on ``--nproc`` ranks: predicted and measured peak bytes and step time."""
+    import tempfile
+
+    from shardwise.bench.plan_check import check_layout
+    from shardwise.config import load_config
+    from shardwise.planner.memory import Layout
+
+    if not (args.preset or args.model):
+        raise ConfigError("--check runs the model: give --preset NAME or --model hf:PATH, not sizes by hand")
+    if args.nproc < 1 or args.steps < 2:
+        raise ConfigError(f"--check needs --nproc >= 1 and --steps >= 2; got {args.nproc}, {args.steps}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="shardwise-plan-check-") as run_dir:
+        for strategy in strategies:
+            layout = Layout(strategy, dp=args.nproc, bucket_mb=args.bucket_mb)
+            overrides = {
+                "model.kind": "gpt" if args.preset else args.model, "model.preset": args.preset or "small",
+                "model.seq_len": str(args.seq_len), "strategy": strategy, "precision": args.precision,
+                "optim.name": args.optimizer, "data.global_batch": str(args.global_batch),
+                "ddp.bucket_mb": str(args.bucket_mb), "zero.bucket_mb": str(args.bucket_mb),
+                "steps": str(args.steps), "eval_every": "0", "run_dir": f"{run_dir}/{strategy}",
+            }  # fmt: skip
+            rows.append(check_layout(model, training, layout, load_config(None, overrides), args.steps))
+    out = {"model": model.describe(), "nproc": args.nproc, "check": rows}
+    emit(out, args.json, _render_check)
+    return 0
+
+
+def _render_check(result: dict[str, Any]) -> None:
+    print(f"{result['model']}; measured on {result['nproc']} local ranks (tensor bytes, not RSS)")
+    heads = ("pred MB", "meas MB", "mem x", "pred ms", "meas ms", "time x")
+    print(f"{'layout':<24} " + " ".join(f"{h:>8}" for h in heads))
+    for row in result["check"]:
+        cells = (
+            row["predicted_bytes"] / 1e6,
+            row["measured_bytes"] / 1e6,
+            row["memory_ratio"],
+            row["predicted_step_s"] * 1e3,
+            row["measured_step_s"] * 1e3,
+            row["time_ratio"],
+        )
+        print(f"{row['layout']:<24} " + " ".join(f"{c:>8.2f}" for c in cells))
+    if result["check"]:
+        print(f"communication profile: {result['check'][0]['comm_profile']}")

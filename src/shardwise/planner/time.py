@@ -71,9 +71,16 @@ class Collective:
     phase: str
     count: int = 1
 
-    def seconds(self, profile: CostProfile, algorithm: str) -> float:
+    def seconds(self, profile: CostProfile, algorithm: str, gloo: bool = False) -> float:
+        """``gloo``: ZeRO's forms on gloo's native collectives (``zero/group.py``): a reduce-scatter
+        runs as an all-reduce, an all-gather as one broadcast of each rank's slice."""
         if self.op == "send":  # point-to-point: one one-way step
             return self.count * profile.one_way(self.nbytes)
+        if gloo and self.op == "reduce_scatter":
+            return self.count * predict(algorithm, "all_reduce", int(self.nbytes), self.ranks, profile)
+        if gloo and self.op == "all_gather":
+            slice_bytes = int(self.nbytes / self.ranks)
+            return self.count * self.ranks * predict(algorithm, "broadcast", slice_bytes, self.ranks, profile)
         return self.count * predict(algorithm, self.op, int(self.nbytes), self.ranks, profile)
 
 
@@ -211,25 +218,24 @@ def step_time(
     profile: CostProfile,
     calibration: Calibration | None = None,
     algorithm: str = "ring",
+    gloo: bool = False,
 ) -> StepTime:
-    """Predicted step time of ``layout`` (see the module docstring for the model)."""
+    """Predicted step time of ``layout`` (see the module docstring for the model); ``gloo``: ZeRO's
+    gloo forms of its collectives (see ``Collective.seconds``)."""
     calibration = calibration or Calibration()
     forward, backward = compute_seconds(model, training, layout, calibration)
     optimizer, offload = optimizer_seconds(model, training, layout, calibration)
     todo = collectives(model, training, layout)
     by_phase: dict[str, list[float]] = {}
     for c in todo:
-        by_phase.setdefault(c.phase, []).append(c.seconds(profile, algorithm))
+        by_phase.setdefault(c.phase, []).append(c.seconds(profile, algorithm, gloo))
     comm = sum(sum(times) for times in by_phase.values())
     stage = zero_stage(layout.strategy)
     if stage == 3 and not layout.prefetch:  # every gather waits; reductions still overlap
         fwd = sum(by_phase.get("forward", []))
-        gathers = [
-            c.seconds(profile, algorithm) for c in todo if c.phase == "backward" and c.op == "all_gather"
-        ]
-        reduces = [
-            c.seconds(profile, algorithm) for c in todo if c.phase == "backward" and c.op != "all_gather"
-        ]
+        backward_ops = [(c.op, c.seconds(profile, algorithm, gloo)) for c in todo if c.phase == "backward"]
+        gathers = [t for op, t in backward_ops if op == "all_gather"]
+        reduces = [t for op, t in backward_ops if op != "all_gather"]
         exposed_backward = sum(gathers) + _exposed(reduces, backward)
     else:
         fwd = _exposed(by_phase.get("forward", []), forward) if stage == 3 else 0.0
