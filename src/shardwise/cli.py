@@ -1,4 +1,4 @@
-"""``shardwise`` command line: train, verify, bench, ckpt.
+"""``shardwise`` command line: train, verify, bench, ckpt, plot, plan.
 
 Flags map onto dotted config keys (``--bucket-mb`` is ``ddp.bucket_mb``); ``--set key=value`` reaches
 any other key. A config that does not add up is reported in one line, without a traceback.
@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shardwise.commands.plot import add_plot_parser
 
     add_plot_parser(sub)
+    from shardwise.commands.plan import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

@@ -1,15 +1,15 @@
-"""Memory accounting for ZeRO: bytes by component from live tensors, the paper's formula, peak RSS.
+"""Memory accounting for ZeRO: bytes by component from live tensors beside the formula, peak RSS.
 
 No communication. ``model_state_bytes`` walks the engine's live tensors (each storage counted once,
-so a master shard that views the parameter buffer is not counted twice); ``zero_formula`` gives what
-Rajbhandari et al. (SC 2020, section 5) predict per rank for Ψ trainable parameters and N ranks,
-adapted to how this implementation keeps state:
+so a master shard that views the parameter buffer is not counted twice); ``zero_formula`` (from
+:mod:`shardwise.planner.memory`, re-exported here) gives what Rajbhandari et al. (SC 2020, section 5)
+predict per rank for Ψ trainable parameters and N ranks, adapted to how this implementation keeps state:
 
 * fp32 (or float64) training: parameters 4Ψ, gradients 4Ψ, optimizer state KΨ (Adam: K = 8 bytes:
   two moments; the fp32 master *is* the parameter, so it costs nothing extra);
-* bf16/fp16 training: parameters 2Ψ, gradients 2Ψ + 4Ψ/N (stage 1: the full gradients and the fp32
-  reduced slice) or an fp32 shard 4Ψ/N (stages 2-3),
-  optimizer state (4 + K)Ψ: the fp32 master plus the moments (the paper's K = 12).
+* bf16/fp16 training: parameters 2Ψ (none kept in stage 3: a unit is cast from the master when
+  gathered), gradients 2Ψ + 4Ψ/N (stage 1: the full gradients and the fp32 reduced slice) or an fp32
+  shard 4Ψ/N (stages 2-3), optimizer state (4 + K)Ψ: the fp32 master plus the moments (the paper's K = 12).
 
 Stage 1 divides the optimizer state by N, stage 2 also the gradients, stage 3 also the parameters.
 Frozen parameters are not sharded and are added whole on both sides.
@@ -23,6 +23,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
+
+from shardwise.planner.memory import zero_formula
+
+__all__ = ["memory_report", "model_state_bytes", "peak_memory_bytes", "peak_rss_bytes", "zero_formula"]
 
 if TYPE_CHECKING:
     from shardwise.zero.base import ZeroBase
@@ -63,34 +67,6 @@ def model_state_bytes(engine: ZeroBase) -> dict[str, int]:
     }
     out["model_state"] = out["params"] + out["grads"] + out["optimizer_state"]
     return out
-
-
-def zero_formula(
-    psi: int,
-    stage: int,
-    world_size: int,
-    precision: str = "fp32",
-    param_bytes: int = 4,
-    states_per_param: int = 2,
-    frozen_bytes: int = 0,
-) -> dict[str, float]:
-    """Predicted bytes per rank for ``psi`` trainable parameters (see the module docstring).
-
-    ``param_bytes`` is the training dtype's size in fp32 mode (8 for float64); ``states_per_param`` is
-    how many parameter-sized tensors the optimizer keeps (Adam 2, SGD with momentum 1).
-    """
-    n = world_size
-    if precision == "fp32":
-        low, grad_shard, master = param_bytes, param_bytes, 0
-    else:
-        low, grad_shard, master = 2, 4, 4
-    state_bytes = (master + states_per_param * (4 if precision != "fp32" else param_bytes)) * psi
-    params = low * psi / (n if stage >= 3 else 1) + frozen_bytes
-    grads = grad_shard * psi / n
-    if stage == 1:  # full gradients; in low precision the reduced slice is an extra fp32 shard
-        grads = low * psi + (grad_shard * psi / n if precision != "fp32" else 0)
-    state = state_bytes / n
-    return {"params": params, "grads": grads, "optimizer_state": state, "model_state": params + grads + state}
 
 
 def peak_rss_bytes() -> int:

@@ -1,0 +1,251 @@
+"""``shardwise plan``: which layouts fit a target machine, fastest first, and why the first wins.
+
+The model is a built-in preset (``--preset large``), a Hugging Face config read as JSON (``--model
+hf:PATH``), or sizes by hand (``--layers --hidden --heads --vocab``); the machine is ``--devices N
+--device-memory 80GB --link 400Gbit`` (devices that need not exist here). Arithmetic only
+(:mod:`shardwise.planner`): no processes, no communication, nothing is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from typing import Any
+
+from shardwise.commands.output import emit
+from shardwise.config import ConfigError, TrainConfig
+from shardwise.planner.calibration import Calibration, Machine
+from shardwise.planner.memory import GB, Training
+from shardwise.planner.model import ModelShape, hf_shape, preset_shape
+from shardwise.planner.search import SEARCHED, enumerate_layouts, plan
+
+_BYTES = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
+_RATES = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
+
+
+def _amount(text: str, units: dict[str, float], flag: str, example: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9+-]+)?)\s*([a-z]*)\s*", text.lower().removesuffix("/s"))
+    if not match or match.group(2) not in units:
+        raise ConfigError(f"{flag} {text!r}: give a number with a unit, e.g. {example}")
+    value = float(match.group(1)) * units[match.group(2)]
+    if not 0 < value < math.inf:
+        raise ConfigError(f"{flag} must be a finite amount > 0, got {text!r}")
+    return value
+
+
+def parse_bytes(text: str, flag: str = "--device-memory") -> float:
+    """``80GB`` (1e9 bytes), ``80GiB`` (2**30), or plain bytes."""
+    return _amount(text, _BYTES, flag, "80GB or 80GiB")
+
+
+def parse_rate(text: str) -> float:
+    """A link in bytes per second: ``400Gbit`` (bits per second) or ``50GB/s`` (bytes per second)."""
+    return _amount(text, {**_BYTES, **_RATES}, "--link", "400Gbit or 50GB/s")
+
+
+def add_plan_parser(sub: Any) -> None:
+    base = TrainConfig()
+    p = sub.add_parser(
+        "plan",
+        help="rank the layouts that fit a target machine by predicted step time",
+        description="Predict memory per device and step time for every layout; drop what does not fit.",
+    )
+    model = p.add_argument_group(
+        "model (one of: --preset, --model hf:PATH, or --layers/--hidden/--heads/--vocab)"
+    )
+    model.add_argument("--preset", help="a built-in GPT: tiny | odd | small | base | medium | large")
+    model.add_argument("--model", help="hf:PATH/config.json, hf:FOLDER or hf:tiny-llama (read, not built)")
+    for flag in ("--layers", "--hidden", "--heads", "--vocab", "--ffn", "--kv-heads"):
+        model.add_argument(flag, type=int, help="sizes by hand (--ffn: 4 x hidden; --kv-heads: --heads)")
+    p.add_argument("--seq-len", type=int, default=base.model.seq_len, help=f"(default {base.model.seq_len})")
+    p.add_argument("--global-batch", type=int, default=base.data.global_batch, help="sequences per step")
+    p.add_argument(
+        "--precision", default=base.precision, help=f"fp32 | bf16 | fp16 (default {base.precision})"
+    )
+    p.add_argument("--optimizer", default=base.optim.name, help="adamw | adam | sgd")
+    p.add_argument("--strategies", default=",".join(SEARCHED), help="comma-separated subset to search")
+    p.add_argument("--bucket-mb", type=float, default=base.ddp.bucket_mb)
+    p.add_argument("--devices", type=int, help="target machine: number of devices")
+    p.add_argument("--device-memory", help="target machine: memory per device, e.g. 80GB")
+    p.add_argument("--link", help="target machine: per-device link, e.g. 400Gbit or 50GB/s")
+    p.add_argument("--link-latency-us", type=float, default=10.0, help="per message step (default 10)")
+    p.add_argument("--flops", type=float, help="achieved FLOP/s per device (default: an unmeasured 400e12)")
+    p.add_argument("--overhead", help="framework bytes per process, e.g. 1GB (default 0)")
+    p.add_argument("--top", type=int, default=10, help="table rows to print (default 10)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="run each strategy here on --nproc local ranks; predicted beside measured memory and time",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="--check: local ranks (default 2)")
+    p.add_argument("--steps", type=int, default=5, help="--check: timed steps per layout (default 5)")
+    p.add_argument("--json", action="store_true", help="print the whole plan as one JSON line")
+    p.set_defaults(run=plan_command)
+
+
+def model_from_args(args: argparse.Namespace) -> ModelShape:
+    by_hand = [args.layers, args.hidden, args.heads, args.vocab]
+    given = [
+        name
+        for name, on in (("--preset", args.preset), ("--model", args.model), ("--layers...", any(by_hand)))
+        if on
+    ]
+    if len(given) != 1:
+        raise ConfigError(
+            "give one model: --preset NAME, --model hf:PATH, or --layers L --hidden H --heads A --vocab V"
+            + (f" (got {' and '.join(given)})" if given else "")
+        )
+    if args.preset:
+        return preset_shape(args.preset, args.seq_len)
+    if args.model:
+        if not args.model.startswith("hf:"):
+            raise ConfigError(
+                f"--model {args.model!r}: the planner reads hf:PATH configs; use --preset for gpt"
+            )
+        return hf_shape(args.model)
+    if not all(by_hand):
+        raise ConfigError("sizes by hand need all of --layers, --hidden, --heads and --vocab")
+    return ModelShape(
+        n_layer=args.layers,
+        d_model=args.hidden,
+        n_head=args.heads,
+        vocab=args.vocab,
+        d_ff=args.ffn or 0,
+        n_kv_head=args.kv_heads or 0,
+        positions=args.seq_len,
+    )
+
+
+def machine_from_args(args: argparse.Namespace) -> Machine:
+    missing = [
+        f
+        for f, v in (
+            ("--devices", args.devices),
+            ("--device-memory", args.device_memory),
+            ("--link", args.link),
+        )
+        if v is None
+    ]
+    if missing:
+        raise ConfigError(
+            f"give the target machine: {', '.join(missing)} "
+            "(e.g. --devices 8 --device-memory 80GB --link 400Gbit)"
+        )
+    return Machine(
+        args.devices, parse_bytes(args.device_memory), parse_rate(args.link), args.link_latency_us * 1e-6
+    )
+
+
+def _strategies(args: argparse.Namespace) -> list[str]:
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in SEARCHED]
+    if unknown or not strategies:
+        raise ConfigError(
+            f"--strategies: {', '.join(unknown) or 'none given'}; choose from {', '.join(SEARCHED)}"
+        )
+    return strategies
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    model = model_from_args(args)
+    training = Training(args.global_batch, args.seq_len, args.precision, args.optimizer)
+    strategies = _strategies(args)
+    if args.check:
+        return check_command(args, model, training, strategies)
+    machine = machine_from_args(args)
+    calibration = Calibration(
+        overhead_bytes=parse_bytes(args.overhead, "--overhead") if args.overhead else 0.0,
+        **({"flops_per_s": args.flops, "source": "--flops"} if args.flops is not None else {}),
+    )
+    layouts = enumerate_layouts(model, training, machine.devices, strategies, bucket_mb=args.bucket_mb)
+    result = plan(model, training, machine, calibration, layouts=layouts)
+    out = {
+        "model": model.describe(),
+        "params": model.params,
+        "machine": {"devices": machine.devices, "device_memory_bytes": machine.device_memory,
+                    "link_bytes_per_s": machine.link_bytes_per_s},
+        "calibration": calibration.source,
+        "ranked": [{"rank": i + 1, **c.as_dict()} for i, c in enumerate(result.ranked)],
+        "dropped": [c.as_dict() for c in result.dropped],
+        "why": result.why,
+    }  # fmt: skip
+    emit(out, args.json, lambda r: _render(r, args.top))
+    return 0
+
+
+def _render(result: dict[str, Any], top: int) -> None:
+    machine = result["machine"]
+    memory = machine["device_memory_bytes"] / GB
+    print(f"{result['model']}; {machine['devices']} devices x {memory:.1f} GB")
+    print(f"calibration: {result['calibration']}")
+    print(f"{'#':>3}  {'layout':<36} {'step ms':>10} {'memory GB':>10}")
+    for row in result["ranked"][:top]:
+        step_ms, memory_gb = row["step_time_s"] * 1e3, row["memory_bytes"] / GB
+        print(f"{row['rank']:>3}  {row['layout']:<36} {step_ms:>10.1f} {memory_gb:>10.1f}")
+    if len(result["ranked"]) > top:
+        print(f"     ... {len(result['ranked']) - top} more that fit (--top N, or --json)")
+    if result["dropped"]:
+        print(f"dropped {len(result['dropped'])} that do not fit; the smallest:")
+    for row in sorted(result["dropped"], key=lambda r: r["memory_bytes"])[:3]:
+        print(f"     {row['layout']}: {row['reason']}")
+    print(result["why"])
+
+
+def check_command(
+    args: argparse.Namespace, model: ModelShape, training: Training, strategies: list[str]
+) -> int:
+    """Each strategy run here on ``--nproc`` ranks: predicted and measured peak bytes and step time."""
+    import tempfile
+
+    from shardwise.bench.plan_check import check_layout
+    from shardwise.config import load_config
+    from shardwise.planner.memory import Layout
+
+    if not (args.preset or args.model):
+        raise ConfigError("--check runs the model: give --preset NAME or --model hf:PATH, not sizes by hand")
+    if args.nproc < 1 or args.steps < 2:
+        raise ConfigError(f"--check needs --nproc >= 1 and --steps >= 2; got {args.nproc}, {args.steps}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="shardwise-plan-check-") as run_dir:
+        for strategy in strategies:
+            layout = Layout(strategy, dp=args.nproc, bucket_mb=args.bucket_mb)
+            overrides = {
+                "model.kind": "gpt" if args.preset else args.model, "model.preset": args.preset or "small",
+                "model.seq_len": str(args.seq_len), "strategy": strategy, "precision": args.precision,
+                "optim.name": args.optimizer, "data.global_batch": str(args.global_batch),
+                "ddp.bucket_mb": str(args.bucket_mb), "zero.bucket_mb": str(args.bucket_mb),
+                "steps": str(args.steps), "eval_every": "0", "run_dir": f"{run_dir}/{strategy}",
+            }  # fmt: skip
+            rows.append(check_layout(model, training, layout, load_config(None, overrides), args.steps))
+    out = {"model": model.describe(), "nproc": args.nproc, "check": rows}
+    emit(out, args.json, _render_check)
+    return 0
+
+
+def _render_check(result: dict[str, Any]) -> None:
+    print(f"{result['model']}; measured on {result['nproc']} local ranks (tensor bytes, not RSS)")
+    heads = ("pred MB", "meas MB", "mem x", "pred ms", "meas ms", "time x")
+    print(f"{'layout':<24} " + " ".join(f"{h:>8}" for h in heads))
+    for row in result["check"]:
+        cells = (
+            row["predicted_bytes"] / 1e6,
+            row["measured_bytes"] / 1e6,
+            row["memory_ratio"],
+            row["predicted_step_s"] * 1e3,
+            row["measured_step_s"] * 1e3,
+            row["time_ratio"],
+        )
+        print(f"{row['layout']:<24} " + " ".join(f"{c:>8.2f}" for c in cells))
+    if result["check"]:
+        print(f"communication profile: {result['check'][0]['comm_profile']}")

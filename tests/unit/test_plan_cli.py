@@ -1,0 +1,84 @@
+"""``shardwise plan``: the ranked table or JSON, and each bad input as one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli import main
+from shardwise.commands.plan import parse_bytes, parse_rate
+
+LLAMA3_8B = {
+    "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
+}  # fmt: skip
+MACHINE = ["--devices", "8", "--device-memory", "80GB", "--link", "400Gbit"]
+
+
+def test_sizes_and_rates_read_their_units() -> None:
+    assert parse_bytes("80GB") == 80e9 and parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("512") == 512
+    assert parse_rate("400Gbit") == 50e9 and parse_rate("50GB/s") == 50e9 and parse_rate("1.5e9") == 1.5e9
+
+
+def test_llama3_8b_on_eight_h100s_prints_a_ranked_list_with_reasons(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    argv = ["plan", "--model", f"hf:{tmp_path}", *MACHINE, "--seq-len", "4096", "--global-batch", "64"]
+    assert main([*argv, "--precision", "bf16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["params"] == 8_030_261_248
+    ranked, dropped = result["ranked"], result["dropped"]
+    assert ranked and all(row["fits"] and row["reason"] and row["memory_bytes"] <= 80e9 for row in ranked)
+    assert [row["rank"] for row in ranked] == list(range(1, len(ranked) + 1))
+    assert [row["step_time_s"] for row in ranked] == sorted(row["step_time_s"] for row in ranked)
+    assert dropped and all("> 80.0 GB" in row["reason"] for row in dropped)
+    assert result["why"].startswith(f"{ranked[0]['layout']} wins: ")
+    assert main([*argv, "--precision", "bf16", "--top", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "wins:" in table and "more that fit" in table and "dropped" in table
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "large"], "give the target machine: --devices, --device-memory, --link"),
+        ([*MACHINE], "give one model: --preset NAME, --model hf:PATH, or --layers L"),
+        (["--preset", "large", "--layers", "2", *MACHINE], "(got --preset and --layers...)"),
+        (
+            ["--layers", "2", "--hidden", "64", *MACHINE],
+            "need all of --layers, --hidden, --heads and --vocab",
+        ),
+        (["--layers", "2", "--hidden", "64", "--heads", "5", "--vocab", "9", *MACHINE], "d_model(64) is not"),
+        (["--preset", "huge", *MACHINE], "unknown gpt preset 'huge'"),
+        (["--model", "gpt", *MACHINE], "the planner reads hf:PATH configs"),
+        (["--model", "hf:/no/such", *MACHINE], "does not exist"),
+        (
+            ["--preset", "large", "--devices", "2", "--device-memory", "80XB", "--link", "1Gbit"],
+            "80GB or 80GiB",
+        ),
+        (["--preset", "large", "--devices", "2", "--device-memory", "1e999GB", "--link", "1Gbit"], "finite"),
+        (
+            ["--preset", "large", "--devices", "0", "--device-memory", "1GB", "--link", "1Gbit"],
+            "devices must be",
+        ),
+        (["--preset", "large", *MACHINE, "--strategies", "zero4"], "--strategies: zero4; choose from"),
+        (["--preset", "large", *MACHINE, "--global-batch", "0"], "global_batch and seq_len must be >= 1"),
+        (["--preset", "large", *MACHINE, "--global-batch", "12"], "divides global_batch(12)"),
+        (["--preset", "large", *MACHINE, "--precision", "fp8"], "precision must be one of"),
+        (["--preset", "large", *MACHINE, "--bucket-mb", "nan"], "bucket_mb must be a finite number > 0"),
+        (["--preset", "large", *MACHINE, "--flops", "0"], "flops_per_s must be a finite number > 0"),
+        (["--preset", "large", *MACHINE, "--link-latency-us", "-1"], "link latency must be >= 0"),
+        (["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "9", "--check"], "not sizes by hand"),
+        (["--preset", "small", "--check", "--steps", "1"], "--steps >= 2; got 2, 1"),
+        (["--preset", "small", "--check", "--nproc", "0"], "--nproc >= 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise plan: error: ") and message in err[0], err

@@ -1,0 +1,196 @@
+"""The planner's memory arithmetic: parameter counts, model states, activations, buffers, layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.config import ConfigError, ModelConfig
+from shardwise.models import build_model, count_parameters
+from shardwise.planner.calibration import Calibration
+from shardwise.planner.memory import (
+    Layout,
+    Training,
+    block_activations,
+    estimate_memory,
+    korthikanti_layer_bytes,
+    model_states,
+    zero_formula,
+)
+from shardwise.planner.model import ModelShape, hf_shape, preset_shape
+
+PSI = 1_000_000
+
+
+@pytest.mark.parametrize("preset", ["tiny", "odd", "small", "large"])
+@pytest.mark.parametrize("tie", [True, False])
+def test_preset_shape_counts_what_the_built_model_holds(preset: str, tie: bool) -> None:
+    cfg = ModelConfig(kind="gpt", preset=preset, seq_len=32, tie_weights=tie)
+    with torch.device("meta"):
+        model = build_model(cfg, meta=True)
+    assert preset_shape(preset, 32, tie).params == count_parameters(model)
+
+
+def test_hf_llama_shape_counts_what_transformers_builds() -> None:
+    transformers = pytest.importorskip("transformers")
+    shape = hf_shape("hf:tiny-llama")
+    config = transformers.AutoConfig.from_pretrained(
+        str(Path(__file__).parents[2] / "src/shardwise/models/configs/tiny-llama.json")
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert shape.params == count_parameters(model)
+    assert shape.gated_mlp and shape.kv_heads == 2 and not shape.layer_norm
+
+
+def test_llama3_8b_from_its_config_has_8_03b_parameters(tmp_path: Path) -> None:
+    config = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert hf_shape(f"hf:{tmp_path}").params == 8_030_261_248  # Meta's published 8.03B
+
+
+def test_an_unreadable_config_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        hf_shape(f"hf:{tmp_path}")
+    with pytest.raises(ConfigError, match="known presets"):
+        preset_shape("huge", 64)
+
+
+def test_model_states_fp32_and_mixed_by_stage() -> None:
+    n = 4
+    assert model_states(PSI, "ddp", n, "fp32", 2).total == 16 * PSI  # 4 + 4 + 8
+    assert model_states(PSI, "zero1", n, "fp32", 2).total == 8 * PSI + 8 * PSI / n
+    assert model_states(PSI, "zero2", n, "fp32", 2).total == 4 * PSI + 12 * PSI / n
+    assert model_states(PSI, "zero3", n, "fp32", 2).total == 16 * PSI / n
+    assert model_states(PSI, "ddp", n, "bf16", 2).total == 16 * PSI  # fp32 parameters under autocast
+    assert model_states(PSI, "zero1", n, "bf16", 2).total == 4 * PSI + 16 * PSI / n
+    assert model_states(PSI, "zero2", n, "bf16", 2).total == 2 * PSI + 16 * PSI / n
+    assert model_states(PSI, "zero3", n, "bf16", 2).total == 16 * PSI / n  # no bf16 shard is kept
+    assert model_states(PSI, "zero2", n, "fp32", 0).optimizer_state == 0  # plain SGD
+    assert model_states(PSI, "ddp", n, "fp32", 1, param_bytes=8).total == 24 * PSI  # float64, momentum
+
+
+def test_zero_formula_moved_keeps_its_fp32_figures() -> None:
+    for stage, expected in ((1, 8 * PSI + 8 * PSI / 4), (2, 4 * PSI + 12 * PSI / 4), (3, 16 * PSI / 4)):
+        assert zero_formula(PSI, stage, 4, "fp32", 4, 2)["model_state"] == expected
+    assert zero_formula(PSI, 3, 4, "fp32", 4, 2, frozen_bytes=10)["params"] == 4 * PSI / 4 + 10
+    from shardwise.zero.memory import zero_formula as reexported
+
+    assert reexported is zero_formula
+
+
+def test_our_block_at_16_bits_is_korthikantis_34_sbh_without_masks_and_attention_matrix() -> None:
+    s, b, h, a = 128, 4, 256, 8
+    shape = ModelShape(n_layer=1, d_model=h, n_head=a, vocab=256)
+    ours = block_activations(shape, s * b, compute_bytes=2, residual_bytes=2).full
+    extras = s * b * (2 * 2 * 4 + 4 * a)  # fp32 norm statistics and the attention's log-sum-exp
+    assert ours == (34 - 2) * s * b * h + extras  # no dropout: no 1-byte masks after attention and MLP
+    assert korthikanti_layer_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    # tensor parallelism: 10 whole + 24/t split; sequence parallelism splits all
+    assert korthikanti_layer_bytes(s, b, h, a, tp=4) == s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4))
+    assert (
+        korthikanti_layer_bytes(s, b, h, a, tp=4, sequence_parallel=True)
+        == s * b * h * (34 + 5 * a * s / h) / 4
+    )
+    assert korthikanti_layer_bytes(s, b, h, a, recompute="full") == 2 * s * b * h
+    # ours under tp: norm and matmul inputs stay whole (8 sbh: Korthikanti's 10 less the masks), the rest
+    # splits (24 sbh, as there)
+    tp4 = block_activations(shape, s * b, 2, 2, tp=4).full
+    assert tp4 == s * b * h * (8 + 24 / 4) + s * b * (16 + 4 * a / 4)
+    sp4 = block_activations(shape, s * b, 2, 2, tp=4, sequence_parallel=True).full
+    assert sp4 == pytest.approx(32 * s * b * h / 4 + s * b * (16 + 4 * a) / 4)
+
+
+def _estimate(layout: Layout, precision: str = "fp32", batch: int = 8) -> dict[str, float]:
+    shape = preset_shape("large", 64)
+    return estimate_memory(shape, Training(batch, 64, precision), layout).device
+
+
+def test_checkpointing_keeps_one_input_per_block_and_rebuilds_one_block() -> None:
+    shape = preset_shape("large", 64)
+    tokens = 8 * 64
+    acts = block_activations(shape, tokens, 4, 4)
+    plain, ckpt = _estimate(Layout("ddp")), _estimate(Layout("ddp", activation_checkpointing=True))
+    head = tokens * shape.d_model * 8
+    assert plain["activations"] == shape.n_layer * acts.full + head
+    assert ckpt["activations"] == shape.n_layer * tokens * shape.d_model * 4 + head
+    assert ckpt["recomputed_block"] == acts.full and ckpt["logits"] == plain["logits"]
+    assert plain["logits"] == tokens * 256 * 16  # logits, log-softmax and both gradients, fp32
+
+
+def test_micro_batches_divide_the_activations_not_the_model_states() -> None:
+    one, four = _estimate(Layout("zero2", dp=2)), _estimate(Layout("zero2", dp=2, micro_batches=4))
+    assert four["activations"] == pytest.approx(one["activations"] / 4)
+    assert four["grads"] == one["grads"]
+    with pytest.raises(ConfigError, match=r"dp\(2\) x micro_batches\(3\) = 6"):
+        _estimate(Layout("zero2", dp=2, micro_batches=3))
+
+
+def test_buffers_by_strategy() -> None:
+    shape = preset_shape("large", 64)
+    psi = shape.params
+    assert "reduce_buffers" not in _estimate(Layout("ddp", dp=2))  # the gradients are the buckets
+    assert _estimate(Layout("ddp", dp=2), "bf16")["autocast_weights"] == 2 * psi
+    assert _estimate(Layout("zero1", dp=2), "bf16")["reduce_buffers"] == 4 * psi
+    assert _estimate(Layout("zero2", dp=2, bucket_mb=1))["reduce_buffers"] == 3 * 2**20
+    assert _estimate(Layout("zero2", dp=2, bucket_mb=1000))["reduce_buffers"] == 4 * psi  # one bucket
+    z3 = _estimate(Layout("zero3", dp=2))
+    assert (
+        z3["gathered_root"] == 4 * shape.root_params and z3["gathered_blocks"] == 2 * 4 * shape.block_params
+    )
+    no_prefetch = _estimate(Layout("zero3", dp=2, prefetch=False))
+    assert no_prefetch["gathered_blocks"] == 4 * shape.block_params
+
+
+def test_the_peak_is_the_fullest_phase() -> None:
+    """Activations are gone when ZeRO-2/3's gradient shards arrive; the logits before buckets fill."""
+    shape = preset_shape("large", 64)
+    z2 = estimate_memory(shape, Training(8, 64), Layout("zero2", dp=2))
+    always = z2.device["params"] + z2.device["optimizer_state"]
+    assert z2.in_phase("forward") == always + z2.device["activations"] + z2.device["logits"]
+    assert z2.in_phase("backward") == always + z2.device["activations"] + z2.device["reduce_buffers"]
+    assert z2.in_phase("step") == always + z2.device["grads"]
+    assert z2.total == max(z2.in_phase(p) for p in ("forward", "backward", "step"))
+    assert z2.total < sum(z2.device.values())
+    assert z2.peak_phase == "backward"
+    assert {name for name, _ in z2.largest(10)} == {
+        "params",
+        "optimizer_state",
+        "activations",
+        "reduce_buffers",
+    }
+
+
+def test_offload_moves_masters_and_moments_to_the_host() -> None:
+    shape = preset_shape("large", 64)
+    train = Training(8, 64, "bf16")
+    on = estimate_memory(shape, train, Layout("zero3", dp=4, offload="cpu"))
+    off = estimate_memory(shape, train, Layout("zero3", dp=4))
+    assert on.device["master_params"] == on.device["optimizer_state"] == 0
+    assert on.host_total == off.device["master_params"] + off.device["optimizer_state"]
+    assert off.total - on.total == pytest.approx(on.host_total)
+    with pytest.raises(ConfigError, match="not to ddp"):
+        Layout("ddp", offload="cpu")
+
+
+def test_overhead_is_one_constant_and_ps_workers_keep_no_optimizer() -> None:
+    shape = preset_shape("large", 64)
+    train = Training(8, 64)
+    base = estimate_memory(shape, train, Layout("ddp"))
+    more = estimate_memory(shape, train, Layout("ddp"), Calibration(overhead_bytes=1e8))
+    assert more.total - base.total == 1e8
+    ps = estimate_memory(shape, train, Layout("ps", dp=2)).device
+    assert ps["optimizer_state"] == 0 and ps["ps_messages"] == 8 * shape.params

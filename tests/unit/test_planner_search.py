@@ -1,0 +1,92 @@
+"""The planner's search: layouts enumerated, the ones that do not fit dropped with figures, the rest
+ranked by predicted step time and the winner explained."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.config import ConfigError
+from shardwise.planner.calibration import Calibration, Machine
+from shardwise.planner.memory import Training, estimate_memory
+from shardwise.planner.model import ModelShape, preset_shape
+from shardwise.planner.search import Plan, enumerate_layouts, mesh_shapes, plan
+
+LLAMA3_8B = ModelShape(
+    n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336, vocab=128256,
+    tie_weights=False, gated_mlp=True, bias=False, layer_norm=False, name="Llama-3-8B",
+)  # fmt: skip
+H100S = Machine(devices=8, device_memory=80e9, link_bytes_per_s=400e9 / 8)  # 400 Gbit/s
+TRAIN = Training(global_batch=64, seq_len=4096, precision="bf16")
+
+
+def test_mesh_shapes_multiply_to_the_devices() -> None:
+    assert list(mesh_shapes(8)) == [(8, 1, 1)]
+    shapes = list(mesh_shapes(8, pp_degrees=(1, 2), tp_degrees=(1, 2, 4, 3)))
+    assert shapes == [(8, 1, 1), (4, 1, 2), (2, 1, 4), (4, 2, 1), (2, 2, 2), (1, 2, 4)]
+
+
+def test_enumeration_offloads_only_zero_and_splits_only_what_divides() -> None:
+    layouts = enumerate_layouts(LLAMA3_8B, Training(16, 128), devices=8)
+    assert {layout.strategy for layout in layouts} == {"ddp", "zero1", "zero2", "zero3"}
+    assert all(layout.offload == "none" for layout in layouts if layout.strategy == "ddp")
+    assert {layout.micro_batches for layout in layouts} == {1, 2}  # 16 sequences / 8 ranks = 2 each
+    assert len(layouts) == (1 + 3 * 2) * 2 * 2  # strategies x offload, x checkpointing, x micro-batches
+    # tp must divide the key-value heads (8): tp 16 is left out; pp cannot exceed the 32 blocks
+    shaped = enumerate_layouts(
+        LLAMA3_8B, Training(64, 128), 64, ["zero3"], (1, 64), (1, 16), (False,), ("none",)
+    )
+    assert {(layout.dp, layout.pp, layout.tp) for layout in shaped} == {(64, 1, 1)}
+
+
+def test_llama3_8b_on_eight_80gb_devices_drops_ddp_with_its_figures() -> None:
+    result = plan(LLAMA3_8B, TRAIN, H100S)
+    assert result.ranked and all(c.memory.total <= 80e9 for c in result.ranked)
+    assert all(c.memory.total > 80e9 for c in result.dropped)
+    times = [c.time.total_s for c in result.ranked if c.time is not None]
+    assert times == sorted(times)
+    ddp = [c for c in result.dropped if c.layout.strategy == "ddp"]
+    assert len(ddp) == len([c for c in enumerate_layouts(LLAMA3_8B, TRAIN, 8) if c.strategy == "ddp"])
+    smallest = min(ddp, key=lambda c: c.memory.total)
+    # fp32 parameters, gradients and two moments: 16 bytes x 8.03e9 = 128.5 GB before any activation
+    assert smallest.memory.total > 128.4e9
+    assert "> 80.0 GB" in smallest.reason and "optimizer_state 64.2 GB" in smallest.reason
+    assert result.best is not None and result.why.startswith(f"{result.best.layout.name()} wins: ")
+    assert "No ddp layout fits: even " in result.why and "runner-up" in result.why
+
+
+def test_the_ranking_follows_the_link() -> None:
+    """On a slow link ZeRO-3 (1.5x DP's bytes, and every micro-batch) ranks below ZeRO-2; and the
+    ranking only reorders what fits: the same layouts fit whatever the link."""
+    small = preset_shape("large", 256)
+    training = Training(32, 256, "bf16")
+    fast = plan(small, training, Machine(8, 80e9, 1e12), Calibration(flops_per_s=1e12))
+    slow = plan(small, training, Machine(8, 80e9, 1e8), Calibration(flops_per_s=1e12))
+    assert {c.layout for c in fast.ranked} == {c.layout for c in slow.ranked}
+
+    def best(p: Plan, strategy: str) -> float:
+        return min(c.time.total_s for c in p.ranked if c.layout.strategy == strategy and c.time)
+
+    assert best(slow, "zero3") > best(slow, "zero2")
+    assert slow.best is not None and slow.best.layout.strategy != "zero3"
+
+
+def test_nothing_fits_says_so_with_the_smallest_layout() -> None:
+    tiny_devices = Machine(devices=2, device_memory=1e9, link_bytes_per_s=1e10)
+    result = plan(LLAMA3_8B, Training(2, 128, "bf16"), tiny_devices)
+    assert not result.ranked and result.best is None
+    assert result.why.startswith("nothing fits in 1.00 GB per device: the smallest layout, zero3 dp2")
+    with pytest.raises(ConfigError, match=r"divides global_batch\(3\)"):
+        plan(LLAMA3_8B, Training(3, 128), tiny_devices)
+
+
+def test_the_plan_is_pure_and_its_figures_are_the_estimators() -> None:
+    small = preset_shape("large", 64)
+    training = Training(16, 64)
+    machine = Machine(2, 4e9, 1e9)
+    first, again = plan(small, training, machine), plan(small, training, machine)
+    assert [c.as_dict() for c in first.ranked] == [c.as_dict() for c in again.ranked]
+    top = first.ranked[0]
+    assert top.memory == estimate_memory(small, training, top.layout)
+    row = top.as_dict()
+    assert row["fits"] and row["memory_bytes"] == top.memory.total and row["step_time_s"] > 0
+    assert row["layout"] == top.layout.name() and row["strategy"] == top.layout.strategy

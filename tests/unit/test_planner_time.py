@@ -1,0 +1,111 @@
+"""The planner's step time: FLOPs, bytes per strategy through the collectives' cost model, overlap."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.collectives.cost import CostProfile, predict
+from shardwise.planner.calibration import Calibration, Machine
+from shardwise.planner.memory import Layout, Training
+from shardwise.planner.model import ModelShape, preset_shape
+from shardwise.planner.time import (
+    FIRST_BUCKET_BYTES,
+    bucket_sizes,
+    collectives,
+    flops_per_token,
+    step_time,
+)
+
+# bandwidth only: no latency, no reduction cost, so volumes compare exactly
+WIRE = CostProfile(alpha_s=0.0, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0, source="test")
+MODEL = ModelShape(n_layer=12, d_model=768, n_head=12, vocab=50304, positions=1024, name="gpt2-ish")
+TRAIN = Training(global_batch=64, seq_len=1024)
+
+
+def test_flops_per_token_is_narayanans_formula() -> None:
+    l, h, s, v = MODEL.n_layer, MODEL.d_model, 1024, MODEL.vocab  # noqa: E741
+    # Narayanan et al. (2021), eq. 3 per token: 72 l h^2 + 12 s l h + 6 V h without recomputation,
+    # 96 l h^2 + 16 s l h + 6 V h with it
+    assert flops_per_token(MODEL, s) == 72 * l * h * h + 12 * s * l * h + 6 * v * h
+    assert flops_per_token(MODEL, s, recompute=True) == 96 * l * h * h + 16 * s * l * h + 6 * v * h
+
+
+def test_buckets_cut_the_gradient_as_ddp_does() -> None:
+    assert bucket_sizes(10, 4, 1) == [1, 4, 4, 1]
+    assert bucket_sizes(3, 4) == [3]
+    assert bucket_sizes(0, 4, 1) == []
+
+
+def test_ddp_sends_its_fp32_gradient_in_buckets_through_the_cost_model() -> None:
+    layout = Layout("ddp", dp=8)
+    psi = MODEL.params
+    todo = collectives(MODEL, TRAIN, layout)
+    buckets = bucket_sizes(4 * psi, 25 * 2**20, FIRST_BUCKET_BYTES)
+    assert [c.nbytes for c in todo] == buckets and {c.op for c in todo} == {"all_reduce"}
+    profile = Machine(8, 80e9, 50e9).profile()
+    t = step_time(MODEL, TRAIN, layout, profile)
+    assert t.comm_s == pytest.approx(sum(predict("ring", "all_reduce", int(b), 8, profile) for b in buckets))
+
+
+def test_zero12_move_what_ddp_moves_and_zero3_half_as_much_again() -> None:
+    """The ZeRO paper, section 7: stages 1-2 move 2Ψ like DP; stage 3 3Ψ (its root unit, gathered
+    once per step, moves 2 of its own size)."""
+    times = {
+        s: step_time(MODEL, TRAIN, Layout(s, dp=8), WIRE).comm_s for s in ("ddp", "zero1", "zero2", "zero3")
+    }
+    assert times["zero1"] == pytest.approx(times["ddp"]) and times["zero2"] == pytest.approx(times["ddp"])
+    blocks, root = MODEL.n_layer * MODEL.block_params, MODEL.root_params
+    assert times["zero3"] / times["ddp"] == pytest.approx((3 * blocks + 2 * root) / (2 * (blocks + root)))
+
+
+def test_backward_hides_all_but_the_last_bucket_when_it_is_long_enough() -> None:
+    slow = Calibration(flops_per_s=1e9)  # compute far longer than communication
+    fast = Calibration(flops_per_s=1e30)  # compute takes no time: nothing hidden
+    layout = Layout("ddp", dp=8)
+    hidden = step_time(MODEL, TRAIN, layout, WIRE, slow)
+    last = collectives(MODEL, TRAIN, layout)[-1].seconds(WIRE, "ring")
+    assert hidden.exposed_comm_s == pytest.approx(last)
+    bare = step_time(MODEL, TRAIN, layout, WIRE, fast)
+    assert bare.exposed_comm_s == pytest.approx(bare.comm_s) and bare.hidden_fraction == pytest.approx(0)
+
+
+def test_micro_batches_leave_ddp_only_the_last_backward_to_hide_in() -> None:
+    calib = Calibration(flops_per_s=2e12)
+    one = step_time(MODEL, TRAIN, Layout("ddp", dp=8), WIRE, calib)
+    eight = step_time(MODEL, TRAIN, Layout("ddp", dp=8, micro_batches=8), WIRE, calib)
+    assert eight.comm_s == pytest.approx(one.comm_s) and eight.compute_s == pytest.approx(one.compute_s)
+    assert eight.exposed_comm_s > one.exposed_comm_s
+    # ZeRO-3 gathers and reduces every micro-batch; only its root unit is gathered once per step
+    z3_one = step_time(MODEL, TRAIN, Layout("zero3", dp=8), WIRE, calib).comm_s
+    z3_eight = step_time(MODEL, TRAIN, Layout("zero3", dp=8, micro_batches=8), WIRE, calib).comm_s
+    root_gather = collectives(MODEL, TRAIN, Layout("zero3", dp=8))[0]
+    assert root_gather.op == "all_gather" and root_gather.nbytes == 4 * MODEL.root_params
+    assert z3_eight == pytest.approx(8 * z3_one - 7 * root_gather.seconds(WIRE, "ring"))
+
+
+def test_checkpointing_costs_a_forward_and_offload_the_host() -> None:
+    plain = step_time(MODEL, TRAIN, Layout("zero2", dp=8), WIRE)
+    ckpt = step_time(MODEL, TRAIN, Layout("zero2", dp=8, activation_checkpointing=True), WIRE)
+    assert ckpt.forward_s == plain.forward_s and ckpt.backward_s > plain.backward_s
+    off = step_time(MODEL, TRAIN, Layout("zero2", dp=8, offload="cpu"), WIRE)
+    assert off.offload_s > 0 and off.optimizer_s > plain.optimizer_s  # host memory is slower
+    no_prefetch = step_time(
+        MODEL, TRAIN, Layout("zero3", dp=8, prefetch=False), WIRE, Calibration(flops_per_s=1e12)
+    )
+    prefetch = step_time(MODEL, TRAIN, Layout("zero3", dp=8), WIRE, Calibration(flops_per_s=1e12))
+    assert no_prefetch.exposed_comm_s > prefetch.exposed_comm_s
+
+
+def test_pipeline_bubble_and_tensor_all_reduces_follow_their_formulas() -> None:
+    pp = step_time(MODEL, TRAIN, Layout("ddp", dp=2, pp=4, micro_batches=8), WIRE)
+    assert pp.bubble_s == pytest.approx(3 / 8 * pp.compute_s)
+    tp = collectives(MODEL, TRAIN, Layout("ddp", dp=2, tp=4))
+    activation_ar = [c for c in tp if c.phase == "exposed"]
+    assert activation_ar[0].count == 4 * MODEL.n_layer  # 2 forward + 2 backward per block
+    assert activation_ar[0].nbytes == 32 * 1024 * MODEL.d_model * 4
+
+
+def test_a_preset_runs_end_to_end() -> None:
+    shape = preset_shape("large", 64)
+    t = step_time(shape, Training(16, 64, "bf16"), Layout("zero3", dp=2), Machine(2, 1e9, 1e9).profile())
+    assert t.total_s > t.compute_s > 0 and t.comm_bytes > 0
