@@ -84,10 +84,10 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
             f"--strategy {config.strategy} with tensor parallelism (parallel.tp = {parallel.tp}) is not "
             f"built yet; use {' or '.join(TENSOR_PARALLEL_STRATEGIES)} on the dp axis, or set parallel.tp = 1"
         )
-    if parallel.pp != 1:
+    if parallel.pp != 1 and parallel.sequence_parallel:
         raise NotBuiltError(
-            f"tensor parallelism (tp {parallel.tp}) with a pipeline (pp {parallel.pp}) is not built yet; "
-            "set one of them to 1"
+            f"sequence parallelism with a pipeline (pp {parallel.pp}) is not built yet (stages would pass "
+            "a tp-th of the sequence); drop --sequence-parallel or set parallel.pp = 1"
         )
     if config.comm.compress:
         raise NotBuiltError(
@@ -119,8 +119,9 @@ def _check_pipeline(config: TrainConfig) -> None:
         return
     if config.strategy in PIPELINE_REFUSED:
         raise NotBuiltError(
-            f"--strategy {config.strategy} does not run with pipeline parallelism (parallel.pp = {parallel.pp}); "
-            f"use {' or '.join(PIPELINE_STRATEGIES)} on the dp axis, or set parallel.pp = 1"
+            f"--strategy {config.strategy} does not run with pipeline parallelism "
+            f"(parallel.pp = {parallel.pp}); use {' or '.join(PIPELINE_STRATEGIES)} on the dp axis, "
+            "or set parallel.pp = 1"
         )
     try:
         check_schedule(parallel.schedule, parallel.pp, parallel.virtual_stages, config.data.micro_batches)
@@ -295,18 +296,19 @@ def parallelize(
     if left := meta_parameters(model):  # a strategy that did not read them: never train on no data
         raise RuntimeError(f"{config.strategy} left parameters on the meta device: {', '.join(left[:3])}")
     engine.count_comm = mesh.comm("dp") if mesh.in_mesh else None  # the ranks that split each batch
-    if runner is not None:
-        engine.loss_comm = mesh.trainers  # only the last stage holds a loss share: sum over every stage
-        attach_pipeline(engine, runner)
     engine.clip_grad_norm = config.optim.clip_grad_norm
     if engine.units_are_parameters:  # ZeRO took the precision at construction (compute copies)
         engine.use_precision(config.compute_precision)
     if loss is not None:
         engine.loss = as_loss(loss)
+    # what is global (the norm, full tensors, checkpoint pieces) widened over tp, then over pp
     if layout is not None:  # every tp rank holds the whole loss: the first reports it
         engine.loss = tensor_parallel_loss(engine.loss, layout.comm)
         engine.loss_comm = mesh.trainers
         attach_tensor_parallel(engine, layout)
+    if runner is not None:
+        engine.loss_comm = mesh.trainers  # only the last stage holds a loss share: sum over every stage
+        attach_pipeline(engine, runner)
     if scheduler is None and not is_constant(config.optim):
         scheduler = schedule_factory(config.optim, config.steps)
     return attach_optimizers(engine, factory or optimizer_factory(config.optim), scheduler)
