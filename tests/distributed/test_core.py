@@ -41,9 +41,9 @@ def test_parallel_dims_resolve_and_explain() -> None:
 def test_unbuilt_parallelism_is_refused_not_ignored() -> None:
     for key in ("parallel.tp", "parallel.pp", "parallel.activation_checkpointing"):  # built: accepted
         check(load_config(None, {key: "true" if key.endswith("checkpointing") else "2"}))
-    with pytest.raises(NotBuiltError, match="--strategy diloco with tensor parallelism .* is not built yet"):
+    with pytest.raises(NotBuiltError, match=r"--strategy diloco with tensor parallelism .* is not built yet"):
         check(load_config(None, {"parallel.tp": "2", "strategy": "diloco"}))
-    with pytest.raises(NotBuiltError, match="compression .* with tensor parallelism is not built yet"):
+    with pytest.raises(NotBuiltError, match=r"compression .* with tensor parallelism is not built yet"):
         check(load_config(None, {"parallel.tp": "2", "comm.compress": "int8"}))
     check(TrainConfig())  # the default asks for nothing unbuilt
 
