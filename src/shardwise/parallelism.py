@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from shardwise.tensor_parallel import Plan, TensorParallelLayout, gpt_plan, hf_g
 from shardwise.tensor_parallel import apply_tensor_parallel as apply_tp_plan
 from shardwise.tensor_parallel.engine import attach_tensor_parallel
 from shardwise.tensor_parallel.layers import VocabParallelCausalLMLoss, VocabParallelTokenLoss
+from shardwise.tensor_parallel.random import RNGStatesTracker
 from shardwise.zero.units import resolve_units
 
 
@@ -93,11 +94,6 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
         raise NotBuiltError(
             f"gradient compression (--compress {config.comm.compress}) with tensor parallelism is not "
             "built yet (each tp rank's error feedback would need its own checkpoint slot); drop one"
-        )
-    if parallel.activation_checkpointing:
-        raise NotBuiltError(
-            "activation checkpointing with tensor parallelism is not built yet (the recomputation must "
-            "replay the tp dropout states); turn one of them off"
         )
     if parallel.sequence_parallel and config.model.seq_len % parallel.tp:
         raise ConfigError(
@@ -197,7 +193,20 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Pipelin
     return PipelineRunner(split, comm, placement, lambda m: build_schedule(name, pp, virtual, m)[comm.rank])
 
 
-def apply_activation_checkpointing(model: nn.Module, config: TrainConfig) -> None:
+@contextmanager
+def _replayed(tracker: RNGStatesTracker, states: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The tracker's states as they were at the forward, for the recomputation; then as they are."""
+    now = tracker.get_states()
+    tracker.set_states(states)
+    try:
+        yield
+    finally:
+        tracker.set_states(now)
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, config: TrainConfig, tracker: RNGStatesTracker | None = None
+) -> None:
     """Step 3: each block of the model's block list (``zero.unit``'s, or the largest one found) keeps
     only its inputs in forward and recomputes its activations in backward.
 
@@ -214,18 +223,26 @@ def apply_activation_checkpointing(model: nn.Module, config: TrainConfig) -> Non
             f"activation checkpointing recomputes each block, but {type(model).__name__} has no "
             "ModuleList/Sequential of blocks; turn parallel.activation_checkpointing off"
         )
-    for block in found.container:
-        checkpoint_forward(block)
+    for block in found.blocks:
+        checkpoint_forward(block, tracker)
 
 
-def checkpoint_forward(block: nn.Module) -> None:
-    """Make ``block``'s forward recompute its activations in backward instead of keeping them."""
+def checkpoint_forward(block: nn.Module, tracker: RNGStatesTracker | None = None) -> None:
+    """Make ``block``'s forward recompute its activations in backward instead of keeping them.
+
+    ``tracker``: tensor parallelism's private dropout states, set back for the recomputation to what
+    they were at the forward (torch restores its own generator's), so every mask repeats."""
     inner = block.forward
+
+    def contexts() -> tuple[Any, Any]:
+        return nullcontext(), _replayed(tracker, tracker.get_states()) if tracker else nullcontext()
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing to keep, nothing to recompute
             return inner(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(
+            inner, *args, use_reentrant=False, context_fn=contexts, **kwargs
+        )
 
     block.forward = forward
 
@@ -289,7 +306,7 @@ def parallelize(
         )
     layout = apply_tensor_parallel(model, mesh, config)
     runner = apply_pipeline(model, mesh, config)
-    apply_activation_checkpointing(model, config)
+    apply_activation_checkpointing(model, config, layout.tracker if layout is not None else None)
     apply_batchnorm(model, mesh, config)
     with _initial_weights(model, mesh, config) as weights:
         engine = build_data_parallel(config, model, mesh, share_gradients, weights)

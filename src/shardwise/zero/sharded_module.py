@@ -76,7 +76,7 @@ class ShardedModule(ZeroBase):
         """The modules gathered one at a time (empty: the whole model is one unit, the root)."""
         if self._unit_modules is None:
             found = resolve_units(self.model, self.config.unit)
-            self._unit_modules = list(found.container) if found is not None else []
+            self._unit_modules = found.blocks if found is not None else []
             if found is None and self.comm.rank == 0:
                 print(
                     f"shardwise: zero3: {type(self.model).__name__} has no ModuleList/Sequential of blocks, "

@@ -15,7 +15,8 @@ from torch import nn
 
 from shardwise.config import ConfigError
 
-BlockContainer = nn.ModuleList | nn.Sequential
+# a pipeline stage keeps its blocks in a ModuleDict keyed by index (names survive the split)
+BlockContainer = nn.ModuleList | nn.Sequential | nn.ModuleDict
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,13 @@ class BlockList:
     container: BlockContainer
     params: int  # parameter values under it, a shared tensor once
 
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The blocks, in order (a ModuleDict's values, not its keys)."""
+        return list(self.container.values() if isinstance(self.container, nn.ModuleDict) else self.container)
+
     def describe(self) -> str:
-        kinds = sorted({type(child).__name__ for child in self.container})
+        kinds = sorted({type(child).__name__ for child in self.blocks})
         where = self.path or "(the model)"
         return f"{where} ({len(self.container)} x {'/'.join(kinds)}, {self.params:,} params)"
 
@@ -43,7 +49,8 @@ def block_lists(model: nn.Module) -> list[BlockList]:
     for path, module in model.named_modules():
         if not isinstance(module, BlockContainer) or len(module) == 0:
             continue
-        if len({type(child) for child in module}) == 1 and (params := _param_count(module)):
+        children = module.values() if isinstance(module, nn.ModuleDict) else module
+        if len({type(child) for child in children}) == 1 and (params := _param_count(module)):
             found.append(BlockList(path, module, params))
     return sorted(found, key=lambda b: -b.params)  # sorted() is stable
 
