@@ -400,10 +400,18 @@ class TrainConfig:
         return self.precision if self.precision != "fp32" else self.zero.precision
 
     def _check_applies(self) -> None:
-        """Refuse settings the chosen strategy would silently ignore."""
-        if self.zero.offload != "none" and not self.strategy.startswith("zero"):
+        """Refuse settings the chosen strategy would silently ignore (``STRATEGY_KEYS``)."""
+        ignored = ignored_settings(self)
+        if ignored:
+            them, they = ("it", "it belongs") if len(ignored) == 1 else ("them", "they belong")
             raise ConfigError(
-                f"zero.offload = {self.zero.offload!r} applies to zero1/zero2/zero3, not to {self.strategy}"
+                f"{self.strategy} does not read {', '.join(ignored)}: remove {them} or choose the strategy "
+                f"{they} to"
+            )
+        if self.zero.offload_dir and self.zero.offload != "disk":
+            raise ConfigError(
+                f"zero.offload_dir = {self.zero.offload_dir!r} applies to zero.offload = 'disk', not "
+                f"{self.zero.offload!r}: remove it or set zero.offload = disk"
             )
         if self.strategy == "ps" and self.compute_precision == "fp16":
             raise ConfigError(
@@ -456,6 +464,51 @@ class TrainConfig:
                 f"{VAL_FRACTION:.0%} of data.corpus_bytes({self.data.corpus_bytes}); raise "
                 f"data.corpus_bytes to at least {need} or lower model.seq_len"
             )
+
+
+# Which strategies read each setting (a table's name: every key in it); ``validate`` refuses a setting
+# that differs from its default under any other strategy, which would otherwise train as if it were
+# not there. ``zero.precision`` is absent on purpose: the deprecated spelling of ``precision``.
+ZERO = ("zero1", "zero2", "zero3")
+STRATEGY_KEYS: dict[str, tuple[str, ...]] = {
+    "ddp": ("ddp",),
+    "ps": ("ps",),
+    "diloco": ("diloco",),
+    "zero.offload": ZERO,
+    "zero.offload_dir": ZERO,
+    "zero.bucket_mb": ("zero1", "zero2"),  # stage 3 gathers and reduces per unit, not per bucket
+    "zero.prefetch": ("zero3",),
+    "zero.unit": ("zero3",),
+}
+
+
+def ignored_settings(config: TrainConfig) -> list[str]:
+    """``key = value (ps only)`` for each setting of ``config`` that its strategy does not read."""
+    default = TrainConfig()
+    found = []
+    for where, strategies in STRATEGY_KEYS.items():
+        if config.strategy in strategies:
+            continue
+        value, base = _get_key(config, where), _get_key(default, where)
+        pairs = (
+            [(f"{where}.{f.name}", getattr(value, f.name), getattr(base, f.name)) for f in fields(value)]
+            if dataclasses.is_dataclass(value)
+            else [(where, value, base)]
+        )
+        found += [
+            f"{key} = {_show(now)} ({'/'.join(strategies)} only)" for key, now, was in pairs if now != was
+        ]
+    return found
+
+
+def _get_key(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def check_values(config: Any, prefix: str = "") -> None:

@@ -56,6 +56,30 @@ BAD_INPUTS = [
         "optim.momentum must be a finite number in [0, 1)",
     ),
     (["--set", "model.dropout=1"], "model.dropout must be a finite number in [0, 1), got 1.0"),
+    # settings of another strategy, which used to train as if they were not there and exit 0
+    (
+        ["--nproc", "2", "--strategy", "ddp", "--servers", "2", "--steps", "2"],
+        "ddp does not read ps.servers = 2 (ps only): remove it or choose the strategy it belongs to",
+    ),
+    (
+        ["--strategy", "ddp", "--servers", "2", "--ps-mode", "async", "--sync-every", "4"],
+        "ddp does not read ps.servers = 2 (ps only), ps.mode = 'async' (ps only), diloco.sync_every = 4 "
+        "(diloco only): remove them",
+    ),
+    (["--offload", "cpu"], "ddp does not read zero.offload = 'cpu' (zero1/zero2/zero3 only)"),
+    (["--strategy", "zero1", "--find-unused-parameters"], "zero1 does not read ddp.find_unused_parameters"),
+    (["--strategy", "zero3", "--set", "zero.bucket_mb=3"], "zero3 does not read zero.bucket_mb = 3.0"),
+    (["--strategy", "ps", "--bucket-mb", "8"], "ps does not read ddp.bucket_mb = 8.0 (ddp only)"),
+    (["--strategy", "zero2", "--set", "zero.unit=blocks"], "zero2 does not read zero.unit = 'blocks'"),
+    (["--strategy", "diloco", "--max-staleness", "2"], "diloco does not read ps.max_staleness = 2"),
+    (
+        ["--strategy", "zero1", "--set", "zero.offload_dir={tmp}"],
+        "zero.offload_dir = '{tmp}' applies to zero.offload = 'disk', not 'none'",
+    ),
+    # one key given twice: the later one used to win silently
+    (["--steps", "3", "--set", "steps=2"], "--steps 3 and --set steps=2 both set steps, to different values"),
+    (["--set", "optim.lr=0.1", "--set", "optim.lr=0.2"], "--set optim.lr=0.1 and --set optim.lr=0.2 both"),
+    (["--trace", "--set", "trace=false"], "--trace and --set trace=false both set trace"),
 ]
 
 
