@@ -158,8 +158,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from shardwise.commands.verify import VERIFY_DEFAULTS, verify_command, verify_defaults
 
-    kind = config_from_args(args, VERIFY_DEFAULTS).model.kind  # the defaults depend on the model
-    return verify_command(config_from_args(args, verify_defaults(kind)), args.nproc, args.json)
+    first = config_from_args(args, VERIFY_DEFAULTS)  # the defaults depend on the model and strategy
+    defaults = verify_defaults(first.model.kind, first.strategy)
+    return verify_command(config_from_args(args, defaults), args.nproc, args.json)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
