@@ -80,6 +80,32 @@ BAD_INPUTS = [
     (["--steps", "3", "--set", "steps=2"], "--steps 3 and --set steps=2 both set steps, to different values"),
     (["--set", "optim.lr=0.1", "--set", "optim.lr=0.2"], "--set optim.lr=0.1 and --set optim.lr=0.2 both"),
     (["--trace", "--set", "trace=false"], "--trace and --set trace=false both set trace"),
+    # inputs that used to hang, or fail inside every rank
+    (["--config", "/dev/zero"], "--config /dev/zero is not a regular file; give a TOML file"),
+    (["--config", "{big_toml}"], "--config {big_toml} is over 1048576 bytes"),
+    (
+        ["--algorithm", "auto", "--set", "comm.profile={tmp}/none.json"],
+        "comm.profile {tmp}/none.json does not exist",
+    ),
+    (
+        ["--algorithm", "auto", "--set", "comm.profile={file}"],
+        "comm.profile {file} is not a cost profile (Expecting",
+    ),
+    (["--algorithm", "auto", "--set", "comm.profile={tmp}"], "comm.profile {tmp} is not a regular file"),
+    (
+        ["--set", "comm.profile={file}"],
+        "comm.profile = '{file}' applies to comm.algorithm = 'auto', not 'native'",
+    ),
+    (
+        ["--seq-len", "200000"],
+        "model.seq_len(200000) is longer than the built-in gpt's context of 2048 positions",
+    ),
+    (
+        ["--global-batch", "16", "--set", "eval_batches=1000000000"],
+        "eval_batches(1000000000) x data.global_batch(16) = 16000000000 held-out windows, but the held-out "
+        "10% of data.corpus_bytes(4000000) = 400000 tokens has 400000 - model.seq_len(64) = 399936 distinct "
+        "windows; lower eval_batches to at most 24996",
+    ),
 ]
 
 
@@ -93,7 +119,16 @@ def inputs(tmp_path: Path) -> dict[str, str]:
     table_toml.write_text('model = "gpt"\n')
     nan_toml = tmp_path / "nan.toml"
     nan_toml.write_text("[optim]\nlr = nan\n")
-    names = {"file": file, "binary": binary, "table_toml": table_toml, "nan_toml": nan_toml, "tmp": tmp_path}
+    big_toml = tmp_path / "big.toml"
+    big_toml.write_text("# " + "x" * (1 << 20) + "\n")
+    names = {
+        "file": file,
+        "binary": binary,
+        "table_toml": table_toml,
+        "nan_toml": nan_toml,
+        "big_toml": big_toml,
+        "tmp": tmp_path,
+    }
     return {name: str(path) for name, path in names.items()}
 
 
