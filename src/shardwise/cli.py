@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardwise import signals
-from shardwise.config import ConfigError, TrainConfig, load_config
+from shardwise.config import ConfigError, TrainConfig, load_config, set_key
 
 # flag -> (dotted config key, argparse kwargs)
 TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -134,20 +134,45 @@ def _get(config: Any, dotted: str) -> Any:
     return config
 
 
+SWITCHES = {  # flag -> dotted config key, for the flags that take no value
+    "--find-unused-parameters": "ddp.find_unused_parameters",
+    "--sync-batchnorm": "sync_batchnorm",
+    "--trace": "trace",
+    "--tensorboard": "tensorboard",
+    "--activation-checkpointing": "parallel.activation_checkpointing",
+    "--sequence-parallel": "parallel.sequence_parallel",
+}
+
+
 def config_from_args(args: argparse.Namespace, defaults: dict[str, str] | None = None) -> TrainConfig:
+    """Defaults, then the flags, then ``--set``; a key given twice with different values is refused
+    (the later one would silently win)."""
     overrides: dict[str, Any] = dict(defaults or {})
-    switches = ["ddp.find_unused_parameters", "sync_batchnorm", "trace", "tensorboard"]
-    switches += ["parallel.activation_checkpointing", "parallel.sequence_parallel"]
-    for key in [k for k, _ in TRAIN_FLAGS.values()] + switches:
+    given: dict[str, str] = {}  # key -> how the command line set it, for the message
+    flags = {key: flag for flag, (key, _) in TRAIN_FLAGS.items()}
+    for key, flag in {**flags, **{k: f for f, k in SWITCHES.items()}}.items():
         value = getattr(args, key, None)
         if value is not None:
             overrides[key] = value
+            given[key] = flag if key in SWITCHES.values() else f"{flag} {value}"
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
             raise CLIError(f"--set expects KEY=VALUE, got {item!r}")
-        overrides[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if key in given and _differ(key, overrides[key], value):
+            raise CLIError(
+                f"{given[key]} and --set {key}={value} both set {key}, to different values; give it once"
+            )
+        overrides[key] = value
+        given[key] = f"--set {key}={value}"
     return load_config(args.config, overrides)
+
+
+def _differ(key: str, first: str, second: str) -> bool:
+    """Whether two command-line values of ``key`` mean different things ("3" and "3.0" do not)."""
+    base = TrainConfig()
+    return _get(set_key(base, key, first), key) != _get(set_key(base, key, second), key)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -159,8 +184,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from shardwise.commands.verify import VERIFY_DEFAULTS, verify_command, verify_defaults
 
-    kind = config_from_args(args, VERIFY_DEFAULTS).model.kind  # the defaults depend on the model
-    return verify_command(config_from_args(args, verify_defaults(kind)), args.nproc, args.json)
+    first = config_from_args(args, VERIFY_DEFAULTS)  # the defaults depend on the model and strategy
+    defaults = verify_defaults(first.model.kind, first.strategy)
+    return verify_command(config_from_args(args, defaults), args.nproc, args.json)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

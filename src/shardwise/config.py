@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 import sys
 import types
 import typing
@@ -127,6 +129,10 @@ MAX_SEED = 2**32 - 1
 MIN_TIMEOUT_S = 1
 MIN_CORPUS_BYTES = 1024  # = shardwise.data.corpus.MIN_BYTES (a test keeps them equal)
 VAL_FRACTION = 0.1  # = shardwise.data.corpus.VAL_FRACTION: the held-out share of the corpus
+# the built-in GPT's context: its position table has seq_len rows and its attention costs seq_len^2 per
+# head and sequence, so a longer window is a typo, not a run (GPT-3's context; GPT-2's is 1024)
+MAX_GPT_SEQ_LEN = 2048
+MAX_CONFIG_BYTES = 1 << 20  # a TOML config is a few kB; more is a wrong file, not a config
 
 
 @dataclass(frozen=True)
@@ -407,10 +413,23 @@ class TrainConfig:
         return self.precision if self.precision != "fp32" else self.zero.precision
 
     def _check_applies(self) -> None:
-        """Refuse settings the chosen strategy would silently ignore."""
-        if self.zero.offload != "none" and not self.strategy.startswith("zero"):
+        """Refuse settings the chosen strategy would silently ignore (``STRATEGY_KEYS``)."""
+        ignored = ignored_settings(self)
+        if ignored:
+            them, they = ("it", "it belongs") if len(ignored) == 1 else ("them", "they belong")
             raise ConfigError(
-                f"zero.offload = {self.zero.offload!r} applies to zero1/zero2/zero3, not to {self.strategy}"
+                f"{self.strategy} does not read {', '.join(ignored)}: remove {them} or choose the strategy "
+                f"{they} to"
+            )
+        if self.comm.profile and self.comm.algorithm != "auto":  # only auto consults the cost model
+            raise ConfigError(
+                f"comm.profile = {self.comm.profile!r} applies to comm.algorithm = 'auto', not "
+                f"{self.comm.algorithm!r}: remove it or set comm.algorithm = auto"
+            )
+        if self.zero.offload_dir and self.zero.offload != "disk":
+            raise ConfigError(
+                f"zero.offload_dir = {self.zero.offload_dir!r} applies to zero.offload = 'disk', not "
+                f"{self.zero.offload!r}: remove it or set zero.offload = disk"
             )
         if self.strategy == "ps" and self.compute_precision == "fp16":
             raise ConfigError(
@@ -454,7 +473,16 @@ class TrainConfig:
             )
 
     def _check_corpus(self) -> None:
-        """A window of seq_len + 1 tokens must fit in the held-out share of the corpus."""
+        """A window of seq_len + 1 tokens must fit the built-in GPT's context and the held-out share of
+        the corpus, and evaluation must find its windows there."""
+        seq_len = self.model.seq_len
+        if self.model.kind == "gpt" and seq_len > MAX_GPT_SEQ_LEN:
+            raise ConfigError(
+                f"model.seq_len({seq_len}) is longer than the built-in gpt's context of {MAX_GPT_SEQ_LEN} "
+                f"positions: its attention would cost {seq_len}^2 = {seq_len**2:.1e} per head and sequence, "
+                f"{(seq_len / MAX_GPT_SEQ_LEN) ** 2:,.0f}x that of {MAX_GPT_SEQ_LEN}; lower model.seq_len, "
+                "or use an hf: model whose max_position_embeddings covers it"
+            )
         held_out = int(self.data.corpus_bytes * VAL_FRACTION)
         if held_out < self.model.seq_len + 1:
             need = math.ceil((self.model.seq_len + 1) / VAL_FRACTION)
@@ -463,6 +491,63 @@ class TrainConfig:
                 f"{VAL_FRACTION:.0%} of data.corpus_bytes({self.data.corpus_bytes}); raise "
                 f"data.corpus_bytes to at least {need} or lower model.seq_len"
             )
+        # evaluation reads eval_batches x global_batch windows spread over the held-out tokens; more
+        # than it has distinct windows only repeats them (and a huge count never finishes building)
+        windows = held_out - self.model.seq_len
+        wanted = self.eval_batches * self.data.global_batch
+        if wanted > windows:
+            raise ConfigError(
+                f"eval_batches({self.eval_batches}) x data.global_batch({self.data.global_batch}) = {wanted} "
+                f"held-out windows, but the held-out {VAL_FRACTION:.0%} of data.corpus_bytes"
+                f"({self.data.corpus_bytes}) = {held_out} tokens has {held_out} - model.seq_len"
+                f"({self.model.seq_len}) = {windows} distinct windows; lower eval_batches to at most "
+                f"{windows // self.data.global_batch} or raise data.corpus_bytes"
+            )
+
+
+# Which strategies read each setting (a table's name: every key in it); ``validate`` refuses a setting
+# that differs from its default under any other strategy, which would otherwise train as if it were
+# not there. ``zero.precision`` is absent on purpose: the deprecated spelling of ``precision``.
+ZERO = ("zero1", "zero2", "zero3")
+STRATEGY_KEYS: dict[str, tuple[str, ...]] = {
+    "ddp": ("ddp",),
+    "ps": ("ps",),
+    "diloco": ("diloco",),
+    "zero.offload": ZERO,
+    "zero.offload_dir": ZERO,
+    "zero.bucket_mb": ("zero1", "zero2"),  # stage 3 gathers and reduces per unit, not per bucket
+    "zero.prefetch": ("zero3",),
+    "zero.unit": ("zero3",),
+}
+
+
+def ignored_settings(config: TrainConfig) -> list[str]:
+    """``key = value (ps only)`` for each setting of ``config`` that its strategy does not read."""
+    default = TrainConfig()
+    found = []
+    for where, strategies in STRATEGY_KEYS.items():
+        if config.strategy in strategies:
+            continue
+        value, base = _get_key(config, where), _get_key(default, where)
+        pairs = (
+            [(f"{where}.{f.name}", getattr(value, f.name), getattr(base, f.name)) for f in fields(value)]
+            if dataclasses.is_dataclass(value)
+            else [(where, value, base)]
+        )
+        found += [
+            f"{key} = {_show(now)} ({'/'.join(strategies)} only)" for key, now, was in pairs if now != was
+        ]
+    return found
+
+
+def _get_key(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def check_values(config: Any, prefix: str = "") -> None:
@@ -547,13 +632,23 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
 def read_toml(path: str | Path) -> dict[str, Any]:
     """The TOML file at ``path`` as a dict, or a one-line ``ConfigError`` saying why it cannot be."""
     try:
-        data = Path(path).read_bytes()
+        mode = os.stat(path).st_mode  # before opening: opening a pipe would wait for a writer
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError
+        if not stat.S_ISREG(mode):  # /dev/zero, a pipe, a socket: no end, or no file to read
+            raise ConfigError(f"--config {path} is not a regular file; give a TOML file")
+        with open(path, "rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # a file that grows after the stat is cut too
     except FileNotFoundError:
         raise ConfigError(f"--config {path} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"--config {path} is a folder; give a TOML file") from None
     except OSError as exc:
         raise ConfigError(f"--config {path} cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"--config {path} is over {MAX_CONFIG_BYTES} bytes (a config is a few kB); give a TOML file"
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

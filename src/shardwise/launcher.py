@@ -114,7 +114,7 @@ def launch_local(
         signals_to_handle="SIGHUP,SIGQUIT",
     )
     before = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
-    ours = signals.install()
+    ours = _install_launch_handlers()
     hang_report = Path(tempfile.mkdtemp(prefix="shardwise-launch-")) / "hang.txt"
     os.environ[HANG_REPORT_ENV] = str(hang_report)  # the watchdog's one line lands here (see below)
     try:
@@ -128,11 +128,51 @@ def launch_local(
     finally:
         os.environ.pop(HANG_REPORT_ENV, None)
         shutil.rmtree(hang_report.parent, ignore_errors=True)
-        signals.restore(ours)
+        # where a signal came, SIG_DFL stays (as ``signals``): a second one during cleanup ends at once
+        signals.restore({sig: h for sig, h in ours.items() if signal.getsignal(sig) is _interrupt})
         _drop_agent_handlers(before)
 
 
 _AGENT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"))
+
+
+def _install_launch_handlers() -> signals.Handlers:
+    """SIGINT and SIGTERM end the spawned ranks first, then raise ``Interrupted`` (``_interrupt``)."""
+    previous: signals.Handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in signals.HANDLED:
+            previous[sig] = signal.signal(sig, _interrupt)
+    return previous
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """A signal to the launcher: stop every rank process at once, then unwind as ``signals`` does.
+
+    The exception may land anywhere in the agent, even inside ``Process.start`` while it writes a new
+    rank's start-up data: that rank is in no list the agent cleans up, and left alone it goes on
+    starting with half its data, or a semaphore the unwinding has already removed, and prints a
+    traceback (or the resource tracker a "leaked semaphore" warning) after our one line. Ended here,
+    before anything unwinds, every rank dies quietly (SIGTERM is SIG_DFL in a rank: ``_RankMain``).
+    """
+    signals.restore_defaults()  # a second signal ends the launcher at once
+    _end_spawned_ranks()
+    raise signals.Interrupted(signum)
+
+
+def _end_spawned_ranks() -> None:
+    """SIGTERM every child this process spawned as a rank (multiprocessing's ``spawn_main``) and wait
+    briefly for them; the resource tracker, also a child, is left to clean up after them."""
+    import psutil
+
+    ranks = []
+    for child in psutil.Process().children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                child.terminate()
+                ranks.append(child)
+        except psutil.Error:  # gone already
+            continue
+    psutil.wait_procs(ranks, timeout=2)
 
 
 def _drop_agent_handlers(before: dict[Any, Any]) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.collectives.api import load_profile
 from shardwise.compression import check_compress
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.models import build_model, check_model_config
@@ -49,6 +50,7 @@ def preflight(config: TrainConfig, world_size: int, writes_run_files: bool = Tru
     for key, folder in output_folders(config, writes_run_files):
         check_writable(key, folder)
     check_compress(config.comm, config.strategy)
+    load_profile(config.comm.profile)  # each rank reads it: a bad one fails here, not in N tracebacks
     return config
 
 

@@ -24,6 +24,12 @@ from .cli_helpers import shardwise
         (["--checkpoint-dir", "{file}/sub"], "checkpoint.dir = '{file}/sub' cannot be written"),
         (["--max-restarts", "-1"], "max_restarts must be an integer >= 0, got -1"),
         (["--config", "{tmp}"], "--config {tmp} is a folder; give a TOML file"),
+        # issue 22: a setting of another strategy (it trained plain ddp and exited 0), and inputs that
+        # hung (/dev/zero read forever, deaf to SIGINT) or failed inside every rank (comm.profile)
+        (["--strategy", "ddp", "--servers", "2"], "ddp does not read ps.servers = 2 (ps only)"),
+        (["--steps", "3", "--set", "steps=2"], "--steps 3 and --set steps=2 both set steps"),
+        (["--config", "/dev/zero"], "--config /dev/zero is not a regular file"),
+        (["--algorithm", "auto", "--set", "comm.profile={file}"], "comm.profile {file} is not a cost"),
     ],
 )
 def test_bad_input_exits_2_in_one_line_and_starts_no_rank(

@@ -35,7 +35,8 @@ LOCAL_SGD = {
 
 def _pair(rank: int, world_size: int, extra: dict[str, str]) -> Any:
     settings = {**LOCAL_SGD, **extra}
-    ddp = collect_run(_config("ddp", **settings).validate(world_size))
+    shared = {k: v for k, v in settings.items() if not k.startswith("diloco.")}  # ddp refuses diloco's
+    ddp = collect_run(_config("ddp", **shared).validate(world_size))
     diloco = collect_run(_config("diloco", **settings).validate(world_size))
     return ddp, diloco
 

@@ -161,10 +161,17 @@ def small_disk(tmp_path) -> Any:
         subprocess.run(["umount", str(mount_point)], check=False)
 
 
-def test_a_full_disk_stops_in_one_line_and_keeps_the_previous_checkpoint(tmp_path, small_disk) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_stops_in_one_line_and_keeps_the_previous_checkpoint(
+    tmp_path, small_disk, mode: str
+) -> None:
+    """Asynchronous: step 6's save fails in the background and surfaces at step 9's; the line names
+    step 6 (it named step 9, which was never attempted)."""
     root = small_disk / "checkpoints"
+    extra = ["--set", "checkpoint.async_save=true"] if mode == "async" else []
     result = shardwise(
-        *_args("ddp", tmp_path / "run", "--checkpoint-dir", str(root), "--max-restarts", "0"), timeout_s=180
+        *_args("ddp", tmp_path / "run", "--checkpoint-dir", str(root), "--max-restarts", "0", *extra),
+        timeout_s=180,
     )
     assert result.returncode != 0
     errors = [x for x in result.stderr.splitlines() if "error" in x.lower()]

@@ -2,9 +2,11 @@
 
 ``shardwise verify`` (float64, 5 steps: losses, gradients, the global gradient norm, final parameters
 against one process) for tp 2, with sequence parallelism, on a Hugging Face Llama (grouped-query
-attention), tp 2 x dp 2, and ZeRO-1/2/3 on dp (ZeRO-3 with tp is FSDP + TP). A tp 2 x dp 2 run saves a checkpoint: the files hold the global tensors
-the saver's ranks assemble (``full_parameters``), one plain process loads them exactly, and a tp 2 x dp 2
-run resumes each rank's own shards and optimizer state bit for bit.
+attention), tp 2 x dp 2, ZeRO-1/2/3 on dp (ZeRO-3 with tp is FSDP + TP), tp x pp, and all three at
+once (dp 2 x pp 2 x tp 2 with ZeRO-1 on 8 ranks). A dp 2 x pp 2 x tp 2 ZeRO-1 run saves a checkpoint:
+the files hold the global tensors the saver's ranks assemble (``full_parameters``), one plain process
+loads them exactly (``torch.equal``), and the same layout resumes each rank's own shards and optimizer
+state bit for bit.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ VERIFY_CASES = {
     "tp2-zero1": ["--tp", "2", "--nproc", "2", "--strategy", "zero1"],
     "dp2-tp2-zero3": ["--tp", "2", "--nproc", "4", "--strategy", "zero3"],
     "dp2-tp2-zero2-sp": ["--tp", "2", "--nproc", "4", "--strategy", "zero2", "--sequence-parallel"],
+    "pp2-tp2": ["--tp", "2", "--pp", "2", "--nproc", "4"],
+    "dp2-pp2-tp2-zero1": ["--tp", "2", "--pp", "2", "--strategy", "zero1", "--nproc", "8"],
 }
 
 
 @pytest.mark.parametrize("case", VERIFY_CASES, ids=list(VERIFY_CASES))
 def test_verify_tensor_parallel(case: str) -> None:
-    result = shardwise("verify", *VERIFY_CASES[case], "--json", timeout_s=280)
+    result = shardwise("verify", *VERIFY_CASES[case], "--json", timeout_s=480)
     summary = last_json(result)
     assert result.returncode == 0 and summary["ok"], result.stderr[-3000:]
     assert summary["max_param_diff"] <= 1e-10 and summary["max_grad_norm_diff"] <= 1e-10
@@ -58,8 +62,9 @@ def test_a_width_tp_does_not_divide_is_one_line() -> None:
 def _config(root: Path) -> TrainConfig:
     config = resume_config(
         root / "run", "float64", steps=str(SAVED_STEPS), eval_every="0",
-        **{"model.dropout": "0.0", "model.preset": "odd-deep", "parallel.tp": "2", "data.global_batch": "4"},
+        **{"model.dropout": "0.0", "model.preset": "odd-deep", "parallel.tp": "2", "parallel.pp": "2"},
     )
+    config = replace(config, strategy="zero1", data=replace(config.data, global_batch=4, micro_batches=2))
     return replace(config, checkpoint=replace(config.checkpoint, dir=str(root / "ckpt"), every=SAVED_STEPS))
 
 
@@ -93,8 +98,8 @@ def _resume(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-def test_tp2_dp2_checkpoint_loads_in_one_process_and_resumes(tmp_path: Path) -> None:
-    saved = run_on_ranks(_save, 4, str(tmp_path), timeout_s=240)
+def test_dp2_pp2_tp2_checkpoint_loads_in_one_process_and_resumes(tmp_path: Path) -> None:
+    saved = run_on_ranks(_save, 8, str(tmp_path), timeout_s=480)
     step_dir = list_steps(str(tmp_path / "ckpt"))[-1][1]
     names = [n for n in FolderReader(step_dir).shapes if not n.startswith("rng/")]
     on_disk = load(step_dir, dict.fromkeys(names))
@@ -112,7 +117,7 @@ def test_tp2_dp2_checkpoint_loads_in_one_process_and_resumes(tmp_path: Path) -> 
         if name.startswith(("model/", "optim/")):
             assert torch.equal(plain[name], tensor), f"one process: {name} differs"
 
-    resumed = run_on_ranks(_resume, 4, str(tmp_path), timeout_s=240)
+    resumed = run_on_ranks(_resume, 8, str(tmp_path), timeout_s=480)
     for rank, (before, after) in enumerate(zip(saved, resumed, strict=True)):
         for name, tensor in before["local"].items():
             assert torch.equal(after["local"][name], tensor), f"rank {rank}: {name} not restored"

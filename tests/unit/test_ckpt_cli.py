@@ -163,3 +163,33 @@ def test_a_damaged_header_is_one_problem_per_file(tmp_path, capsys) -> None:
     info = json.loads(capsys.readouterr().out)
     assert len(info["problems"]) == 1 and "rank0.safetensors: cannot be opened" in info["problems"][0]
     assert {s["checksum_ok"] for t in info["tensors"].values() for s in t["shards"]} == {False}
+
+
+def test_a_root_with_no_usable_checkpoint_says_why_each_was_skipped(tmp_path, capsys) -> None:
+    """It used to say only "no complete checkpoint here", dropping the reason."""
+    _write(tmp_path)
+    _rename_file(_step_dir(tmp_path), "../x.safetensors")
+    root = str(tmp_path / "checkpoints")
+    assert main(["ckpt", "inspect", root]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"shardwise ckpt inspect: {root}: no complete checkpoint here; checkpoint ")
+    assert "step-00000004 skipped: " in err[0] and "outside the checkpoint folder" in err[0], err
+
+
+def test_a_manifest_whose_sampler_step_disagrees_with_its_step_is_corrupt(tmp_path) -> None:
+    """It was trusted: a resume would pair step 4's weights with step 9's data and schedule. Refused
+    as corrupt, the newest-valid search falls back to the previous checkpoint like any damaged one."""
+    root = tmp_path / "checkpoints"
+    for step in (3, 4):
+        save(str(root), step, [Piece.full("model/b", torch.arange(5.0))], meta={"sampler": {"step": step}})
+    step_dir = root / "step-00000004"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["meta"]["sampler"]["step"] = 9
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=r"meta.sampler.step 9 disagrees with the manifest's step 4"):
+        verify_checkpoint(str(step_dir))
+    messages: list[str] = []
+    loaded = load_latest(str(root), ["model/b"], on_bad=messages.append)
+    assert loaded is not None and loaded.manifest.step == 3
+    assert len(messages) == 1 and "meta.sampler.step 9" in messages[0]

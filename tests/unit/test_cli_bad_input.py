@@ -56,6 +56,56 @@ BAD_INPUTS = [
         "optim.momentum must be a finite number in [0, 1)",
     ),
     (["--set", "model.dropout=1"], "model.dropout must be a finite number in [0, 1), got 1.0"),
+    # settings of another strategy, which used to train as if they were not there and exit 0
+    (
+        ["--nproc", "2", "--strategy", "ddp", "--servers", "2", "--steps", "2"],
+        "ddp does not read ps.servers = 2 (ps only): remove it or choose the strategy it belongs to",
+    ),
+    (
+        ["--strategy", "ddp", "--servers", "2", "--ps-mode", "async", "--sync-every", "4"],
+        "ddp does not read ps.servers = 2 (ps only), ps.mode = 'async' (ps only), diloco.sync_every = 4 "
+        "(diloco only): remove them",
+    ),
+    (["--offload", "cpu"], "ddp does not read zero.offload = 'cpu' (zero1/zero2/zero3 only)"),
+    (["--strategy", "zero1", "--find-unused-parameters"], "zero1 does not read ddp.find_unused_parameters"),
+    (["--strategy", "zero3", "--set", "zero.bucket_mb=3"], "zero3 does not read zero.bucket_mb = 3.0"),
+    (["--strategy", "ps", "--bucket-mb", "8"], "ps does not read ddp.bucket_mb = 8.0 (ddp only)"),
+    (["--strategy", "zero2", "--set", "zero.unit=blocks"], "zero2 does not read zero.unit = 'blocks'"),
+    (["--strategy", "diloco", "--max-staleness", "2"], "diloco does not read ps.max_staleness = 2"),
+    (
+        ["--strategy", "zero1", "--set", "zero.offload_dir={tmp}"],
+        "zero.offload_dir = '{tmp}' applies to zero.offload = 'disk', not 'none'",
+    ),
+    # one key given twice: the later one used to win silently
+    (["--steps", "3", "--set", "steps=2"], "--steps 3 and --set steps=2 both set steps, to different values"),
+    (["--set", "optim.lr=0.1", "--set", "optim.lr=0.2"], "--set optim.lr=0.1 and --set optim.lr=0.2 both"),
+    (["--trace", "--set", "trace=false"], "--trace and --set trace=false both set trace"),
+    # inputs that used to hang, or fail inside every rank
+    (["--config", "/dev/zero"], "--config /dev/zero is not a regular file; give a TOML file"),
+    (["--config", "{big_toml}"], "--config {big_toml} is over 1048576 bytes"),
+    (
+        ["--algorithm", "auto", "--set", "comm.profile={tmp}/none.json"],
+        "comm.profile {tmp}/none.json does not exist",
+    ),
+    (
+        ["--algorithm", "auto", "--set", "comm.profile={file}"],
+        "comm.profile {file} is not a cost profile (Expecting",
+    ),
+    (["--algorithm", "auto", "--set", "comm.profile={tmp}"], "comm.profile {tmp} is not a regular file"),
+    (
+        ["--set", "comm.profile={file}"],
+        "comm.profile = '{file}' applies to comm.algorithm = 'auto', not 'native'",
+    ),
+    (
+        ["--seq-len", "200000"],
+        "model.seq_len(200000) is longer than the built-in gpt's context of 2048 positions",
+    ),
+    (
+        ["--global-batch", "16", "--set", "eval_batches=1000000000"],
+        "eval_batches(1000000000) x data.global_batch(16) = 16000000000 held-out windows, but the held-out "
+        "10% of data.corpus_bytes(4000000) = 400000 tokens has 400000 - model.seq_len(64) = 399936 distinct "
+        "windows; lower eval_batches to at most 24996",
+    ),
 ]
 
 
@@ -69,7 +119,16 @@ def inputs(tmp_path: Path) -> dict[str, str]:
     table_toml.write_text('model = "gpt"\n')
     nan_toml = tmp_path / "nan.toml"
     nan_toml.write_text("[optim]\nlr = nan\n")
-    names = {"file": file, "binary": binary, "table_toml": table_toml, "nan_toml": nan_toml, "tmp": tmp_path}
+    big_toml = tmp_path / "big.toml"
+    big_toml.write_text("# " + "x" * (1 << 20) + "\n")
+    names = {
+        "file": file,
+        "binary": binary,
+        "table_toml": table_toml,
+        "nan_toml": nan_toml,
+        "big_toml": big_toml,
+        "tmp": tmp_path,
+    }
     return {name: str(path) for name, path in names.items()}
 
 

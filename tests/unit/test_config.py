@@ -238,3 +238,37 @@ def test_an_unreadable_config_is_one_line(tmp_path) -> None:
 def test_values_that_only_fail_together(overrides: dict[str, str], world: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides).validate(world)
+
+
+def test_settings_of_another_strategy_are_refused_through_the_api_and_toml(tmp_path) -> None:
+    """The one table (``STRATEGY_KEYS``) is checked by ``validate``: a dataclass built in Python and a
+    TOML file are refused as the flags are, every ignored setting named in one line."""
+    from shardwise.config import DiLoCoConfig, PSConfig, ZeroConfig
+
+    config = TrainConfig(
+        strategy="ddp", ps=PSConfig(servers=2, mode="async"), diloco=DiLoCoConfig(sync_every=4)
+    )
+    with pytest.raises(ConfigError) as info:
+        config.validate(2)
+    assert str(info.value) == (
+        "ddp does not read ps.servers = 2 (ps only), ps.mode = 'async' (ps only), diloco.sync_every = 4 "
+        "(diloco only): remove them or choose the strategy they belong to"
+    )
+    path = tmp_path / "run.toml"
+    path.write_text('strategy = "zero3"\n[zero]\nbucket_mb = 4.0\n')
+    with pytest.raises(ConfigError, match=r"^zero3 does not read zero.bucket_mb = 4.0 \(zero1/zero2 only\)"):
+        load_config(path).validate(2)
+    # what the strategy reads passes, and a setting left at its default is never refused
+    TrainConfig(strategy="ps", ps=PSConfig(servers=2, mode="async")).validate(3)
+    TrainConfig(strategy="zero3", zero=ZeroConfig(prefetch=True, offload="cpu")).validate(2)
+    load_config(None, {"strategy": "diloco", "ps.servers": "1"}).validate(2)
+
+
+def test_every_strategy_key_names_a_field_and_strategy() -> None:
+    from shardwise.config import STRATEGIES, STRATEGY_KEYS
+
+    for key, strategies in STRATEGY_KEYS.items():
+        node: Any = TrainConfig()
+        for part in key.split("."):
+            node = getattr(node, part)  # an AttributeError names a key that no longer exists
+        assert set(strategies) <= set(STRATEGIES), key

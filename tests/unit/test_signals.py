@@ -30,3 +30,36 @@ def test_the_first_signal_unwinds_a_second_would_end_the_process(sig: signal.Sig
     finally:
         signals.restore(previous)
     assert {s: signal.getsignal(s) for s in signals.HANDLED} == before
+
+
+def _sleep() -> None:
+    import time
+
+    time.sleep(60)
+
+
+def test_a_signal_to_the_launcher_ends_its_spawned_ranks_before_it_unwinds() -> None:
+    """A rank still starting (spawned, in no list the agent cleans up) used to outlive the unwinding
+    and print a traceback, or the resource tracker a leaked-semaphore warning, after the one line."""
+    import multiprocessing
+
+    import psutil
+
+    from shardwise import launch
+
+    before = {s: signal.getsignal(s) for s in signals.HANDLED}
+    rank = multiprocessing.get_context("spawn").Process(target=_sleep)
+    rank.start()
+    try:
+        installed = launch._install_launch_handlers()
+        with pytest.raises(signals.Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+        # ended by the handler itself, before the exception unwound anything
+        assert not psutil.pid_exists(rank.pid) or psutil.Process(rank.pid).status() == psutil.STATUS_ZOMBIE
+        assert all(signal.getsignal(s) is signal.SIG_DFL for s in signals.HANDLED)  # a second: at once
+        assert set(installed) == set(signals.HANDLED)
+    finally:
+        rank.kill()
+        rank.join()
+        for s, handler in before.items():
+            signal.signal(s, handler)

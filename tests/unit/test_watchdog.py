@@ -73,3 +73,56 @@ def test_monitor_knows_the_call_waited_in_and_records_spans() -> None:
     names = [s.name for s in monitor.spans]
     assert names == ["all_reduce #1 on dp (bucket 0)", "forward"]
     assert monitor.spans[0].duration >= 0.01
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        value = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(value).encode()
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+
+class _Blocked(Monitor):
+    """A rank waiting in one all_reduce since it was made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.since = time.monotonic()
+
+    def snapshot(self) -> dict:
+        waited = time.monotonic() - self.since
+        return {**_state(40, "gradient sync", {"dp": WAIT}, WAIT), "blocked_for_s": waited}
+
+
+def test_a_stopped_ranks_age_counts_from_the_start_of_the_wait_not_from_the_report() -> None:
+    """It said "stopped responding 5 s ago" after 25 s: the age was counted from the report on."""
+    from shardwise.observe.watchdog import STALE_AFTER_INTERVALS, Watchdog
+
+    store = _Store()
+    store.set(
+        "watchdog/rank1",
+        '{"step": 40, "phase": "backward", "phase_for_s": 1.0, "blocked": null, '
+        '"blocked_for_s": 0.0, "last": {}, "frame": ""}',
+    )  # fmt: skip  (rank 1 published once, then stopped)
+    reports: list = []
+    interval, timeout = 0.05, 1.0
+    dog = Watchdog(store, 0, 2, timeout, interval, _Blocked(), on_hang=lambda *a: reports.append(a))
+    while not reports:
+        dog.tick()
+        time.sleep(interval)
+    line, states, _ = reports[0]
+    report_window = interval * (STALE_AFTER_INTERVALS + 1)
+    assert states[1]["age_s"] > timeout > 3 * report_window, states[1]["age_s"]  # not just the report's
+    assert line.startswith("hang: rank 1 stopped responding 1 s ago"), line

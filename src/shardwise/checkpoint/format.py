@@ -341,6 +341,13 @@ class Manifest:
             raise ManifestError(f"chunk_bytes must be a positive multiple of 8, got {self.chunk_bytes}")
         if self.world_size < 1:
             raise ManifestError(f"world_size must be at least 1, got {self.world_size}")
+        sampler = self.meta.get("sampler")
+        if isinstance(sampler, dict) and "step" in sampler and sampler["step"] != self.step:
+            # the position a resume continues from: trusted, it would pair step k's weights with
+            # another step's data, learning rate and metrics
+            raise ManifestError(
+                f"meta.sampler.step {_show(sampler['step'])} disagrees with the manifest's step {self.step}"
+            )
         for name, size in self.files.items():
             check_member_name(name, "manifest files")
             if size < 0:

@@ -167,6 +167,15 @@ class _Job:
     error: BaseException | None = field(default=None)
 
 
+class AsyncSaveError(CheckpointError):
+    """An asynchronous save that failed in the background, raised by the next ``wait`` (or ``save``):
+    ``step`` is the step of the save that failed, not the one being saved when it surfaced."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        super().__init__(f"asynchronous save of step {step} failed: {error}")
+        self.step = step
+
+
 class CheckpointWriter:
     """Saves checkpoints under ``root``; one instance per rank, kept for the whole run."""
 
@@ -245,9 +254,7 @@ class CheckpointWriter:
         job.thread.join()
         job.report.blocked_s += time.perf_counter() - start
         if job.error is not None:
-            raise CheckpointError(
-                f"asynchronous save of step {job.report.step} failed: {job.error}"
-            ) from job.error
+            raise AsyncSaveError(job.report.step, job.error) from job.error
         return job.report
 
     # -- internals --------------------------------------------------------------------------------

@@ -389,12 +389,17 @@ def find_latest_valid(
 
 
 def resolve(path: str) -> str:
-    """A step folder as given, or the newest valid one under a root."""
+    """A step folder as given, or the newest valid one under a root: each newer one skipped is reported
+    (a ``CheckpointWarning``); when none is usable the error says why each was skipped."""
     if os.path.exists(os.path.join(path, MANIFEST_NAME)):
         return path
-    found = find_latest_valid(path)
+    skipped: list[str] = []
+    found = find_latest_valid(path, on_bad=skipped.append)
     if found is None:
-        raise CheckpointError(f"{path}: no complete checkpoint here")
+        reasons = [reason.replace(" skipped, using the previous one:", " skipped:") for reason in skipped]
+        raise CheckpointError(f"{path}: no complete checkpoint here" + "".join(f"; {r}" for r in reasons))
+    for reason in skipped:
+        _warn(reason)
     return found
 
 

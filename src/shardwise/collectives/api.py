@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Protocol
 
@@ -38,6 +38,7 @@ from shardwise.collectives import cost, explicit
 from shardwise.collectives.comm_thread import CommThread
 from shardwise.collectives.explicit import EXPLICIT, divide
 from shardwise.collectives.p2p import MAX_SLOTS, P2P, TAG_BASE, Done, Work
+from shardwise.config import ConfigError
 from shardwise.observe.monitor import MONITOR, Call
 
 _OPS = {
@@ -125,17 +126,41 @@ class CommSettings(Protocol):
     def profile(self) -> str: ...
 
 
+MAX_PROFILE_BYTES = 1 << 20  # a profile `shardwise bench comm` writes is a few kB
+
+
 def load_profile(path: str) -> cost.CostProfile | None:
     """The cost-model profile at ``path``; with no path, the one ``shardwise bench comm`` saved here, if any.
 
-    A path that was named but does not exist is an error (a ``FileNotFoundError`` naming it).
+    A path that was named but does not exist, or a file that is no profile (not a regular file, not
+    JSON, a value of the wrong kind), is a one-line ``ConfigError`` naming it (``preflight`` calls this
+    before any rank starts).
     """
     where = Path(path or cost.DEFAULT_PROFILE_PATH)
-    if where.exists():
-        return cost.CostProfile.load(str(where))
-    if path:
-        raise FileNotFoundError(f"comm.profile {path} does not exist; `shardwise bench comm` makes one")
-    return None
+    named = f"comm.profile {path}" if path else f"the saved comm profile {where}"
+    if not where.exists():
+        if path:
+            raise ConfigError(f"comm.profile {path} does not exist; `shardwise bench comm` makes one")
+        return None
+    if not where.is_file():  # a folder, /dev/zero, a pipe: nothing to read, or no end to it
+        raise ConfigError(f"{named} is not a regular file; give the JSON file `shardwise bench comm` writes")
+    if where.stat().st_size > MAX_PROFILE_BYTES:
+        raise ConfigError(
+            f"{named} has {where.stat().st_size} bytes, more than a profile's {MAX_PROFILE_BYTES}; "
+            "give the JSON file `shardwise bench comm` writes"
+        )
+    try:
+        profile = cost.CostProfile.load(str(where))
+        numbers = [getattr(profile, f.name) for f in fields(profile) if f.type in (float, "float")]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            raise TypeError("a constant is not a number")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever json says
+        raise ConfigError(
+            f"{named} is not a cost profile ({reason}); run `shardwise bench comm` again, or give "
+            "another comm.profile"
+        ) from None
+    return profile
 
 
 class Comm:

@@ -103,6 +103,8 @@ class CostProfile:
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
         data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object of constants")
         values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
         for key in ("exchange_points", "one_way_points", "reduce_points", "copy_points"):
             values[key] = tuple((float(m), float(t)) for m, t in values.get(key, ()))

@@ -151,6 +151,11 @@ class Watchdog:
 
     def tick(self) -> None:
         snapshot = self.publish()
+        if snapshot["blocked"] and snapshot["blocked_for_s"] > self.interval_s:
+            # watch the others from the start of a long wait, not from the report: a rank's age counts
+            # from when this rank first saw its snapshot, so read only at the report it would be the
+            # report's few seconds, however long the rank has been gone
+            self.states()
         limit = self.timeout()
         if snapshot["blocked"] and limit > 0 and snapshot["blocked_for_s"] > limit:
             self.report(snapshot)

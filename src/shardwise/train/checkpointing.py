@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from shardwise.checkpoint import CheckpointError, CheckpointWriter, SaveReport, capture_rng, restore_rng
-from shardwise.checkpoint.format import Manifest
+from shardwise.checkpoint.format import Manifest, ManifestError
 from shardwise.checkpoint.layout import clean_tmp, list_steps, step_dir_name
+from shardwise.checkpoint.manager import AsyncSaveError
 from shardwise.checkpoint.reader import verify_checkpoint
 from shardwise.checkpoint.rng import torch_rng_name
 from shardwise.collectives.api import Comm
@@ -84,6 +85,19 @@ def _row_step(line: str) -> int:
         return int(json.loads(line).get("step", -1))
     except (ValueError, AttributeError):
         return -1
+
+
+def check_resume_meta(manifest: Manifest, step_dir: str) -> None:
+    """The training position a resume reads: an integer ``meta.sampler.step`` (``read_manifest`` has
+    checked that it equals the manifest's step, the steps done); without it the checkpoint is not one a
+    run can continue from, and is passed over like a damaged one."""
+    sampler = manifest.meta.get("sampler")
+    step = sampler.get("step") if isinstance(sampler, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ManifestError(
+            f"{os.path.join(step_dir, 'manifest.json')}: meta.sampler.step is {step!r}, not the step to "
+            "resume from; the manifest is corrupt"
+        )
 
 
 class CheckpointWriteError(RuntimeError):
@@ -158,6 +172,7 @@ class TrainCheckpoints:
     def _try_load(self, step_dir: str) -> CheckpointError | None:
         try:
             manifest = verify_checkpoint(step_dir)  # readable manifest, every file at its size
+            check_resume_meta(manifest, step_dir)
             check_same_run(manifest, self.trainer.config)
             reader = FolderReader(step_dir, manifest)
             rng_name = torch_rng_name(self.rank)
@@ -232,7 +247,8 @@ class TrainCheckpoints:
                 config=to_dict(config),
             )
         except (OSError, CheckpointError) as err:  # CheckpointError: an asynchronous save that failed
-            self._raise_write_error(err, step)
+            # an earlier asynchronous save surfaces here, while ``step`` is being saved: name its step
+            self._raise_write_error(err, err.step if isinstance(err, AsyncSaveError) else step)
         self.reports.append(report)
         return report
 
@@ -241,7 +257,7 @@ class TrainCheckpoints:
         try:
             self.writer.wait()
         except CheckpointError as err:
-            self._raise_write_error(err, None)
+            self._raise_write_error(err, err.step if isinstance(err, AsyncSaveError) else None)
 
     def _raise_write_error(self, err: BaseException, step: int | None) -> NoReturn:
         """One line for a save that failed on its way to the disk; anything else as it was."""
