@@ -69,7 +69,8 @@ def _config(root: Path) -> TrainConfig:
 
 
 def _local_state(engine) -> dict[str, torch.Tensor]:
-    return {n: t.clone() for n, t in full_state_tensors(engine.model, engine.optimizers[0]).items()}
+    """This rank's tensors and optimizer state at the shapes it holds (tp shards; ZeRO gathered over dp)."""
+    return engine.full_state()
 
 
 def _save(rank: int, world_size: int, root: str) -> dict:
