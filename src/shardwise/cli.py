@@ -37,6 +37,10 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--micro-batches": ("data.micro_batches", {"help": "gradient accumulation (no_sync) steps"}),
     "--pp": ("parallel.pp", {"help": "pipeline stages (ranks per pipeline)"}),
     "--tp": ("parallel.tp", {"help": "tensor-parallel degree (ranks per layer)"}),
+    "--dp-replicate": (
+        "parallel.dp_replicate",
+        {"help": "hybrid sharding: ZeRO within dp / R ranks, R replicas across (HSDP)"},
+    ),
     "--schedule": (
         "parallel.schedule",
         {"help": "pipeline schedule: gpipe | 1f1b | interleaved | zb | interleaved-zb | zbv | dualpipev"},

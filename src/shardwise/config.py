@@ -163,6 +163,9 @@ class ParallelConfig:
     virtual_stages: int = checked(1, Range(ge=1))  # stages per pp rank (interleaved: >= 2; V: 2)
     # tp > 1: norms and dropout on a tp-th of the sequence each (Korthikanti et al., 2022)
     sequence_parallel: bool = False
+    # hybrid sharding (HSDP, ZeRO++'s hpZ): ZeRO shards within groups of dp / dp_replicate ranks and
+    # the groups replicate, so gathers stay in a group (a node); 1: shard over the whole dp axis
+    dp_replicate: int = checked(1, Range(ge=1))
 
     def resolve(self, world_size: int, servers: int = 0) -> ParallelConfig:
         """Fill in dp and check that the degrees multiply to the world size (see ``ParallelDims``)."""

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.collectives.api import Comm, CommSettings
-from shardwise.config import CommConfig, ParallelDims, TrainConfig
+from shardwise.config import CommConfig, ConfigError, ParallelDims, TrainConfig
 
 AXES = ("dp", "pp", "tp")
+HYBRID_AXES = ("dp_shard", "dp_replicate")  # the dp axis cut in two for hybrid sharding
 
 
 @dataclass
@@ -48,8 +49,8 @@ class Mesh:
 
     def comm(self, axis: str) -> Comm:
         """The ``Comm`` over ``axis`` (``dp``, ``pp`` or ``tp``) for this rank, built once."""
-        if axis not in AXES:
-            raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
+        if axis not in AXES + HYBRID_AXES:
+            raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES + HYBRID_AXES)}")
         if not self.comms:
             raise RuntimeError(
                 f"rank {self.rank} is a parameter server, outside the mesh: it has no {axis} axis"
@@ -78,15 +79,21 @@ class Mesh:
 
 
 def build_mesh(
-    dims: ParallelDims | TrainConfig, comm_config: CommSettings | None = None, device_type: str = "cpu"
+    dims: ParallelDims | TrainConfig,
+    comm_config: CommSettings | None = None,
+    device_type: str = "cpu",
+    dp_replicate: int = 1,
 ) -> Mesh:
     """Build the mesh over the initialised default process group: from ``ParallelDims`` (which must
-    match its size) and ``comm_config``, or from a ``TrainConfig`` (its degrees and ``[comm]``)."""
+    match its size) and ``comm_config``, or from a ``TrainConfig`` (its degrees, ``[comm]`` and
+    ``parallel.dp_replicate``). ``dp_replicate`` > 1 also cuts dp into ``dp_shard`` x ``dp_replicate``
+    (see ``hybrid_groups``)."""
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialised process group: call shardwise.init() first")
     world_size = dist.get_world_size()
     if isinstance(dims, TrainConfig):
         comm_config = comm_config or dims.comm
+        dp_replicate = dims.parallel.dp_replicate
         dims = dims.validate(world_size).dims(world_size)
     if dims.world_size != world_size:
         raise ValueError(f"the mesh describes {dims.world_size} ranks, but the world has {world_size}")
@@ -106,4 +113,27 @@ def build_mesh(
         if trains
         else {}
     )
+    if dp_replicate > 1:
+        for axis, groups in zip(HYBRID_AXES, hybrid_groups(ranks, dp_replicate), strict=True):
+            mine = [dist.new_group(g) for g in groups]  # every rank builds every group, in one order
+            for members, group in zip(groups, mine, strict=True):
+                if rank in members:
+                    comms[axis] = Comm.from_config(group, settings, axis)
     return Mesh(dims, world, trainers, servers, device_mesh, comms)
+
+
+def hybrid_groups(ranks: torch.Tensor, replicate: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The dp axis of ``ranks`` (dp, pp, tp) cut into shard groups of ``dp / replicate`` consecutive dp
+    ranks (neighbours: one node) and replicate groups of the ranks at the same place in each shard
+    group; per (pp, tp) position. dp rank = replica index x shard size + shard index."""
+    dp = ranks.shape[0]
+    if dp % replicate:
+        raise ConfigError(f"parallel.dp_replicate = {replicate} does not divide dp = {dp}")
+    shard = dp // replicate
+    shards, replicas = [], []
+    for p in range(ranks.shape[1]):
+        for t in range(ranks.shape[2]):
+            column = ranks[:, p, t].tolist()
+            shards += [column[r * shard : (r + 1) * shard] for r in range(replicate)]
+            replicas += [column[s::shard] for s in range(shard)]
+    return shards, replicas

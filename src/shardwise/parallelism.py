@@ -65,8 +65,27 @@ PIPELINE_REFUSED = ("ps", "zero3", "diloco")
 
 def check(config: TrainConfig) -> None:
     """Refuse, in one line, what the config asks for and no step can do yet."""
+    _check_hybrid(config)
     _check_tensor_parallel(config)
     _check_pipeline(config)
+
+
+def _check_hybrid(config: TrainConfig) -> None:
+    """Hybrid sharding: ZeRO only, no codec (its error feedback is per shard group), replicas that
+    divide the dp degree (checked again with the world's size when the mesh is built)."""
+    replicate = config.parallel.dp_replicate
+    if replicate == 1:
+        return
+    if config.strategy not in ("zero1", "zero2", "zero3"):
+        raise ConfigError(
+            f"parallel.dp_replicate = {replicate} is hybrid sharding: ZeRO shards within groups and the "
+            f"groups replicate; --strategy {config.strategy} does not shard: use zero1, zero2 or zero3"
+        )
+    if config.comm.compress:
+        raise NotBuiltError("gradient compression with hybrid sharding (--dp-replicate) is not built yet")
+    dp = config.parallel.dp
+    if dp != -1 and dp % replicate:
+        raise ConfigError(f"parallel.dp_replicate = {replicate} does not divide dp = {dp}")
 
 
 TENSOR_PARALLEL_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")  # data-parallel engines over tp shards

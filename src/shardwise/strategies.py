@@ -28,6 +28,7 @@ from shardwise.data_parallel.param_server import ParamServerEngine
 from shardwise.engine.base import Engine, Role
 from shardwise.mesh import Mesh
 from shardwise.zero import build_zero_engine
+from shardwise.zero.hybrid import attach_hybrid
 
 Weights = PretrainedWeights | None
 Builder = Callable[[TrainConfig, nn.Module, Mesh, bool, Weights], Engine]
@@ -50,9 +51,14 @@ def _zero(stage: int) -> Builder:
     def build(
         config: TrainConfig, model: nn.Module, mesh: Mesh, share_gradients: bool, weights: Weights
     ) -> Engine:
-        zero, dp = replace(config.zero, precision=config.compute_precision), mesh.comm("dp")
+        zero = replace(config.zero, precision=config.compute_precision)
+        hybrid = config.parallel.dp_replicate > 1
+        dp = mesh.comm("dp_shard" if hybrid else "dp")  # hybrid: shard within a group, replicate across
         role, compressor = Role.trainer(mesh.rank), _compressor(config, dp)
-        return build_zero_engine(model, dp, stage, zero, role, weights, compressor)
+        engine = build_zero_engine(model, dp, stage, zero, role, weights, compressor)
+        if hybrid:
+            attach_hybrid(engine, mesh.comm("dp_replicate"))
+        return engine
 
     return build
 

@@ -140,7 +140,7 @@ class Trainer:
         init_distributed(config.timeout_s)  # a plain process that did not join a job: a world of one
         world = dist.get_world_size()
         config = config.validate(world)
-        mesh = build_mesh(config.dims(world), config.comm)
+        mesh = build_mesh(config.dims(world), config.comm, dp_replicate=config.parallel.dp_replicate)
         seed_everything(config.seed)
         # with weights to load, parameters start on meta: each rank materialises only what it holds
         meta = bool(config.model.init_from)

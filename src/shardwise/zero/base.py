@@ -63,6 +63,7 @@ class ZeroBase(Engine):
         super().__init__(model, role)
         self.comm, self.config = comm, config
         self.weights = weights  # stage 3: each group reads its shard from it (build_groups)
+        self.usage_comms: list[Comm] = []  # more groups the used flags are agreed over (hybrid replicas)
         broadcast_initial_state(model, comm)
         self.trainable = unique_parameters(model.named_parameters())
         if not self.trainable:
@@ -107,8 +108,9 @@ class ZeroBase(Engine):
         self.usage[index].used[param_index] = True
 
     def share_usage(self) -> None:
-        """After the step's gradients: which parameters got one on any rank (one small all-reduce)."""
-        share(self.usage, self.comm)
+        """After the step's gradients: which parameters got one on any rank (one small all-reduce, and
+        one more per group in ``usage_comms``: hybrid sharding's replicas)."""
+        share(self.usage, self.comm, *self.usage_comms)
 
     def wait_reduces(self) -> None:
         for group in self._in_flight:

@@ -63,10 +63,12 @@ def group_usage(group: FlatGroup) -> GroupUsage:
     return GroupUsage(ranges, [False] * n, [0] * n)
 
 
-def share(usages: list[GroupUsage], comm: Comm) -> None:
-    """All-reduce (max) every group's flags: a parameter is used when any rank used it."""
+def share(usages: list[GroupUsage], comm: Comm, *more: Comm) -> None:
+    """All-reduce (max) every group's flags over ``comm`` (and then each of ``more``): a parameter is
+    used when any rank used it."""
     flags = torch.tensor([float(u) for usage in usages for u in usage.used], dtype=torch.float32)
-    comm.all_reduce(flags, op="max")
+    for group in (comm, *more):
+        group.all_reduce(flags, op="max")
     values, start = flags.tolist(), 0
     for usage in usages:
         usage.shared = [v > 0 for v in values[start : start + len(usage.used)]]
