@@ -18,6 +18,9 @@ small all-reduce of the used flags.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.zero.base import ZeroBase
@@ -38,5 +41,6 @@ def attach_hybrid(engine: ZeroBase, replicate: Comm) -> None:
         """The first replica's shard group writes; its ranks are numbered within the group."""
         return local_pieces(engine.comm.rank, engine.comm.world_size) if replicate.rank == 0 else []
 
-    engine.finish_grads = finish_grads  # type: ignore[method-assign]
-    engine.state_pieces = state_pieces  # type: ignore[method-assign]
+    overrides: dict[str, Callable[..., Any]] = {"finish_grads": finish_grads, "state_pieces": state_pieces}
+    for name, method in overrides.items():
+        setattr(engine, name, method)  # this engine instance only: it is now one replica
