@@ -24,7 +24,7 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "model.kind",
         {"help": "gpt | mlp | hf:PATH/config.json | hf:tiny-gpt2 | hf:tiny-llama | package.module:function"},
     ),
-    "--preset": ("model.preset", {"help": "model size: tiny | odd | small | base | medium | large"}),
+    "--preset": ("model.preset", {"help": "model size: tiny | odd | small | base | medium | large | odd-deep"}),
     "--seq-len": ("model.seq_len", {}),
     "--init-from": (
         "model.init_from",
@@ -32,6 +32,12 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--global-batch": ("data.global_batch", {"help": "sequences per step over all ranks"}),
     "--micro-batches": ("data.micro_batches", {"help": "gradient accumulation (no_sync) steps"}),
+    "--pp": ("parallel.pp", {"help": "pipeline stages (ranks per pipeline)"}),
+    "--schedule": (
+        "parallel.schedule",
+        {"help": "pipeline schedule: gpipe | 1f1b | interleaved | zb | interleaved-zb | zbv | dualpipev"},
+    ),
+    "--virtual-stages": ("parallel.virtual_stages", {"help": "pipeline stages per pp rank"}),
     "--data-weights": ("data.weights", {"help": "per-rank shares, e.g. .25,.25,.10,.40"}),
     "--lr": ("optim.lr", {}),
     "--optimizer": ("optim.name", {"help": "adamw | adam | sgd"}),

@@ -150,6 +150,11 @@ class ParallelConfig:
     pp: int = checked(1, Range(ge=1))
     tp: int = checked(1, Range(ge=1))
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # the pipeline schedule (pp > 1): gpipe | 1f1b | interleaved | zb | interleaved-zb | zbv | dualpipev
+    schedule: str = checked(
+        "1f1b", OneOf(("gpipe", "1f1b", "interleaved", "zb", "interleaved-zb", "zbv", "dualpipev"))
+    )
+    virtual_stages: int = checked(1, Range(ge=1))  # stages per pp rank (interleaved: >= 2; V: 2)
 
     def resolve(self, world_size: int, servers: int = 0) -> ParallelConfig:
         """Fill in dp and check that the degrees multiply to the world size (see ``ParallelDims``)."""

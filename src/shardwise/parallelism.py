@@ -37,13 +37,24 @@ from shardwise.engine.loss import Loss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
 from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.mesh import Mesh
+from shardwise.models import PRESETS
 from shardwise.models.meta import meta_parameters
+from shardwise.pipeline.engine import attach_pipeline
+from shardwise.pipeline.runtime import PipelineRunner
+from shardwise.pipeline.schedules import ScheduleConfigError, stage_placement
+from shardwise.pipeline.schedules import build as build_schedule
+from shardwise.pipeline.schedules import check as check_schedule
+from shardwise.pipeline.split import split_model
 from shardwise.strategies import build_data_parallel
 from shardwise.zero.units import resolve_units
 
 
 class NotBuiltError(ConfigError):
     """The config asks for a kind of parallelism this version does not have yet."""
+
+
+PIPELINE_STRATEGIES = ("ddp", "zero1", "zero2")  # the data-parallel engines a pipeline stage runs under
+PIPELINE_REFUSED = ("ps", "zero3", "diloco")
 
 
 def check(config: TrainConfig) -> None:
@@ -60,10 +71,33 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
 
 
 def _check_pipeline(config: TrainConfig) -> None:
-    if config.parallel.pp != 1:
+    """The schedule fits pp, virtual stages and micro-batches (the arithmetic in the message); the
+    strategies that cannot run on a pipeline stage are refused."""
+    parallel = config.parallel
+    if parallel.pp == 1:
+        if parallel.virtual_stages != 1:
+            raise ConfigError(
+                f"parallel.virtual_stages = {parallel.virtual_stages} needs a pipeline: set parallel.pp > 1 "
+                "(--pp) or virtual_stages = 1"
+            )
+        return
+    if config.strategy in PIPELINE_REFUSED:
         raise NotBuiltError(
-            f"pipeline parallelism (parallel.pp = {config.parallel.pp}) is not built yet; set parallel.pp = 1"
+            f"--strategy {config.strategy} does not run with pipeline parallelism (parallel.pp = {parallel.pp}); "
+            f"use {' or '.join(PIPELINE_STRATEGIES)} on the dp axis, or set parallel.pp = 1"
         )
+    try:
+        check_schedule(parallel.schedule, parallel.pp, parallel.virtual_stages, config.data.micro_batches)
+    except ScheduleConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.model.kind == "gpt":
+        blocks = PRESETS["gpt"].get(config.model.preset, {}).get("n_layer", 0)
+        stages = parallel.pp * parallel.virtual_stages
+        if blocks < stages:
+            raise ConfigError(
+                f"the gpt preset {config.model.preset!r} has {blocks} blocks, fewer than pp({parallel.pp}) x "
+                f"virtual_stages({parallel.virtual_stages}) = {stages} stages; pick a larger preset"
+            )
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
@@ -71,9 +105,18 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, config: TrainConfig) -> 
     _check_tensor_parallel(config)
 
 
-def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
-    """Step 2: keep this rank's pipeline stage over the ``pp`` axis (refuses until pipelines are built)."""
+def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> PipelineRunner | None:
+    """Step 2: keep this rank's pipeline stages over the ``pp`` axis (``pipeline.split``); returns the
+    runtime that runs them (the engine's step runner), or None without a pipeline."""
     _check_pipeline(config)
+    parallel = config.parallel
+    if parallel.pp == 1 or not mesh.in_mesh:
+        return None
+    comm = mesh.comm("pp")
+    name, pp, virtual = parallel.schedule, parallel.pp, parallel.virtual_stages
+    placement = stage_placement(name, pp, virtual)
+    split = split_model(model, placement, comm.rank)
+    return PipelineRunner(split, comm, placement, lambda m: build_schedule(name, pp, virtual, m)[comm.rank])
 
 
 def apply_activation_checkpointing(model: nn.Module, config: TrainConfig) -> None:
@@ -162,7 +205,7 @@ def parallelize(
     makes global gradients visible on every rank that steps (``verify``).
     """
     apply_tensor_parallel(model, mesh, config)
-    apply_pipeline(model, mesh, config)
+    runner = apply_pipeline(model, mesh, config)
     apply_activation_checkpointing(model, config)
     apply_batchnorm(model, mesh, config)
     with _initial_weights(model, mesh, config) as weights:
@@ -170,6 +213,9 @@ def parallelize(
     if left := meta_parameters(model):  # a strategy that did not read them: never train on no data
         raise RuntimeError(f"{config.strategy} left parameters on the meta device: {', '.join(left[:3])}")
     engine.count_comm = mesh.comm("dp") if mesh.in_mesh else None  # the ranks that split each batch
+    if runner is not None:
+        engine.loss_comm = mesh.trainers  # only the last stage holds a loss share: sum over every stage
+        attach_pipeline(engine, runner)
     engine.clip_grad_norm = config.optim.clip_grad_norm
     if engine.units_are_parameters:  # ZeRO took the precision at construction (compute copies)
         engine.use_precision(config.compute_precision)

@@ -22,7 +22,7 @@ TOLERANCE = 1e-10
 VERIFY_DEFAULTS = {
     "dtype": "float64",
     "steps": "5",
-    "model.preset": "odd",  # parameter sizes that divide no world size
+    "model.preset": "odd-deep",  # odd widths, 8 blocks (pp 4 x 2 virtual stages), 4 heads
     "model.freeze": "wpe",  # a frozen parameter must stay equal and untouched (the built-in GPT's)
     "data.global_batch": "12",
     "eval_every": "0",

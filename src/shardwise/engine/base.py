@@ -175,6 +175,9 @@ class Engine(ABC):
         self.schedulers: list[LRScheduler] = []  # one per optimizer when the user gives a factory
         self.loss: Loss = TokenLoss()  # the user's loss: a SUM over items and a count (engine.loss)
         self.count_comm: Comm | None = None  # the ranks that share a batch: where counts are summed
+        # where step loss shares are summed to the global mean: count_comm (None) unless a pipeline,
+        # whose loss share lives on the last stage only, sums them over every rank that trains
+        self.loss_comm: Comm | None = None
         self.clip_grad_norm = 0.0  # 0 or inf: measure the global norm, never clip
         dtype = next((p.dtype for p in model.parameters()), torch.float32)
         self.precision = resolve_precision("fp32", dtype)
@@ -189,8 +192,9 @@ class Engine(ABC):
         forward, backward, gradient exchange, update. Returns the global mean loss (every rank)."""
         count = self.global_count(micro_batches)
         share = torch.tensor([self.forward_backward(micro_batches, max(count, 1.0))], dtype=torch.float64)
-        if self.count_comm is not None:
-            self.count_comm.all_reduce(share)
+        loss_comm = self.loss_comm or self.count_comm
+        if loss_comm is not None:
+            loss_comm.all_reduce(share)
         self.optimizer_step()
         return float(share)
 

@@ -46,6 +46,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "base": {"n_layer": 6, "n_head": 6, "d_model": 384},
         "medium": {"n_layer": 8, "n_head": 8, "d_model": 512},
         "large": {"n_layer": 14, "n_head": 12, "d_model": 768},
+        # verify's model: odd widths (head_dim 7, d_ff 45), 8 blocks so pp 4 x 2 virtual stages fits,
+        # heads divisible by 2 and 4 for tensor parallelism
+        "odd-deep": {"n_layer": 8, "n_head": 4, "d_model": 28, "d_ff": 45},
     },
     "mlp": {
         "tiny": {"context": 8, "d_embed": 16, "d_hidden": 64, "n_layer": 1},

@@ -21,17 +21,21 @@ from shardwise.collectives.api import Comm
 from shardwise.engine.base import Engine, NonFinite, describe_nonfinite, trainable
 
 
+_NONE_FOUND = 2**62  # no parameter index reaches it
+
+
 def agree_nonfinite(comm: Comm, engine: Engine, loss_share: float, policy: str) -> NonFinite | None:
     """After ``finish_grads``: what any rank found not finite this step (the same on every rank), or None."""
     names = [name for name, _ in trainable(engine.model)]
     scaled = engine.scaler_owns_overflow()
     bad = None if scaled else engine.nonfinite_grad()
     loss_ok = scaled or math.isfinite(loss_share)
-    flags = torch.tensor([int(loss_ok), names.index(bad) if bad else len(names)], dtype=torch.int64)
+    # ranks may hold different parameters (pipeline stages): "none found" is one sentinel for all
+    flags = torch.tensor([int(loss_ok), names.index(bad) if bad else _NONE_FOUND], dtype=torch.int64)
     comm.all_reduce(flags, "min")
     loss_ok, first = bool(flags[0]), int(flags[1])
-    if loss_ok and first == len(names):
+    if loss_ok and first == _NONE_FOUND:
         return None
-    grad_name = names[first] if first < len(names) else None
+    grad_name = None if first == _NONE_FOUND else names[first] if first < len(names) else bad or "a parameter"
     return NonFinite(describe_nonfinite(loss_ok, grad_name), stop=policy == "stop")
 

@@ -1,0 +1,263 @@
+"""The pipeline runtime: one step runner that executes this rank's action list over the pp axis.
+
+A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
+
+1. ``engine.begin_step`` (the loss divisor); the tied weight's copy on the last stage refreshed from
+   the first stage (one send, when the two ends are on different ranks);
+2. every receive of the step posted at once (``irecv``, tagged by the message's key: what, stage,
+   micro-batch; ``actions.transfers`` derives them), so a peer's send never waits on this rank;
+3. the actions in order, all under ``engine.no_sync()``: ``F`` runs the stage on its input (the
+   micro-batch's token ids on the first stage, the received activation elsewhere, a leaf that
+   requires grad) and sends its output asynchronously (``isend``); the last stage's ``F`` computes
+   the summed loss / divisor. ``B`` runs backward (``engine.backward`` on the last stage, so the loss
+   scale applies; ``torch.autograd.backward(output, received_grad)`` elsewhere) and sends the input's
+   gradient back. ``I`` computes only the input's gradient (``torch.autograd.grad(inputs=[input])``,
+   the graph retained) and sends it; ``W`` then accumulates the stage's weight gradients
+   (``torch.autograd.backward(inputs=weights)``). W walks the graph from the output again rather than
+   reusing I's intermediate gradients (torch's ``stage_backward_weight`` keeps them), so a W costs
+   about a B here: the order, and so the bubble, is the zero-bubble schedule's, the work per W is not
+   yet. A stage's activations are dropped once its B (or W) ran;
+4. the tied weight's copy sends its gradient to the first stage, which adds it to the parameter's
+   (every backward ran under ``no_sync``, so the gradient is still local); then ``finish_grads``: the
+   data-parallel exchange, once per step, each stage over its own dp group.
+
+Empty micro-batches (a dp rank's share smaller than the micro-batch count) are skipped by every stage
+alike: each pp rank draws the same micro-batches. The loss exists on the last stage only; that rank
+returns its share and every other rank 0, so the shares still sum, over all ranks that train, to the
+global mean (``Engine.loss_comm`` is the group they sum over). Communication: point-to-point between
+adjacent stages' ranks over the pp axis (Narayanan et al. 2021, arXiv:2104.04473; Qi et al. 2023,
+arXiv:2401.10241 for I and W).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardwise.collectives.api import Comm
+from shardwise.collectives.p2p import Work
+from shardwise.engine.loss import model_inputs, rows
+from shardwise.observe.monitor import MONITOR
+from shardwise.pipeline.actions import Action, Kind, Transfer, transfers
+from shardwise.pipeline.split import Split
+
+if TYPE_CHECKING:
+    from shardwise.engine.base import Engine
+
+_TIE_TAG = (1 << 20) - 1  # the tied weight's own messages, apart from every keyed one
+
+
+def message_tag(transfer: Transfer, microbatches: int) -> int:
+    """A tag unique to a message's key (what, stage, micro-batch) within a step."""
+    return ((transfer.stage * microbatches + transfer.microbatch) * 2) + (transfer.what == "gradient")
+
+
+class PipelineRunner:
+    """Runs ``schedule(microbatches)`` on this pp rank; see the module docstring."""
+
+    def __init__(self, split: Split, comm: Comm, placement: Sequence[int], schedule: Any) -> None:
+        self.split, self.comm, self.placement = split, comm, tuple(placement)
+        self.schedule = schedule  # microbatches -> this rank's [Action]
+        self.last_stage = len(self.placement) - 1
+
+    # -- the step -------------------------------------------------------------------------------
+    def forward_backward(self, engine: Engine, micro_batches: Sequence[Any], global_count: float) -> float:
+        divisor = engine.begin_step(micro_batches, global_count)
+        self._refresh_tied()
+        m = len(micro_batches)
+        plan = transfers(self.comm.rank, self.schedule(m), self.placement)
+        empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
+        pending = self._post_receives(plan, micro_batches, empty, engine)
+        state = _StepState(pending)
+        state.m = m
+        with engine.no_sync():
+            for action, recvs, sends in plan:
+                if action.microbatch in empty:
+                    continue
+                self._run(engine, action, recvs, sends, micro_batches[action.microbatch], divisor, state)
+        for work in state.sends:
+            work.wait()
+        self._reduce_tied()
+        MONITOR.set_phase("gradient sync")
+        engine.finish_grads()
+        if self.last_stage in self.split.stages:
+            return engine.step_loss(float(state.share))
+        return 0.0
+
+    def _post_receives(
+        self, plan: list[tuple[Action, list[Transfer], list[Transfer]]], batches: Sequence[Any],
+        empty: set[int], engine: Engine,
+    ) -> dict[tuple[str, int, int], tuple[torch.Tensor, Work]]:  # fmt: skip
+        dtype = _dtype(engine)
+        pending = {}
+        for action, recvs, _ in plan:
+            if action.microbatch in empty:
+                continue
+            for t in recvs:
+                shape = self._hidden_shape(batches[t.microbatch])
+                buffer = torch.empty(shape, dtype=dtype)
+                pending[t.key] = (buffer, self.comm.irecv(buffer, t.peer, message_tag(t, len(batches))))
+        return pending
+
+    def _hidden_shape(self, batch: Any) -> tuple[int, int, int]:
+        ids = model_inputs(batch)[0][0] if not isinstance(batch, dict) else batch["input_ids"]
+        return (int(ids.shape[0]), int(ids.shape[1]), self.split.hidden_size)  # (batch, seq, hidden)
+
+    def _run(
+        self, engine: Engine, action: Action, recvs: list[Transfer], sends: list[Transfer], batch: Any,
+        divisor: float, state: _StepState,
+    ) -> None:  # fmt: skip
+        key = (action.stage, action.microbatch)
+        if action.kind is Kind.FORWARD:
+            MONITOR.set_phase("forward")
+            self._forward(engine, action, batch, divisor, state)
+            for t in sends:
+                out = state.outputs[key]
+                state.sends.append(self.comm.isend(out.detach().contiguous(), t.peer, message_tag(t, state.m)))
+            return
+        MONITOR.set_phase("backward")
+        if action.kind is Kind.WEIGHT_GRAD:
+            self._weights(action, state)
+            return
+        grad = self._incoming(action, "gradient", action.stage + 1, state)
+        inp = state.inputs[key]
+        if action.kind is Kind.BACKWARD:
+            self._backward(engine, action, grad, state)
+            input_grad = inp.grad if inp.requires_grad else None
+            state.forget(key)
+        else:
+            input_grad = self._input_grad(engine, action, grad, state)
+        if action.stage > 0:
+            assert input_grad is not None
+            if self.placement[action.stage - 1] == self.comm.rank:  # the turn of a V: handed over here
+                state.local[("gradient", action.stage, action.microbatch)] = input_grad
+            for t in sends:
+                state.sends.append(self.comm.isend(input_grad.contiguous(), t.peer, message_tag(t, state.m)))
+
+    def _incoming(self, action: Action, what: str, producer: int, state: _StepState) -> torch.Tensor | None:
+        """The message ``(what, producer, mb)`` this action consumes: received, or handed over locally."""
+        key = (what, producer, action.microbatch)
+        if key in state.local:
+            return state.local.pop(key)
+        if key in state.pending:
+            buffer, work = state.pending.pop(key)
+            work.wait()
+            return buffer
+        return None
+
+    def _forward(self, engine: Engine, action: Action, batch: Any, divisor: float, state: _StepState) -> None:
+        stage = self.split.stages[action.stage]
+        key = (action.stage, action.microbatch)
+        if stage.first:
+            x = model_inputs(batch)[0][0] if not isinstance(batch, dict) else batch["input_ids"]
+        else:
+            received = self._incoming(action, "activation", action.stage - 1, state)
+            assert received is not None, f"no activation for {action}"
+            x = received.detach().requires_grad_(True)
+        with _autocast(engine):
+            out = stage(x)
+        state.inputs[key] = x
+        if stage.last:
+            loss = engine.loss(out, batch) / divisor
+            state.share += loss.detach().to(torch.float64)
+            state.outputs[key] = loss
+        else:
+            state.outputs[key] = out
+            if self.placement[action.stage + 1] == self.comm.rank:
+                state.local[("activation", action.stage, action.microbatch)] = out.detach()
+
+    def _backward(self, engine: Engine, action: Action, grad: torch.Tensor | None, state: _StepState) -> None:
+        out = state.outputs[(action.stage, action.microbatch)]
+        if self.split.stages[action.stage].last:
+            engine.backward(out)  # the loss scale applies
+        else:
+            torch.autograd.backward(out, grad)
+
+    def _seed(self, engine: Engine, action: Action, grad: torch.Tensor | None, state: _StepState) -> torch.Tensor:
+        """The gradient backward starts from: the received one, or the loss scale on the last stage."""
+        if grad is not None:
+            return grad
+        out = state.outputs[(action.stage, action.microbatch)]
+        scale = engine.scaler.scale if engine.scaler.enabled else 1.0
+        return torch.full_like(out, scale)
+
+    def _input_grad(
+        self, engine: Engine, action: Action, grad: torch.Tensor | None, state: _StepState
+    ) -> torch.Tensor | None:
+        key = (action.stage, action.microbatch)
+        state.seeds[key] = self._seed(engine, action, grad, state)
+        inp = state.inputs[key]
+        if not inp.requires_grad:  # the first stage: no input gradient, W does all of the backward
+            return None
+        (input_grad,) = torch.autograd.grad(state.outputs[key], [inp], state.seeds[key], retain_graph=True)
+        return input_grad
+
+    def _weights(self, action: Action, state: _StepState) -> None:
+        key = (action.stage, action.microbatch)
+        weights = list(self.split.params[action.stage])
+        if self.split.tied is not None and self.split.stages[action.stage].last:
+            if self.split.tied.copy.requires_grad:
+                weights.append(self.split.tied.copy)
+        if weights:
+            torch.autograd.backward(state.outputs[key], state.seeds[key], inputs=weights)
+        state.forget(key)
+
+    # -- the tied weight ----------------------------------------------------------------------------
+    def _tie_peer(self) -> int:
+        return self.placement[self.last_stage] if self.split.tied_owner is not None else self.placement[0]
+
+    def _refresh_tied(self) -> None:
+        """The first stage's weight to the last stage's copy (they differ after every update)."""
+        if self.split.tied_owner is not None:
+            self.comm.send(self.split.tied_owner.detach().contiguous(), self._tie_peer(), _TIE_TAG)
+        elif self.split.tied is not None:
+            self.comm.recv(self.split.tied.copy.data, self._tie_peer(), _TIE_TAG)
+
+    def _reduce_tied(self) -> None:
+        """The last stage's gradient of the tied weight added to the first stage's, before the dp exchange."""
+        owner, tied = self.split.tied_owner, self.split.tied
+        if owner is not None and owner.requires_grad:
+            incoming = torch.empty_like(owner)
+            self.comm.recv(incoming, self._tie_peer(), _TIE_TAG)
+            if owner.grad is None:
+                owner.grad = incoming
+            else:
+                owner.grad.add_(incoming)
+        elif tied is not None and tied.copy.requires_grad:
+            grad = tied.copy.grad if tied.copy.grad is not None else torch.zeros_like(tied.copy)
+            self.comm.send(grad.contiguous(), self._tie_peer(), _TIE_TAG)
+            tied.copy.grad = None
+
+
+class _StepState:
+    """What one step keeps between actions: inputs and outputs by (stage, mb), messages, the loss."""
+
+    def __init__(self, pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]]) -> None:
+        self.pending = pending
+        self.m = 0
+        self.local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.seeds: dict[tuple[int, int], torch.Tensor] = {}
+        self.sends: list[Work] = []
+        self.share = torch.zeros((), dtype=torch.float64)
+
+    def forget(self, key: tuple[int, int]) -> None:
+        """Free a stage's activations for a micro-batch once its backward is done."""
+        for store in (self.inputs, self.outputs, self.seeds):
+            store.pop(key, None)
+
+
+def _dtype(engine: Engine) -> torch.dtype:
+    if engine.autocast_dtype is not None:
+        return engine.autocast_dtype
+    return next((p.dtype for p in engine.model.parameters()), torch.float32)
+
+
+def _autocast(engine: Engine) -> Any:
+    if engine.autocast_dtype is None:
+        return nullcontext()
+    return torch.autocast(next(engine.model.parameters()).device.type, dtype=engine.autocast_dtype)

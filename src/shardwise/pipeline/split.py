@@ -1,0 +1,350 @@
+"""Split a plain model into pipeline stages from outside, parameter names preserved.
+
+The model's blocks are assigned to ``pp * virtual`` stages in order, contiguous runs balanced by
+parameter count (each stage at least one block, every block on exactly one stage: checked); the
+embedding goes with the first stage, the final norm, the head and the loss with the last. A rank keeps
+the stages its schedule places on it (``schedules.stage_placement``) and drops every other module:
+the block list becomes an ``nn.ModuleDict`` keyed by the block's index, so a kept block's parameters
+keep their names (``blocks.5.attn.qkv.weight``), and checkpoints and ``full_parameters`` stay in the
+model's own naming. Each ``Stage`` is a callable: the micro-batch's token ids (first stage) or the
+hidden state (any other) in, the hidden state (or, on the last, the logits) out. What every block needs
+besides the hidden state (Llama's rotary embeddings, its causal mask, position ids) is computed on each
+stage from the hidden state's shape, so nothing but the hidden state crosses a stage boundary.
+
+A weight tied across the first and the last stage (the GPT's embedding used as its head) stays a
+parameter of the first stage only; the last stage's head reads a plain-tensor copy (``Split.tied``)
+that the runtime refreshes from the first stage at the start of each step and whose gradient it adds
+into the parameter's before the data-parallel exchange: the parameter gets the sum of both stages'
+gradients, is updated once and written to checkpoints once (Narayanan et al. 2021 all-reduce the two
+copies' gradients instead; the sum is the same). Where one rank holds both ends (the V schedules)
+the weight stays tied as in the plain model.
+
+Supported models: the built-in GPT (``models/gpt.py``) and Hugging Face GPT-2 and Llama causal LMs.
+No communication here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.config import ConfigError
+
+
+class SplitError(ConfigError):
+    """A model that cannot be split as asked; the message says why and what to do."""
+
+
+@dataclass
+class Tied:
+    """The last stage's copy of a weight the first stage owns (``owner_name`` there)."""
+
+    owner_name: str
+    copy: torch.Tensor  # a leaf that requires grad like the parameter; refreshed every step
+
+
+class Adapter:
+    """How one model family runs piece by piece: embed, one block, head; and which modules are which."""
+
+    first_modules: tuple[str, ...] = ()  # attribute paths kept on the first stage only
+    last_modules: tuple[str, ...] = ()  # ... on the last stage only
+    shared_modules: tuple[str, ...] = ()  # ... on every stage (parameter-free helpers: rotary tables)
+    blocks_path: str = "blocks"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    @property
+    def hidden_size(self) -> int:
+        raise NotImplementedError
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def context(self, hidden: torch.Tensor) -> dict[str, Any]:
+        """What every block needs besides the hidden state, from the hidden state's shape."""
+        return {}
+
+    def block(self, index: int, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tied_pair(self) -> tuple[str, str] | None:
+        """(owner on the first stage, user on the last stage) of a weight tied across them, or None."""
+        return None
+
+    def blocks(self) -> nn.Module:
+        return _get(self.model, self.blocks_path)
+
+
+class GPTAdapter(Adapter):
+    """The built-in GPT: ``wte``/``wpe`` embeddings, ``blocks``, ``ln_f`` and ``head``."""
+
+    first_modules = ("wte", "wpe", "drop")
+    last_modules = ("ln_f", "head")
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.d_model)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        positions = torch.arange(ids.shape[1], device=ids.device)  # (seq,)
+        return m.drop(m.wte(ids) + m.wpe(positions))  # (batch, seq, d_model)
+
+    def block(self, index: int, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        return self.model.blocks[str(index)](hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.head(self.model.ln_f(hidden))  # (batch, seq, vocab)
+
+    def tied_pair(self) -> tuple[str, str] | None:
+        return ("wte.weight", "head.weight") if self.model.config.tie_weights else None
+
+
+class HFGPT2Adapter(Adapter):
+    """Hugging Face ``GPT2LMHeadModel``: ``transformer.{wte, wpe, drop, h, ln_f}`` and ``lm_head``."""
+
+    first_modules = ("transformer.wte", "transformer.wpe", "transformer.drop")
+    last_modules = ("transformer.ln_f", "lm_head")
+    blocks_path = "transformer.h"
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.n_embd)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.model.transformer
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # (1, seq)
+        return t.drop(t.wte(ids) + t.wpe(positions))
+
+    def context(self, hidden: torch.Tensor) -> dict[str, Any]:
+        from transformers.masking_utils import create_causal_mask
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.model.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+            position_ids=positions,
+        )  # fmt: skip
+        return {"mask": mask, "positions": positions}
+
+    def block(self, index: int, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        out = self.model.transformer.h[str(index)](
+            hidden, None, None, context["mask"], position_ids=context["positions"]
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.transformer.ln_f(hidden))
+
+    def tied_pair(self) -> tuple[str, str] | None:
+        tied = self.model.lm_head.weight is self.model.transformer.wte.weight
+        return ("transformer.wte.weight", "lm_head.weight") if tied else None
+
+
+class LlamaAdapter(Adapter):
+    """Hugging Face ``LlamaForCausalLM``: ``model.{embed_tokens, layers, norm, rotary_emb}``, ``lm_head``."""
+
+    first_modules = ("model.embed_tokens",)
+    last_modules = ("model.norm", "lm_head")
+    shared_modules = ("model.rotary_emb",)
+    blocks_path = "model.layers"
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(ids)
+
+    def context(self, hidden: torch.Tensor) -> dict[str, Any]:
+        from transformers.masking_utils import create_causal_mask
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, seq)
+        mask = create_causal_mask(
+            config=self.model.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+            position_ids=positions,
+        )  # fmt: skip
+        rotary = self.model.model.rotary_emb(hidden, position_ids=positions)  # (cos, sin)
+        return {"mask": mask, "positions": positions, "rotary": rotary}
+
+    def block(self, index: int, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        out = self.model.model.layers[str(index)](
+            hidden,
+            attention_mask=context["mask"],
+            position_ids=context["positions"],
+            position_embeddings=context["rotary"],
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(hidden))
+
+    def tied_pair(self) -> tuple[str, str] | None:
+        tied = self.model.lm_head.weight is self.model.model.embed_tokens.weight
+        return ("model.embed_tokens.weight", "lm_head.weight") if tied else None
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    """The adapter of ``model``'s family, or a ``SplitError`` naming the families that split."""
+    from shardwise.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return GPTAdapter(model)
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind == "gpt2" and hasattr(model, "transformer"):
+        return HFGPT2Adapter(model)
+    if kind == "llama" and hasattr(model, "model"):
+        return LlamaAdapter(model)
+    raise SplitError(
+        f"a {type(model).__name__} cannot be split into pipeline stages: pp > 1 runs the built-in GPT and "
+        "Hugging Face GPT-2 and Llama models; set parallel.pp = 1"
+    )
+
+
+def _get(root: nn.Module, path: str) -> nn.Module:
+    module = root
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _drop(root: nn.Module, path: str) -> None:
+    parent, _, name = path.rpartition(".")
+    owner = _get(root, parent) if parent else root
+    owner._modules[name] = None  # named_parameters skips it: the parameters are no longer this rank's
+
+
+def balance(costs: Sequence[int], stages: int) -> list[list[int]]:
+    """Contiguous runs of block indices, one per stage, each non-empty, minimising the largest sum of
+    ``costs`` (dynamic programming over cut points; blocks are few)."""
+    n = len(costs)
+    if n < stages:
+        raise SplitError(
+            f"the model has {n} blocks but the pipeline has {stages} stages (pp x virtual stages); "
+            f"every stage needs at least one block: lower --pp or --virtual-stages"
+        )
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the smallest largest-stage cost putting blocks [0, i) on s stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    runs, end = [], n
+    for s in range(stages, 0, -1):
+        start = cut[s][end]
+        runs.append(list(range(start, end)))
+        end = start
+    return runs[::-1]
+
+
+@dataclass
+class Stage:
+    """One pipeline stage this rank holds: ``stage(x)`` runs its blocks (and the ends it owns)."""
+
+    index: int
+    blocks: list[int]
+    first: bool
+    last: bool
+    adapter: Adapter
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.adapter.embed(x) if self.first else x  # (batch, seq, hidden)
+        context = self.adapter.context(hidden) if self.blocks else {}
+        for index in self.blocks:
+            hidden = self.adapter.block(index, hidden, context)
+        return self.adapter.head(hidden) if self.last else hidden
+
+
+@dataclass
+class Split:
+    """This rank's share of the model after ``split_model``."""
+
+    stages: dict[int, Stage]  # stage index -> stage, those this rank holds
+    assignment: list[list[int]]  # every stage's blocks (all ranks)
+    hidden_size: int
+    tied: Tied | None = None  # on the last stage's rank when the tied weight's owner is elsewhere
+    tied_owner: nn.Parameter | None = None  # on the first stage's rank in that case
+    params: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # stage -> its trainable ones
+    shared_buffers: set[str] = field(default_factory=set)  # buffers every stage holds (written once)
+
+
+def split_model(model: nn.Module, placement: Sequence[int], rank: int) -> Split:
+    """Keep on ``model`` only what pipeline rank ``rank`` holds under ``placement`` (stage -> rank)."""
+    adapter = adapter_for(model)
+    stages = len(placement)
+    container = adapter.blocks()
+    blocks = list(container) if isinstance(container, nn.ModuleList) else None
+    if blocks is None:
+        raise SplitError(f"{adapter.blocks_path} is not an nn.ModuleList; the model was split already?")
+    costs = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    assignment = balance(costs, stages)
+    held = [s for s in range(stages) if placement[s] == rank]
+    holds_first, holds_last = 0 in held, stages - 1 in held
+    pair = adapter.tied_pair()
+    tied: Tied | None = None
+    owner: nn.Parameter | None = None
+    if pair is not None and holds_first != holds_last:
+        owner_param = dict(model.named_parameters())[pair[0]]
+        if holds_first:
+            owner = owner_param
+        else:
+            head = _get(model, pair[1].rpartition(".")[0])
+            copy = owner_param.detach().clone().requires_grad_(owner_param.requires_grad)
+            del head._parameters["weight"]
+            object.__setattr__(head, "weight", copy)  # a plain tensor: not this rank's parameter
+            tied = Tied(pair[0], copy)
+    kept = {str(i): blocks[i] for s in held for i in assignment[s]}
+    parent, _, name = adapter.blocks_path.rpartition(".")
+    (_get(model, parent) if parent else model)._modules[name] = nn.ModuleDict(kept)
+    if not holds_first:
+        for path in adapter.first_modules:
+            _drop(model, path)
+    if not holds_last:
+        for path in adapter.last_modules:
+            _drop(model, path)
+    split = Split(
+        {
+            s: Stage(s, assignment[s], s == 0, s == stages - 1, adapter)
+            for s in held
+        },
+        assignment,
+        adapter.hidden_size,
+        tied,
+        owner,
+    )
+    split.params = {s: _stage_params(model, adapter, split.stages[s]) for s in held}
+    split.shared_buffers = {
+        f"{path}.{name}" for path in adapter.shared_modules for name, _ in _get(model, path).named_buffers()
+    }
+    return split
+
+
+def _stage_params(model: nn.Module, adapter: Adapter, stage: Stage) -> list[nn.Parameter]:
+    """The trainable parameters stage ``stage`` uses (its blocks, and the ends it owns)."""
+    modules: list[nn.Module] = [adapter.blocks()[str(i)] for i in stage.blocks]
+    paths = (adapter.first_modules if stage.first else ()) + (adapter.last_modules if stage.last else ())
+    modules += [m for p in paths if (m := _get(model, p)) is not None]
+    seen: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for p in module.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+StageFn = Callable[[torch.Tensor], torch.Tensor]
