@@ -5,8 +5,9 @@ sync and optimizer phases; each block's forward and backward; every collective f
 completion; checkpoints and evaluations) and writes them to ``<run_dir>/trace/rank<r>.json``; rank 0
 then merges the files into ``<run_dir>/trace.json`` (open it in https://ui.perfetto.dev or
 chrome://tracing). Alignment: every rank takes its time origin right after the same barrier, so
-timestamps agree to within that barrier's skew (tens of microseconds on one machine). Pipeline
-actions will be recorded the same way (a span per action and micro-batch). Communication: none here
+timestamps agree to within that barrier's skew (tens of microseconds on one machine). The pipeline
+runtime records a span per action and micro-batch (lane "actions", named like ``0F1``, its stage, kind
+and micro-batch in ``args``); ``idle_fraction`` reads a bubble off them. Communication: none here
 (the caller's barrier).
 """
 
@@ -67,6 +68,21 @@ def rank_events(spans: Iterable[Span], rank: int, origin: float) -> list[dict[st
             }
         )
     return events
+
+
+def idle_fraction(busy: dict[int, list[tuple[float, float]]]) -> float:
+    """Idle over total time of ``busy`` ({rank: [(start, duration)]}): ``1 - sum(busy) / (p * window)``,
+    the window running from the first start to the last end on any rank (a pipeline's bubble when the
+    intervals are its actions; ``pipeline.simulate`` counts the same way). A rank with no interval
+    is idle throughout."""
+    every = [interval for intervals in busy.values() for interval in intervals]
+    if not every:
+        raise ValueError("no busy intervals: nothing was recorded")
+    start = min(s for s, _ in every)
+    window = max(s + d for s, d in every) - start
+    if window <= 0:
+        return 0.0
+    return 1.0 - sum(d for _, d in every) / (len(busy) * window)
 
 
 def _lane_id(lane: str, seen: int) -> int:
