@@ -106,3 +106,30 @@ def test_plot_timeline_draws_measured_beside_simulated(tmp_path: Path, monkeypat
     assert len(titles) == 2
     assert titles[0].startswith("measured: bubble") and titles[1].startswith("simulated: bubble")
     assert f"{100 * timeline.bubble:.1f}%" in titles[1]
+
+
+def test_trace_blocks_on_a_pipeline_stage_keeps_the_model_block_index() -> None:
+    """After a split the blocks are a ModuleDict keyed by the model's index (train --trace --pp)."""
+    import torch
+    from torch import nn
+
+    from shardwise.observe.monitor import Monitor
+    from shardwise.observe.trace import trace_blocks
+
+    monitor = Monitor()
+    monitor.tracing = True
+    blocks = nn.ModuleDict({"5": nn.Linear(2, 2), "6": nn.Linear(2, 2)})
+    handles = trace_blocks(blocks, monitor)
+    blocks["6"](blocks["5"](torch.ones(1, 2, requires_grad=True))).sum().backward()
+    for handle in handles:
+        handle.remove()
+    names = {s.name for s in monitor.spans}
+    assert {"block 5 forward", "block 6 forward", "block 5 backward", "block 6 backward"} <= names
+
+
+def test_zero_bubble_theory() -> None:
+    """ZB-H1's formula with the paper's equal costs is a third of 1F1B's ramp; never below 0."""
+    value, _ = bench.theory("zb", 4, 1, 8, Costs.uniform(1.0, 2.0))
+    assert value == pytest.approx(3 * 1 / (8 * 3 + 3 * 1))
+    heavy_w = Costs((1.0, 1.0), (2.0, 2.0), (0.0, 1.0), (3.0, 1.0))  # the first stage: W is all of B
+    assert bench.theory("zb", 2, 1, 4, heavy_w)[0] == 0.0

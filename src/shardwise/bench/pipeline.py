@@ -15,7 +15,8 @@ slowest rank's), across launches the median. Each row:
   stage's F, B, I and W alone in one process (never from the timeline it is compared with);
 - ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
-  ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, Qi et al. 2023), else null;
+  ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
+  al. 2023); else null. Transfers are not profiled (the simulator's transfer cost is 0);
 - ``speed_ratio``: tokens/s ours / torch's.
 
 torch's pipelining has hung on gloo (pytorch#132644), so every launch (ours and torch's) is a group of
@@ -91,8 +92,10 @@ def theory(name: str, pp: int, virtual: int, microbatches: int, costs: Costs) ->
         return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
     if name == "zb" and m >= p:
         f, i, w = (_mean(c) for c in (costs.forward, costs.input_grad, costs.weight_grad))
-        ramp = (p - 1) * (f + i - w)
-        return ramp / (m * (f + i + w) + ramp), "(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))"
+        # the formula holds for W <= F + I; past that (the first stage's I is empty, so its W is its
+        # whole backward) the cool-down is filled and the formula's bubble is 0
+        ramp = max(0.0, (p - 1) * (f + i - w))
+        return ramp / (m * (f + i + w) + ramp), "max(0,(p-1)(F+I-W))/(m(F+I+W)+max(0,(p-1)(F+I-W)))"
     return None, "no closed form used here; see bubble_simulated"
 
 
@@ -211,7 +214,9 @@ def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -
     m = config.data.micro_batches
     cls = getattr(pipelining, torch_class)
     schedule = cls(stages[0] if virtual == 1 else stages, n_microbatches=m, loss_fn=loss_fn)
-    named = [(n, p) for mod in modules.values() for n, p in mod.named_parameters()]
+    # a weight tied across two stages of this rank (the V schedules' embedding and head) once
+    unique = {id(p): (n, p) for mod in modules.values() for n, p in mod.named_parameters()}
+    named = list(unique.values())
     optimizer = build_optimizer(named, config.optim)
     holds_first, holds_last = 0 in modules, len(placement) - 1 in modules
     times = []

@@ -111,10 +111,12 @@ def merge(run_dir: Path, world_size: int) -> Path:
     return out
 
 
-def trace_blocks(blocks: nn.ModuleList | nn.Sequential, monitor: Monitor) -> list[Any]:
-    """Hooks that record each block's forward and backward as spans; returns their handles."""
+def trace_blocks(blocks: nn.ModuleList | nn.Sequential | nn.ModuleDict, monitor: Monitor) -> list[Any]:
+    """Hooks that record each block's forward and backward as spans; returns their handles. A pipeline
+    stage's blocks are a ``ModuleDict`` keyed by the model's block index: spans keep that index."""
     handles = []
-    for index, block in enumerate(blocks):
+    numbered = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
+    for index, block in numbered:
         started: dict[str, float] = {}
 
         def before(kind: str, store: dict[str, float] = started) -> None:
