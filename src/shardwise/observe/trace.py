@@ -122,7 +122,7 @@ def trace_blocks(blocks: nn.ModuleList | nn.Sequential | nn.ModuleDict, monitor:
         def before(kind: str, store: dict[str, float] = started) -> None:
             store[kind] = time.monotonic()
 
-        def after(kind: str, index: int = index, store: dict[str, float] = started) -> None:
+        def after(kind: str, index: str | int = index, store: dict[str, float] = started) -> None:
             if kind in store:
                 monitor.span(f"block {index} {kind}", "compute", "blocks", store.pop(kind))
 
