@@ -133,3 +133,18 @@ def test_zero_bubble_theory() -> None:
     assert value == pytest.approx(3 * 1 / (8 * 3 + 3 * 1))
     heavy_w = Costs((1.0, 1.0), (2.0, 2.0), (0.0, 1.0), (3.0, 1.0))  # the first stage: W is all of B
     assert bench.theory("zb", 2, 1, 4, heavy_w)[0] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--schedules", "1f1b,nope"], "unknown schedule 'nope' in --schedules: choose from gpipe, 1f1b"),
+        (["--nproc", "1"], "--nproc must be >= 2, got 1"),
+    ],
+)
+def test_bad_bench_input_is_one_line(flags: list[str], message: str, capsys: Any) -> None:
+    from shardwise.cli import main
+
+    assert main(["bench", "pipeline", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -375,6 +375,10 @@ def run_pipeline_bench(
     trace_dir: str | None = None,
 ) -> dict[str, Any]:
     """Every schedule's row (see the module docstring)."""
+    if nproc < 2:
+        raise ConfigError(
+            f"bench pipeline runs one pipeline rank per process: --nproc must be >= 2, got {nproc}"
+        )
     names = list(schedules or SCHEDULES)
     if unknown := [n for n in names if n not in SCHEDULES]:
         raise ConfigError(
