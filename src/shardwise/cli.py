@@ -24,7 +24,10 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "model.kind",
         {"help": "gpt | mlp | hf:PATH/config.json | hf:tiny-gpt2 | hf:tiny-llama | package.module:function"},
     ),
-    "--preset": ("model.preset", {"help": "model size: tiny | odd | small | base | medium | large | odd-deep"}),
+    "--preset": (
+        "model.preset",
+        {"help": "model size: tiny | odd | odd-deep | small | base | medium | large"},
+    ),
     "--seq-len": ("model.seq_len", {}),
     "--init-from": (
         "model.init_from",

@@ -83,8 +83,9 @@ def _check_pipeline(config: TrainConfig) -> None:
         return
     if config.strategy in PIPELINE_REFUSED:
         raise NotBuiltError(
-            f"--strategy {config.strategy} does not run with pipeline parallelism (parallel.pp = {parallel.pp}); "
-            f"use {' or '.join(PIPELINE_STRATEGIES)} on the dp axis, or set parallel.pp = 1"
+            f"--strategy {config.strategy} does not run with pipeline parallelism "
+            f"(parallel.pp = {parallel.pp}); use {' or '.join(PIPELINE_STRATEGIES)} on the dp axis, "
+            "or set parallel.pp = 1"
         )
     try:
         check_schedule(parallel.schedule, parallel.pp, parallel.virtual_stages, config.data.micro_batches)

@@ -134,7 +134,9 @@ class PipelineRunner:
             self._forward(engine, action, batch, divisor, state)
             for t in sends:
                 out = state.outputs[key]
-                state.sends.append(self.comm.isend(out.detach().contiguous(), t.peer, message_tag(t, state.m)))
+                state.sends.append(
+                    self.comm.isend(out.detach().contiguous(), t.peer, message_tag(t, state.m))
+                )
             return
         MONITOR.set_phase("backward")
         if action.kind is Kind.WEIGHT_GRAD:
@@ -194,7 +196,9 @@ class PipelineRunner:
         else:
             torch.autograd.backward(out, grad)
 
-    def _seed(self, engine: Engine, action: Action, grad: torch.Tensor | None, state: _StepState) -> torch.Tensor:
+    def _seed(
+        self, engine: Engine, action: Action, grad: torch.Tensor | None, state: _StepState
+    ) -> torch.Tensor:
         """The gradient backward starts from: the received one, or the loss scale on the last stage."""
         if grad is not None:
             return grad
@@ -215,13 +219,53 @@ class PipelineRunner:
 
     def _weights(self, action: Action, state: _StepState) -> None:
         key = (action.stage, action.microbatch)
-        weights = list(self.split.params[action.stage])
-        if self.split.tied is not None and self.split.stages[action.stage].last:
-            if self.split.tied.copy.requires_grad:
-                weights.append(self.split.tied.copy)
+        weights: list[torch.Tensor] = list(self.split.params[action.stage])
+        tied = self.split.tied
+        if tied is not None and self.split.stages[action.stage].last and tied.copy.requires_grad:
+            weights.append(tied.copy)
         if weights:
             torch.autograd.backward(state.outputs[key], state.seeds[key], inputs=weights)
         state.forget(key)
+
+    # -- evaluation ---------------------------------------------------------------------------------
+    def evaluate(self, engine: Engine, batches: Sequence[Any]) -> tuple[float, int]:
+        """The summed loss and the items it counts over ``batches``, forward only, stage after stage
+        (the same on every pp rank: the last stage's sum is all-reduced over the pp axis)."""
+        total = torch.zeros((), dtype=torch.float64)
+        items = 0
+        self._refresh_tied()  # the update since the step began changed the first stage's weight
+        with torch.no_grad():
+            for batch in batches:
+                total += self._evaluate_one(engine, batch)
+                items += engine.loss.count(batch)
+        self.comm.all_reduce(total)
+        return float(total), items
+
+    def _evaluate_one(self, engine: Engine, batch: Any) -> torch.Tensor:
+        hidden: torch.Tensor | None = None
+        sends: list[Work] = []
+        loss = torch.zeros((), dtype=torch.float64)
+        me = self.comm.rank
+        for s in range(self.last_stage + 1):
+            if self.placement[s] != me:
+                continue
+            stage = self.split.stages[s]
+            if stage.first:
+                x = model_inputs(batch)[0][0] if not isinstance(batch, dict) else batch["input_ids"]
+            elif self.placement[s - 1] == me and hidden is not None:
+                x = hidden
+            else:
+                x = torch.empty(self._hidden_shape(batch), dtype=_dtype(engine))
+                self.comm.recv(x, self.placement[s - 1], s)
+            with _autocast(engine):
+                hidden = stage(x)
+            if stage.last:
+                loss = engine.loss(hidden, batch).detach().to(torch.float64)
+            elif self.placement[s + 1] != me:
+                sends.append(self.comm.isend(hidden.contiguous(), self.placement[s + 1], s + 1))
+        for work in sends:
+            work.wait()
+        return loss
 
     # -- the tied weight ----------------------------------------------------------------------------
     def _tie_peer(self) -> int:

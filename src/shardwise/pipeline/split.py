@@ -56,7 +56,7 @@ class Adapter:
     blocks_path: str = "blocks"
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        self.model: Any = model  # attribute paths differ per family: typed loosely on purpose
 
     @property
     def hidden_size(self) -> int:
@@ -79,7 +79,7 @@ class Adapter:
         """(owner on the first stage, user on the last stage) of a weight tied across them, or None."""
         return None
 
-    def blocks(self) -> nn.Module:
+    def blocks(self) -> Any:
         return _get(self.model, self.blocks_path)
 
 
@@ -318,10 +318,7 @@ def split_model(model: nn.Module, placement: Sequence[int], rank: int) -> Split:
         for path in adapter.last_modules:
             _drop(model, path)
     split = Split(
-        {
-            s: Stage(s, assignment[s], s == 0, s == stages - 1, adapter)
-            for s in held
-        },
+        {s: Stage(s, assignment[s], s == 0, s == stages - 1, adapter) for s in held},
         assignment,
         adapter.hidden_size,
         tied,

@@ -232,10 +232,14 @@ class Trainer:
         was_training = model.training
         model.eval()
         total, items = 0.0, 0
-        with torch.no_grad():
-            for batch in self.eval_data or []:
-                total += float(loss(run_model(model, batch), batch))
-                items += loss.count(batch)
+        staged = getattr(self.engine.runner, "evaluate", None)  # a pipeline: stage after stage
+        if staged is not None:
+            total, items = staged(self.engine, self.eval_data or [])
+        else:
+            with torch.no_grad():
+                for batch in self.eval_data or []:
+                    total += float(loss(run_model(model, batch), batch))
+                    items += loss.count(batch)
         model.train(was_training)
         return total / max(1, items)
 

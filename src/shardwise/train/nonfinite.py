@@ -20,7 +20,6 @@ import torch
 from shardwise.collectives.api import Comm
 from shardwise.engine.base import Engine, NonFinite, describe_nonfinite, trainable
 
-
 _NONE_FOUND = 2**62  # no parameter index reaches it
 
 
