@@ -178,7 +178,10 @@ def _actions_panel(
             left, width = (e["ts"] - start) / 1000, e["dur"] / 1000
             color = KIND_COLORS[e["args"]["kind"]]
             ax.broken_barh([(left, width)], (lane - 0.4, 0.8), color=color, edgecolor="white", linewidth=0.5)
-            ax.text(left + width / 2, lane, e["name"], ha="center", va="center", fontsize=7, color="white")
+            if width > (end - start) / 1000 / 40:  # a name only where it fits
+                ax.text(
+                    left + width / 2, lane, e["name"], ha="center", va="center", fontsize=7, color="white"
+                )
     busy = {r: [(e["ts"], e["dur"]) for e in actions if e["pid"] == r] for r in ranks}
     ax.set_title(
         f"{label}: bubble {100 * idle_fraction(busy):.1f}% (idle / total; "
