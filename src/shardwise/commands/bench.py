@@ -75,6 +75,15 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
         "--step-factor", type=float, default=2.0, help="with --link: rows may train this many times --steps"
     )
     compress.add_argument("--seed", type=int, help="with --link: the seed of every run (default 0)")
+    pipe = _kind(kinds, "pipeline", "pipeline schedules against torch.distributed.pipelining", run, nproc=2)
+    pipe.add_argument("--micro-batches", type=int, default=4)
+    pipe.add_argument("--steps", type=int, default=4, help="steps per launch, the first one warm-up")
+    pipe.add_argument("--rounds", type=int, default=2, help="interleaved launches of each side; medians")
+    pipe.add_argument("--preset", default="small")
+    pipe.add_argument("--global-batch", type=int, default=8)
+    pipe.add_argument("--schedules", help="comma-separated (default: all)")
+    pipe.add_argument("--timeout", type=float, default=180.0, help="seconds a launch may take (default 180)")
+    pipe.add_argument("--trace", metavar="DIR", help="write DIR/<schedule>/trace.json and simulated.json")
     ckpt = _kind(
         kinds, "ckpt", "checkpoint save/load MB/s against torch.distributed.checkpoint", run, nproc=2
     )
@@ -151,6 +160,16 @@ def bench_command(args: argparse.Namespace) -> int:
         save = (lambda partial: _write(args.out, partial)) if args.out else None
         result = run_compress_bench(args.nproc, steps, seeds, args.preset, labels, with_torch, partial=save)
         render = render_compress
+    elif args.kind == "pipeline":
+        from shardwise.bench.pipeline import render_pipeline, run_pipeline_bench
+
+        result = run_pipeline_bench(
+            nproc=args.nproc, microbatches=args.micro_batches, steps=args.steps, rounds=args.rounds,
+            preset=args.preset, global_batch=args.global_batch,
+            schedules=args.schedules.split(",") if args.schedules else None, timeout_s=args.timeout,
+            trace_dir=args.trace,
+        )  # fmt: skip
+        render = render_pipeline
     elif args.kind == "ckpt":
         from shardwise.checkpoint.bench import run_ckpt_bench
 

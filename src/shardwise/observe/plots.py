@@ -118,30 +118,81 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+SIMULATED = "simulated.json"  # a pipeline run's simulated timeline, beside its trace.json
+KIND_COLORS = {"F": "#4C72B0", "B": "#C44E52", "I": "#DD8452", "W": "#55A868"}
+
+
 def plot_timeline(run_dir: Path, out: Path | None = None, last_steps: int = 3) -> Path:
-    """timeline.png: the last ``last_steps`` steps of ``trace.json``, one lane per rank."""
+    """timeline.png: the last ``last_steps`` steps of ``trace.json``, one lane per rank; where the run
+    recorded pipeline actions, each action is drawn by kind with its name, the bubble (idle over total
+    between the first and the last action) in the title, and when the run folder also holds
+    ``simulated.json`` (``bench pipeline --trace``) the simulator's timeline is a second panel below."""
     plt = _pyplot()
     path = run_dir / "trace.json"
     if not path.exists():
         raise PlotError(f"{path} does not exist: train with --trace to record one")
-    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
-    window = _window(events, last_steps)
-    ranks = sorted({e["pid"] for e in events})
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.9 * len(ranks)))
-    for lane, rank in enumerate(ranks):
-        mine = [e for e in events if e["pid"] == rank and window[0] <= e["ts"] <= window[1]]
-        _lane(ax, lane, mine, window)
-        for x, label in step_marks(mine, window[0]):
-            ax.vlines(x, lane - 0.45, lane + 0.45, colors="black", linestyles="dashed", linewidth=0.8)
-            ax.text(x, lane - 0.47, f" {label}", fontsize=7, va="bottom")
-    ax.set_yticks([lane for lane in range(len(ranks))], [f"rank {r}" for r in ranks])
-    ax.set_xlabel("ms")
-    ax.set_title(
-        f"timeline of the last {last_steps} steps (blue compute, orange communication, grey idle; "
-        "dashed: a step begins)"
+    panels = [("measured", _events(path))]
+    if (run_dir / SIMULATED).exists():
+        panels.append(("simulated", _events(run_dir / SIMULATED)))
+    ranks = sorted({e["pid"] for _, events in panels for e in events})
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(11, len(panels) * (1.2 + 0.9 * len(ranks))), squeeze=False
     )
-    ax.invert_yaxis()
+    for ax, (label, events) in zip(axes[:, 0], panels, strict=True):
+        if any(_is_action(e) for e in events):
+            _actions_panel(ax, label, events, ranks, last_steps)
+        else:
+            window = _window(events, last_steps)
+            for lane, rank in enumerate(ranks):
+                mine = [e for e in events if e["pid"] == rank and window[0] <= e["ts"] <= window[1]]
+                _lane(ax, lane, mine, window)
+                for x, mark in step_marks(mine, window[0]):
+                    ax.vlines(x, lane - 0.45, lane + 0.45, colors="black", linestyles="dashed", linewidth=0.8)
+                    ax.text(x, lane - 0.47, f" {mark}", fontsize=7, va="bottom")
+            ax.set_title(
+                f"timeline of the last {last_steps} steps (blue compute, orange communication, grey idle; "
+                "dashed: a step begins)"
+            )
+        ax.set_yticks(list(range(len(ranks))), [f"rank {r}" for r in ranks])
+        ax.set_xlabel("ms")
+        ax.invert_yaxis()
     return _save(fig, out or run_dir / "plots" / "timeline.png")
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+
+
+def _is_action(event: dict[str, Any]) -> bool:
+    return "kind" in event.get("args", {})
+
+
+def _actions_panel(
+    ax: Any, label: str, events: list[dict[str, Any]], ranks: list[int], last_steps: int
+) -> None:
+    """A pipeline's actions, one lane per rank, coloured by kind and named; idle shaded; the bubble in
+    the title (``trace.idle_fraction`` over the actions of the chosen steps)."""
+    from shardwise.observe.trace import idle_fraction
+
+    step_window = _window(events, last_steps)
+    actions = [e for e in events if _is_action(e) and step_window[0] <= e["ts"] <= step_window[1]]
+    start = min(e["ts"] for e in actions)
+    end = max(e["ts"] + e["dur"] for e in actions)
+    for lane, rank in enumerate(ranks):
+        ax.broken_barh([(0, (end - start) / 1000)], (lane - 0.4, 0.8), color="#EEEEEE")  # idle
+        for e in (e for e in actions if e["pid"] == rank):
+            left, width = (e["ts"] - start) / 1000, e["dur"] / 1000
+            color = KIND_COLORS[e["args"]["kind"]]
+            ax.broken_barh([(left, width)], (lane - 0.4, 0.8), color=color, edgecolor="white", linewidth=0.5)
+            if width > (end - start) / 1000 / 40:  # a name only where it fits
+                ax.text(
+                    left + width / 2, lane, e["name"], ha="center", va="center", fontsize=7, color="white"
+                )
+    busy = {r: [(e["ts"], e["dur"]) for e in actions if e["pid"] == r] for r in ranks}
+    ax.set_title(
+        f"{label}: bubble {100 * idle_fraction(busy):.1f}% (idle / total; "
+        "blue F, red B, orange I, green W, grey idle)"
+    )
 
 
 def step_marks(events: list[dict[str, Any]], start: float) -> list[tuple[float, str]]:

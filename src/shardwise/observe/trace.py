@@ -5,8 +5,9 @@ sync and optimizer phases; each block's forward and backward; every collective f
 completion; checkpoints and evaluations) and writes them to ``<run_dir>/trace/rank<r>.json``; rank 0
 then merges the files into ``<run_dir>/trace.json`` (open it in https://ui.perfetto.dev or
 chrome://tracing). Alignment: every rank takes its time origin right after the same barrier, so
-timestamps agree to within that barrier's skew (tens of microseconds on one machine). Pipeline
-actions will be recorded the same way (a span per action and micro-batch). Communication: none here
+timestamps agree to within that barrier's skew (tens of microseconds on one machine). The pipeline
+runtime records a span per action and micro-batch (lane "actions", named like ``0F1``, its stage, kind
+and micro-batch in ``args``); ``idle_fraction`` reads a bubble off them. Communication: none here
 (the caller's barrier).
 """
 
@@ -69,6 +70,21 @@ def rank_events(spans: Iterable[Span], rank: int, origin: float) -> list[dict[st
     return events
 
 
+def idle_fraction(busy: dict[int, list[tuple[float, float]]]) -> float:
+    """Idle over total time of ``busy`` ({rank: [(start, duration)]}): ``1 - sum(busy) / (p * window)``,
+    the window running from the first start to the last end on any rank (a pipeline's bubble when the
+    intervals are its actions; ``pipeline.simulate`` counts the same way). A rank with no interval
+    is idle throughout."""
+    every = [interval for intervals in busy.values() for interval in intervals]
+    if not every:
+        raise ValueError("no busy intervals: nothing was recorded")
+    start = min(s for s, _ in every)
+    window = max(s + d for s, d in every) - start
+    if window <= 0:
+        return 0.0
+    return 1.0 - sum(d for _, d in every) / (len(busy) * window)
+
+
 def _lane_id(lane: str, seen: int) -> int:
     return LANE_ORDER.index(lane) + 1 if lane in LANE_ORDER else len(LANE_ORDER) + 1 + seen
 
@@ -95,16 +111,18 @@ def merge(run_dir: Path, world_size: int) -> Path:
     return out
 
 
-def trace_blocks(blocks: nn.ModuleList | nn.Sequential, monitor: Monitor) -> list[Any]:
-    """Hooks that record each block's forward and backward as spans; returns their handles."""
+def trace_blocks(blocks: nn.ModuleList | nn.Sequential | nn.ModuleDict, monitor: Monitor) -> list[Any]:
+    """Hooks that record each block's forward and backward as spans; returns their handles. A pipeline
+    stage's blocks are a ``ModuleDict`` keyed by the model's block index: spans keep that index."""
     handles = []
-    for index, block in enumerate(blocks):
+    numbered = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
+    for index, block in numbered:
         started: dict[str, float] = {}
 
         def before(kind: str, store: dict[str, float] = started) -> None:
             store[kind] = time.monotonic()
 
-        def after(kind: str, index: int = index, store: dict[str, float] = started) -> None:
+        def after(kind: str, index: str | int = index, store: dict[str, float] = started) -> None:
             if kind in store:
                 monitor.span(f"block {index} {kind}", "compute", "blocks", store.pop(kind))
 

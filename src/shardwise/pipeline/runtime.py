@@ -31,6 +31,7 @@ arXiv:2401.10241 for I and W).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise.collectives.api import Comm
-from shardwise.collectives.p2p import Work
+from shardwise.collectives.p2p import Done, Work
 from shardwise.engine.loss import model_inputs, rows
 from shardwise.observe.monitor import MONITOR
 from shardwise.pipeline.actions import Action, Kind, Transfer, transfers
@@ -109,6 +110,23 @@ class PipelineRunner:
     def _run(
         self, engine: Engine, action: Action, recvs: list[Transfer], sends: list[Transfer], batch: Any,
         divisor: float, state: _StepState,
+    ) -> None:  # fmt: skip
+        for t in recvs:  # wait for this action's messages first, so its span below is compute alone
+            if t.key in state.pending:
+                buffer, work = state.pending[t.key]
+                work.wait()
+                state.pending[t.key] = (buffer, Done())  # gloo's work hangs if waited for twice
+        started = time.monotonic()
+        self._compute(engine, action, sends, batch, divisor, state)
+        # one span per action (with --trace): what observe.plots and the pipeline bench read as busy time
+        MONITOR.span(
+            str(action), "compute", "actions", started,
+            stage=action.stage, kind=action.kind.value, microbatch=action.microbatch,
+        )  # fmt: skip
+
+    def _compute(
+        self, engine: Engine, action: Action, sends: list[Transfer], batch: Any, divisor: float,
+        state: _StepState,
     ) -> None:  # fmt: skip
         key = (action.stage, action.microbatch)
         if action.kind is Kind.FORWARD:

@@ -109,7 +109,7 @@ class Timeline:
                 Span(
                     str(action),
                     "compute",
-                    "compute",
+                    "actions",  # the lane the runtime records its actions in
                     slot.start * unit_s,
                     (slot.end - slot.start) * unit_s,
                     args,

@@ -1,0 +1,464 @@
+"""Every pipeline schedule, ours against ``torch.distributed.pipelining``, and its bubble three ways.
+
+For each schedule (``pipeline.schedules.SCHEDULES``) at ``pp = nproc``: the built-in GPT is split by
+our ``pipeline.split`` into the schedule's stages, and the same stage modules run under our runtime
+and under torch's ``PipelineStage`` + the schedule class torch 2.13 names for it (``zb`` has none in
+torch and is compared with torch's ``Schedule1F1B``). Same model, seed, micro-batches, optimizer.
+Launches alternate (ours, torch, torch, ours, ...); per launch the median step time after warm-up (the
+slowest rank's), across launches the median. Each row:
+
+- ``bubble_measured``: from our ranks' recorded action spans (the runtime's ``MONITOR.span`` per
+  action): idle over total, ``1 - sum(busy) / (p * window)``, the window from the step's first action
+  start to its last action end on any rank (``time.monotonic`` is one clock for every process of a
+  machine); the median over the measured steps;
+- ``bubble_simulated``: ``pipeline.simulate`` fed with costs from a separate short profile of each
+  stage's F, B, I and W alone in one process (never from the timeline it is compared with);
+- ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
+  Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
+  ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
+  al. 2023); else null. Transfers are not profiled (the simulator's transfer cost is 0);
+- ``speed_ratio``: tokens/s ours / torch's.
+
+torch's pipelining has hung on gloo (pytorch#132644), so every launch (ours and torch's) is a group of
+fresh processes with a deadline (``run_on_ranks``); one that hangs or fails becomes that row's
+``"torch": "timeout after N s"`` (or the error), never a hung benchmark. Communication: whatever each
+side does; ours point-to-point through ``Comm`` over the pp axis.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.config import ConfigError, TrainConfig, load_config
+from shardwise.observe.monitor import Span
+from shardwise.observe.trace import idle_fraction
+from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
+from shardwise.pipeline.simulate import Costs, simulate
+from shardwise.testing.harness import RankFailure, run_on_ranks
+
+WARMUP_STEPS = 1
+ACTION_LANE = "actions"  # the lane the runtime records each action's span in
+TORCH_PEER = {"zb": "Schedule1F1B"}  # torch has no ZB-H1: our zb is measured against its 1F1B
+
+
+def virtual_for(name: str) -> int:
+    """Stages per rank each schedule runs with here: 1, or 2 for interleaved and V schedules."""
+    return 1 if SCHEDULES[name].virtual == "1" else 2
+
+
+def bench_config(
+    name: str, nproc: int, microbatches: int, preset: str, global_batch: int, steps: int
+) -> TrainConfig:
+    return load_config(
+        None,
+        {
+            "model.preset": preset,
+            "parallel.pp": nproc,
+            "parallel.schedule": name,
+            "parallel.virtual_stages": virtual_for(name),
+            "data.micro_batches": microbatches,
+            "data.global_batch": global_batch,
+            "strategy": "ddp",
+            "steps": steps,
+        },
+    )
+
+
+# ------------------------------------------------------------------------------- bubble arithmetic
+
+
+def bubble_from_spans(spans: Mapping[int, Sequence[Span]]) -> float:
+    """Idle over total of one step from each rank's action spans (``observe.trace.idle_fraction``):
+    ``1 - sum(busy) / (p * window)``, the window from the first action's start to the last action's
+    end on any rank, as the simulator's runs from 0 to its makespan."""
+    return idle_fraction({rank: [(s.start, s.duration) for s in mine] for rank, mine in spans.items()})
+
+
+def theory(name: str, pp: int, virtual: int, microbatches: int, costs: Costs) -> tuple[float | None, str]:
+    """The bubble formula of ``name`` (its value, and the formula in words), or None where none is
+    known; costs enter only the zero-bubble formula (means over stages)."""
+    p, m, v = pp, microbatches, virtual
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
+    if name == "zb" and m >= p:
+        f, i, w = (_mean(c) for c in (costs.forward, costs.input_grad, costs.weight_grad))
+        # the formula holds for W <= F + I; past that (the first stage's I is empty, so its W is its
+        # whole backward) the cool-down is filled and the formula's bubble is 0
+        ramp = max(0.0, (p - 1) * (f + i - w))
+        return ramp / (m * (f + i + w) + ramp), "max(0,(p-1)(F+I-W))/(m(F+I+W)+max(0,(p-1)(F+I-W)))"
+    return None, "no closed form used here; see bubble_simulated"
+
+
+def _mean(value: float | tuple[float, ...]) -> float:
+    return statistics.fmean(value) if isinstance(value, tuple) else float(value)
+
+
+# ------------------------------------------------------------------------------------ one launch
+
+
+def launch(
+    worker: Callable[..., Any], nproc: int, args: tuple[Any, ...], timeout_s: float
+) -> tuple[list[Any] | None, str | None]:
+    """``worker(rank, nproc, *args)`` on ``nproc`` fresh processes with a deadline: (results, None), or
+    (None, what went wrong) when a rank hung past ``timeout_s`` or failed; never hangs itself."""
+    try:
+        return run_on_ranks(worker, nproc, *args, timeout_s=timeout_s), None
+    except RankFailure as failure:
+        if failure.rank is None:
+            return None, f"timeout after {timeout_s:g} s"
+        return None, f"failed on rank {failure.rank}: {str(failure).strip().splitlines()[-1]}"
+
+
+def _data(config: TrainConfig, rank: int, world: int) -> tuple[Any, int]:
+    """Every pp rank draws the same batches (dp = 1); returns the sampler and tokens per step."""
+    from shardwise.data.corpus import load_corpus
+    from shardwise.data.sampler import DataSampler
+
+    corpus = load_corpus(config.data.corpus_bytes)
+    batch = config.data.global_batch
+    sampler = DataSampler(corpus.train, config.model.seq_len, batch, config.seed, [batch], 0)
+    return sampler, batch * config.model.seq_len
+
+
+def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
+    """Our runtime on this rank: step times and, per measured step, this rank's action spans."""
+    from shardwise.mesh import build_mesh
+    from shardwise.models import build_model
+    from shardwise.observe.monitor import MONITOR
+    from shardwise.parallelism import parallelize
+    from shardwise.train.loop import seed_everything
+
+    config = config.validate(world)
+    seed_everything(config.seed)
+    engine = parallelize(build_model(config.model), build_mesh(config), config)
+    sampler, _ = _data(config, rank, world)
+    MONITOR.tracing = True
+    times, spans = [], []
+    for step in range(config.steps):
+        micro = sampler.local_micro_batches(step, config.data.micro_batches)
+        MONITOR.spans.clear()
+        started = time.perf_counter()
+        engine.train_step(micro)
+        times.append(time.perf_counter() - started)
+        spans.append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
+    MONITOR.tracing = False
+    return {"step_s": times[WARMUP_STEPS:], "spans": spans[WARMUP_STEPS:]}
+
+
+def _plain(span: Span) -> tuple[str, float, float, dict[str, Any]]:
+    return (span.name, span.start, span.duration, dict(span.args))
+
+
+class _StageModule(nn.Module):
+    """One of our split's stages as the module torch's ``PipelineStage`` wants: exactly the stage's
+    parameters registered (its blocks and the ends it owns), ``forward`` the stage itself."""
+
+    def __init__(self, stage: Any, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.stage = stage  # a plain callable (not a module): its adapter holds the whole model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stage(x)
+
+
+def _stage_modules(model: nn.Module, placement: Sequence[int], rank: int) -> dict[int, _StageModule]:
+    from shardwise.pipeline.split import _get, split_model
+
+    split = split_model(model, placement, rank)
+    adapter = next(iter(split.stages.values())).adapter
+    modules = {}
+    for index, stage in split.stages.items():
+        blocks: Any = adapter.blocks()  # the ModuleDict the split left, keyed by block index
+        parts: list[nn.Module] = [blocks[str(i)] for i in stage.blocks]
+        paths = (adapter.first_modules if stage.first else ()) + (adapter.last_modules if stage.last else ())
+        parts += [m for p in paths if (m := _get(model, p)) is not None]
+        modules[index] = _StageModule(stage, parts)
+    return modules
+
+
+def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -> dict[str, Any]:
+    """torch's ``torch_class`` over the same stage modules on this rank: step times."""
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+
+    from shardwise.engine.loss import loss_sum
+    from shardwise.engine.optim import build_optimizer
+    from shardwise.models import build_model
+    from shardwise.train.loop import seed_everything
+
+    config = config.validate(world)
+    seed_everything(config.seed)
+    name, virtual = config.parallel.schedule, config.parallel.virtual_stages
+    placement = stage_placement(name, world, virtual)
+    modules = _stage_modules(build_model(config.model), placement, rank)
+    stages = [
+        pipelining.PipelineStage(module, index, len(placement), torch.device("cpu"), group=dist.group.WORLD)
+        for index, module in sorted(modules.items())
+    ]
+    sampler, tokens = _data(config, rank, world)
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_sum(output, target) / tokens
+
+    m = config.data.micro_batches
+    cls = getattr(pipelining, torch_class)
+    schedule = cls(stages[0] if virtual == 1 else stages, n_microbatches=m, loss_fn=loss_fn)
+    # a weight tied across two stages of this rank (the V schedules' embedding and head) once
+    unique = {id(p): (n, p) for mod in modules.values() for n, p in mod.named_parameters()}
+    named = list(unique.values())
+    optimizer = build_optimizer(named, config.optim)
+    holds_first, holds_last = 0 in modules, len(placement) - 1 in modules
+    times = []
+    for step in range(config.steps):
+        inputs, targets = sampler.local_batch(step)
+        started = time.perf_counter()
+        args = (inputs,) if holds_first else ()
+        schedule.step(*args, target=targets if holds_last else None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - started)
+    return {"step_s": times[WARMUP_STEPS:]}
+
+
+# --------------------------------------------------------------------------------------- profile
+
+
+def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:
+    """Each stage's F, B, I and W alone, in one process (``threads`` threads, as a rank has): median
+    seconds per kind per stage, computed as the runtime computes them (I: the input's gradient with
+    the graph kept; W: the weights' gradient from the output)."""
+    from shardwise.engine.loss import loss_sum
+    from shardwise.models import build_model
+    from shardwise.train.loop import seed_everything
+
+    torch.set_num_threads(threads)
+    config = config.validate(config.parallel.pp)
+    seed_everything(config.seed)
+    stages = len(
+        stage_placement(config.parallel.schedule, config.parallel.pp, config.parallel.virtual_stages)
+    )
+    model = build_model(config.model)
+    modules = _stage_modules(model, [0] * stages, 0)  # every stage here: each timed alone
+    sampler, _ = _data(config, 0, 1)
+    ids, targets = sampler.local_micro_batches(0, config.data.micro_batches)[0]
+    out: dict[str, list[float]] = {k: [] for k in "FBIW"}
+    x: torch.Tensor = ids
+    for index in range(stages):
+        module = modules[index]
+        weights = [p for p in module.parameters() if p.requires_grad]
+        first, last = index == 0, index == stages - 1
+        inp = x if first else x.detach().requires_grad_(True)
+        timing: dict[str, list[float]] = {k: [] for k in "FBIW"}
+        for _ in range(repeats + 1):  # the first round warms up
+            t0 = time.perf_counter()
+            y = module(inp)
+            t1 = time.perf_counter()
+            loss = loss_sum(y, targets) if last else None
+            seed = torch.ones_like(loss) if loss is not None else torch.randn_like(y)
+            root = loss if loss is not None else y
+            t1b = time.perf_counter()
+            torch.autograd.backward(root, seed)
+            t2 = time.perf_counter()
+            y = module(inp)
+            root = loss_sum(y, targets) if last else y
+            t3 = time.perf_counter()
+            if not first:
+                torch.autograd.grad(root, [inp], seed, retain_graph=True)
+            t4 = time.perf_counter()
+            torch.autograd.backward(root, seed, inputs=weights)
+            t5 = time.perf_counter()
+            for key, value in zip("FBIW", (t1 - t0 + (t1b - t1), t2 - t1b, t4 - t3, t5 - t4), strict=True):
+                timing[key].append(value)
+        for key in "FBIW":
+            out[key].append(statistics.median(timing[key][1:]))
+        x = module(inp).detach() if not last else x
+    return out
+
+
+def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: float) -> Costs:
+    """The separate profile (a fresh process) as the simulator's per-stage costs, in seconds."""
+    from shardwise.launch import threads_per_rank
+
+    results, problem = launch(profile_worker, 1, (config, threads_per_rank(nproc), repeats), timeout_s)
+    if results is None:
+        raise RuntimeError(f"the stage profile did not finish: {problem}")
+    t = results[0]
+    return Costs(tuple(t["F"]), tuple(t["B"]), tuple(t["I"]), tuple(t["W"]))
+
+
+# ------------------------------------------------------------------------------------- the rows
+
+
+def row(
+    name: str,
+    pp: int,
+    microbatches: int,
+    tokens: int,
+    ours: Launches | str,
+    torch_side: Launches | str,
+    costs: Costs,
+) -> dict[str, Any]:
+    """One schedule's row from each side's launches (a list of per-launch results by rank) or the
+    string saying why that side has none (``"timeout after N s"``)."""
+    virtual = virtual_for(name)
+    spec = SCHEDULES[name]
+    timeline = simulate(build(name, pp, virtual, microbatches), stage_placement(name, pp, virtual), costs)
+    value, formula = theory(name, pp, virtual, microbatches, costs)
+    out: dict[str, Any] = {
+        "schedule": name,
+        "torch_class": TORCH_PEER.get(name, spec.torch_class),
+        "pp": pp,
+        "virtual_stages": virtual,
+        "microbatches": microbatches,
+        "bubble_measured": None,
+        "bubble_simulated": timeline.bubble,
+        "bubble_theory": value,
+        "theory_formula": formula,
+        "speed_ratio": None,
+    }
+    out["ours"] = _side(ours, tokens)
+    out["torch"] = _side(torch_side, tokens)
+    if not isinstance(ours, str):
+        steps = [bubble_from_spans(spans) for spans in _steps_by_rank(ours)]
+        out["bubble_measured"] = statistics.median(steps)
+    if isinstance(out["ours"], dict) and isinstance(out["torch"], dict):
+        out["speed_ratio"] = out["ours"]["tokens_per_s"] / out["torch"]["tokens_per_s"]
+    return out
+
+
+Launches = list[list[dict[str, Any]]]  # per launch, each rank's result
+
+
+def _side(launches: Launches | str, tokens: int) -> dict[str, Any] | str:
+    if isinstance(launches, str):
+        return launches
+    # a launch's step time is its slowest rank's median; across launches the median
+    per_launch = [max(statistics.median(r["step_s"]) for r in ranks) for ranks in launches]
+    step_s = statistics.median(per_launch)
+    return {"tokens_per_s": tokens / step_s, "step_s": step_s, "launches": len(per_launch)}
+
+
+def _steps_by_rank(launches: Launches) -> list[dict[int, list[Span]]]:
+    """Every measured step of every launch as ``{rank: [Span]}``."""
+    out = []
+    for ranks in launches:
+        for step in range(len(ranks[0]["spans"])):
+            out.append(
+                {
+                    r: [Span(n, "compute", ACTION_LANE, s, d, a) for n, s, d, a in res["spans"][step]]
+                    for r, res in enumerate(ranks)
+                }
+            )
+    return out
+
+
+def run_pipeline_bench(
+    nproc: int = 2,
+    microbatches: int = 4,
+    steps: int = 4,
+    rounds: int = 2,
+    preset: str = "small",
+    global_batch: int = 8,
+    schedules: Sequence[str] | None = None,
+    timeout_s: float = 120.0,
+    trace_dir: str | None = None,
+) -> dict[str, Any]:
+    """Every schedule's row (see the module docstring)."""
+    if nproc < 2:
+        raise ConfigError(
+            f"bench pipeline runs one pipeline rank per process: --nproc must be >= 2, got {nproc}"
+        )
+    names = list(schedules or SCHEDULES)
+    if unknown := [n for n in names if n not in SCHEDULES]:
+        raise ConfigError(
+            f"unknown schedule {unknown[0]!r} in --schedules: choose from {', '.join(SCHEDULES)}"
+        )
+    rows = []
+    for name in names:
+        config = bench_config(name, nproc, microbatches, preset, global_batch, steps)
+        costs = profile_costs(config, nproc, repeats=3, timeout_s=timeout_s)
+        torch_class = TORCH_PEER.get(name, SCHEDULES[name].torch_class)
+        sides: dict[str, list[Any] | str] = {"ours": [], "torch": []}
+        for r in range(rounds):
+            for impl in ("ours", "torch") if r % 2 == 0 else ("torch", "ours"):
+                if isinstance(sides[impl], str):
+                    continue  # it hung or failed once: not again
+                worker: Callable[..., Any] = ours_worker if impl == "ours" else torch_worker
+                args = (config,) if impl == "ours" else (config, torch_class)
+                results, problem = launch(worker, nproc, args, timeout_s)
+                if results is None:
+                    sides[impl] = str(problem)
+                else:
+                    sides[impl].append(results)  # type: ignore[union-attr]
+        tokens = global_batch * config.model.seq_len
+        rows.append(row(name, nproc, microbatches, tokens, sides["ours"], sides["torch"], costs))
+        if trace_dir and not isinstance(sides["ours"], str):
+            write_traces(Path(trace_dir) / name, _steps_by_rank(sides["ours"])[-1], rows[-1], costs)
+    return {
+        "nproc": nproc,
+        "preset": preset,
+        "global_batch": global_batch,
+        "microbatches": microbatches,
+        "steps": steps,
+        "warmup_steps": WARMUP_STEPS,
+        "rounds": rounds,
+        "timeout_s": timeout_s,
+        "rows": rows,
+    }
+
+
+def write_traces(
+    run_dir: Path, step: Mapping[int, Sequence[Span]], result_row: dict[str, Any], costs: Costs
+) -> None:
+    """``trace.json`` (one measured step, every rank) and ``simulated.json`` (the simulator's timeline
+    from the profiled costs) in ``run_dir``: what ``shardwise plot timeline`` draws side by side."""
+    from shardwise.observe.trace import rank_events
+
+    name, pp, virtual = result_row["schedule"], result_row["pp"], result_row["virtual_stages"]
+    origin = min(s.start for spans in step.values() for s in spans)
+    end = max(s.start + s.duration for spans in step.values() for s in spans)
+    events = []
+    for rank, spans in sorted(step.items()):
+        frame = [Span("step", "step", "step", origin, end - origin), *spans]
+        events += rank_events(frame, rank, origin)
+    timeline = simulate(
+        build(name, pp, virtual, result_row["microbatches"]), stage_placement(name, pp, virtual), costs
+    )
+    simulated = [
+        e for rank in sorted(timeline.slots) for e in rank_events(timeline.spans(rank, 1.0), rank, 0.0)
+    ]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for file, body in (("trace.json", events), ("simulated.json", simulated)):
+        (run_dir / file).write_text(json.dumps({"traceEvents": body, "displayTimeUnit": "ms"}))
+
+
+def render_pipeline(result: dict[str, Any]) -> None:
+    print(
+        f"pipeline schedules, pp {result['nproc']}, preset {result['preset']}, "
+        f"batch {result['global_batch']}, {result['microbatches']} micro-batches, "
+        f"{result['steps']} steps x {result['rounds']} rounds"
+    )
+    print(f"  {'schedule':15s} {'measured':>9s} {'simulated':>9s} {'theory':>7s} {'ours tok/s':>11s}  torch")
+    for r in result["rows"]:
+        ours = f"{r['ours']['tokens_per_s']:,.0f}" if isinstance(r["ours"], dict) else str(r["ours"])
+        torch_side = r["torch"]
+        theirs = f"{torch_side['tokens_per_s']:,.0f} tok/s" if isinstance(torch_side, dict) else torch_side
+        ratio = f"  ratio {r['speed_ratio']:.2f}" if r["speed_ratio"] is not None else ""
+        bubbles = [_pct(r[k]) for k in ("bubble_measured", "bubble_simulated", "bubble_theory")]
+        cells = f"{bubbles[0]:>9s} {bubbles[1]:>9s} {bubbles[2]:>7s} {ours:>11s}"
+        print(f"  {r['schedule']:15s} {cells}  {theirs}{ratio}")
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"

@@ -1,0 +1,150 @@
+"""The pipeline bench's arithmetic and shapes, without timings: the bubble read off action spans, a
+row's JSON, the row of a peer that hangs (a tiny fake), and the two-panel timeline picture."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardwise.bench import pipeline as bench
+from shardwise.observe import plots
+from shardwise.observe.monitor import Span
+from shardwise.pipeline.schedules import build, stage_placement
+from shardwise.pipeline.simulate import Costs, simulate
+
+COSTS = Costs((1e-3, 2e-3), (2e-3, 4e-3), (1e-3, 2e-3), (1e-3, 2e-3))
+
+
+def _action(name: str, start: float, duration: float) -> Span:
+    kind = name[1]
+    return Span(name, "compute", "actions", start, duration, {"stage": int(name[0]), "kind": kind})
+
+
+def test_bubble_from_spans_is_idle_over_total() -> None:
+    # rank 0 busy 0-1 and 2-3, rank 1 busy 1-3.5: window 0-3.5, busy 4.5 of 7 rank-seconds
+    spans = {
+        0: [_action("0F0", 10.0, 1.0), _action("0B0", 12.0, 1.0)],
+        1: [_action("1F0", 11.0, 2.5)],
+    }
+    assert bench.bubble_from_spans(spans) == pytest.approx(1 - 4.5 / 7)
+    # a rank with nothing recorded is idle the whole window
+    assert bench.bubble_from_spans({**spans, 2: []}) == pytest.approx(1 - 4.5 / 10.5)
+
+
+def test_bubble_from_spans_agrees_with_the_simulator() -> None:
+    """The simulator's timeline, read as measured spans, gives the simulator's bubble."""
+    schedule = build("1f1b", 2, 1, 4)
+    timeline = simulate(schedule, stage_placement("1f1b", 2, 1), COSTS)
+    spans = {r: [s for s in timeline.spans(r, 1.0) if s.lane == "actions"] for r in timeline.slots}
+    assert bench.bubble_from_spans(spans) == pytest.approx(timeline.bubble)
+    assert 0 < timeline.bubble < 1
+
+
+def _launch(step_s: float, bubble_shift: float) -> list[dict[str, Any]]:
+    """One fake launch of two ranks of our side: step times and one measured step's spans."""
+    return [
+        {"step_s": [step_s], "spans": [[("0F0", 0.0, 1.0, {"kind": "F"}), ("0B0", 2.0, 1.0, {"kind": "B"})]]},
+        {"step_s": [step_s * 0.9], "spans": [[("1F0", 1.0, 1.0 + bubble_shift, {"kind": "F"})]]},
+    ]
+
+
+def test_row_json_shape() -> None:
+    ours = [_launch(0.5, 0.0), _launch(0.7, 0.0), _launch(0.6, 0.0)]
+    theirs = [[{"step_s": [1.0, 1.2]}, {"step_s": [1.1]}]]
+    row = bench.row("1f1b", 2, 4, 1000, ours, theirs, COSTS)
+    json.dumps(row)  # JSON-ready
+    for key in ("bubble_measured", "bubble_simulated", "bubble_theory", "speed_ratio"):
+        assert isinstance(row[key], float), key
+    assert row["schedule"] == "1f1b" and row["torch_class"] == "Schedule1F1B"
+    assert row["ours"]["step_s"] == pytest.approx(0.6)  # median over launches of the slowest rank
+    assert row["torch"]["step_s"] == pytest.approx(1.1)
+    assert row["speed_ratio"] == pytest.approx(1.1 / 0.6)
+    assert row["bubble_measured"] == pytest.approx(1 - 3 / 6)
+    assert row["bubble_theory"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+    assert bench.row("zb", 2, 4, 1000, ours, theirs, COSTS)["torch_class"] == "Schedule1F1B"
+    assert bench.row("zbv", 2, 4, 1000, ours, theirs, Costs.uniform())["bubble_theory"] is None
+
+
+def hanging_peer(rank: int, world: int) -> None:
+    """A peer that never returns, as torch's pipelining has on gloo (pytorch#132644)."""
+    time.sleep(3600)
+
+
+def test_a_hanging_peer_is_a_row_not_a_hung_bench() -> None:
+    started = time.monotonic()
+    results, problem = bench.launch(hanging_peer, 2, (), timeout_s=5)
+    assert results is None and problem == "timeout after 5 s"
+    assert time.monotonic() - started < 60
+    row = bench.row("gpipe", 2, 4, 1000, [_launch(0.5, 0.0)], problem, COSTS)
+    assert row["torch"] == "timeout after 5 s"
+    assert row["speed_ratio"] is None and isinstance(row["bubble_measured"], float)
+    json.dumps(row)
+
+
+def test_plot_timeline_draws_measured_beside_simulated(tmp_path: Path, monkeypatch: Any) -> None:
+    pytest.importorskip("matplotlib")
+    timeline = simulate(build("1f1b", 2, 1, 4), stage_placement("1f1b", 2, 1), COSTS)
+    measured = {r: [s for s in timeline.spans(r, 1.0) if s.lane == "actions"] for r in timeline.slots}
+    for span in measured[1]:
+        span.start += 100.0  # any clock: the picture starts at the first action
+    row = {"schedule": "1f1b", "pp": 2, "virtual_stages": 1, "microbatches": 4}
+    bench.write_traces(tmp_path, measured, row, COSTS)
+    panels: list[list[str]] = []
+    save = plots._save
+    monkeypatch.setattr(
+        plots,
+        "_save",
+        lambda fig, path: (panels.append([a.get_title() for a in fig.axes]), save(fig, path))[1],
+    )
+    png = plots.plot_timeline(tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (titles,) = panels
+    assert len(titles) == 2
+    assert titles[0].startswith("measured: bubble") and titles[1].startswith("simulated: bubble")
+    assert f"{100 * timeline.bubble:.1f}%" in titles[1]
+
+
+def test_trace_blocks_on_a_pipeline_stage_keeps_the_model_block_index() -> None:
+    """After a split the blocks are a ModuleDict keyed by the model's index (train --trace --pp)."""
+    import torch
+    from torch import nn
+
+    from shardwise.observe.monitor import Monitor
+    from shardwise.observe.trace import trace_blocks
+
+    monitor = Monitor()
+    monitor.tracing = True
+    blocks = nn.ModuleDict({"5": nn.Linear(2, 2), "6": nn.Linear(2, 2)})
+    handles = trace_blocks(blocks, monitor)
+    blocks["6"](blocks["5"](torch.ones(1, 2, requires_grad=True))).sum().backward()
+    for handle in handles:
+        handle.remove()
+    names = {s.name for s in monitor.spans}
+    assert {"block 5 forward", "block 6 forward", "block 5 backward", "block 6 backward"} <= names
+
+
+def test_zero_bubble_theory() -> None:
+    """ZB-H1's formula with the paper's equal costs is a third of 1F1B's ramp; never below 0."""
+    value, _ = bench.theory("zb", 4, 1, 8, Costs.uniform(1.0, 2.0))
+    assert value == pytest.approx(3 * 1 / (8 * 3 + 3 * 1))
+    heavy_w = Costs((1.0, 1.0), (2.0, 2.0), (0.0, 1.0), (3.0, 1.0))  # the first stage: W is all of B
+    assert bench.theory("zb", 2, 1, 4, heavy_w)[0] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--schedules", "1f1b,nope"], "unknown schedule 'nope' in --schedules: choose from gpipe, 1f1b"),
+        (["--nproc", "1"], "--nproc must be >= 2, got 1"),
+    ],
+)
+def test_bad_bench_input_is_one_line(flags: list[str], message: str, capsys: Any) -> None:
+    from shardwise.cli import main
+
+    assert main(["bench", "pipeline", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
