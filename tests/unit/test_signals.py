@@ -45,13 +45,13 @@ def test_a_signal_to_the_launcher_ends_its_spawned_ranks_before_it_unwinds() -> 
 
     import psutil
 
-    from shardwise import launch
+    from shardwise import launcher
 
     before = {s: signal.getsignal(s) for s in signals.HANDLED}
     rank = multiprocessing.get_context("spawn").Process(target=_sleep)
     rank.start()
     try:
-        installed = launch._install_launch_handlers()
+        installed = launcher._install_launch_handlers()
         with pytest.raises(signals.Interrupted):
             os.kill(os.getpid(), signal.SIGINT)
         # ended by the handler itself, before the exception unwound anything
