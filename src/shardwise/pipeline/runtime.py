@@ -17,6 +17,7 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    reusing I's intermediate gradients (torch's ``stage_backward_weight`` keeps them), so a W costs
    about a B here: the order, and so the bubble, is the zero-bubble schedule's, the work per W is not
    yet. A stage's activations are dropped once its B (or W) ran;
+   Each action is one span in the trace (``--trace``: lane "pipeline", named as printed, ``0F1``);
 4. the tied weight's copy sends its gradient to the first stage, which adds it to the parameter's
    (every backward ran under ``no_sync``, so the gradient is still local); then ``finish_grads``: the
    data-parallel exchange, once per step, each stage over its own dp group.
@@ -31,6 +32,7 @@ arXiv:2401.10241 for I and W).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -77,7 +79,10 @@ class PipelineRunner:
             for action, recvs, sends in plan:
                 if action.microbatch in empty:
                     continue
+                begun = time.monotonic()
                 self._run(engine, action, recvs, sends, micro_batches[action.microbatch], divisor, state)
+                # one span per action in the trace (--trace): the measured schedule, drawn per rank
+                MONITOR.span(str(action), "pipeline", "pipeline", begun, kind=action.kind.value)
         for work in state.sends:
             work.wait()
         self._reduce_tied()
