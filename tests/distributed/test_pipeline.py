@@ -84,6 +84,8 @@ def test_train_pipeline_reports_the_loss_and_evaluates_as_one_process(tmp_path: 
             ["--pp", "4", "--nproc", "4", "--preset", "tiny"],
             "has 2 blocks, fewer than pp(4) x virtual_stages(1)",
         ),
+        (["--precision", "fp16"], "precision = fp16 (each stage would decide an overflow alone)"),
+        (["--strategy", "zero3"], "--strategy zero3 does not run with pipeline parallelism"),
     ],
 )
 def test_pipeline_refusals_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
