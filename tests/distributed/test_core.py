@@ -39,7 +39,7 @@ def test_parallel_dims_resolve_and_explain() -> None:
 
 
 def test_unbuilt_parallelism_is_refused_not_ignored() -> None:
-    with pytest.raises(NotBuiltError, match="tensor parallelism .* is not built yet"):
+    with pytest.raises(NotBuiltError, match=r"tensor parallelism .* is not built yet"):
         check(load_config(None, {"parallel.tp": "2"}))
     check(load_config(None, {"parallel.pp": "2"}))  # pipelines are built (tests/distributed/test_pipeline.py)
     with pytest.raises(NotBuiltError, match="activation checkpointing"):

@@ -31,10 +31,12 @@ VERIFY_DEFAULTS = {
 
 
 def verify_defaults(kind: str) -> dict[str, str]:
-    """The defaults for ``model.kind``: only the built-in GPT has ``wpe`` to freeze."""
+    """The defaults for ``model.kind``: only the built-in GPT has ``wpe`` to freeze and the deep preset
+    (the MLP keeps its own odd one)."""
     if kind == "gpt":
         return VERIFY_DEFAULTS
-    return {k: v for k, v in VERIFY_DEFAULTS.items() if k != "model.freeze"}
+    others = {k: v for k, v in VERIFY_DEFAULTS.items() if k != "model.freeze"}
+    return {**others, "model.preset": "odd"}
 
 
 def collect_run(config: TrainConfig) -> dict[str, Any] | None:
