@@ -138,6 +138,19 @@ def _check_pipeline(config: TrainConfig) -> None:
             f"(parallel.pp = {parallel.pp}); use {' or '.join(PIPELINE_STRATEGIES)} on the dp axis, "
             "or set parallel.pp = 1"
         )
+    unsupported = {
+        "precision = fp16 (each stage would decide an overflow alone)": (config.compute_precision == "fp16"),
+        "comm.compress (codec state is kept per dp rank, not per stage)": (
+            config.comm.compress not in ("", "none")
+        ),
+        "ddp.find_unused_parameters": config.ddp.find_unused_parameters,
+    }
+    for what, asked in unsupported.items():
+        if asked:
+            raise NotBuiltError(
+                f"{what} with pipeline parallelism (parallel.pp = {parallel.pp}) is not built yet; "
+                "drop it or set parallel.pp = 1"
+            )
     try:
         check_schedule(parallel.schedule, parallel.pp, parallel.virtual_stages, config.data.micro_batches)
     except ScheduleConfigError as exc:

@@ -36,7 +36,10 @@ CASES = {
         2,
         {"data.micro_batches": "3", "ddp.bucket_mb": "0.05", "ddp.first_bucket_mb": "0.01"},
     ),
-    "dp2-sgd-mlp": (2, {"optim.name": "sgd", "model.kind": "mlp", "model.freeze": "embed"}),
+    "dp2-sgd-mlp": (
+        2,
+        {"optim.name": "sgd", "model.kind": "mlp", "model.preset": "odd", "model.freeze": "embed"},
+    ),
 }
 
 

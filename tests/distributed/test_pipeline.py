@@ -7,9 +7,12 @@ the reported loss under a pipeline equal one process's; refusals in one line.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+
+from shardwise.pipeline.schedules import build
 
 from .cli_helpers import last_json, shardwise
 
@@ -81,6 +84,8 @@ def test_train_pipeline_reports_the_loss_and_evaluates_as_one_process(tmp_path: 
             ["--pp", "4", "--nproc", "4", "--preset", "tiny"],
             "has 2 blocks, fewer than pp(4) x virtual_stages(1)",
         ),
+        (["--precision", "fp16"], "precision = fp16 (each stage would decide an overflow alone)"),
+        (["--strategy", "zero3"], "--strategy zero3 does not run with pipeline parallelism"),
     ],
 )
 def test_pipeline_refusals_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
@@ -89,3 +94,41 @@ def test_pipeline_refusals_in_one_line(tmp_path: Path, args: list[str], message:
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-3000:]
     assert len(lines) == 1 and message in lines[0], result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("save", "load"),
+    [
+        (["--pp", "2", "--nproc", "4", "--strategy", "zero1"], ["--nproc", "1"]),
+        (["--nproc", "1"], ["--pp", "2", "--nproc", "4", "--strategy", "ddp"]),
+    ],
+    ids=["pp2-dp2-zero1-to-one", "one-to-pp2-dp2-ddp"],
+)
+def test_a_pipeline_checkpoint_loads_in_any_layout(tmp_path: Path, save: list[str], load: list[str]) -> None:
+    """Each stage writes its own parameters under the model's names (the tied weight once): the
+    other layout resumes from them and ends where one process that never stopped ends."""
+    common = ["--preset", "tiny", "--dtype", "float64", "--eval-every", "0", "--json"]
+    ckpt = ["--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = shardwise("train", *save, "--steps", "2", *ckpt, "--run-dir", str(tmp_path / "a"), *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = shardwise("train", *load, "--steps", "4", *ckpt, "--run-dir", str(tmp_path / "b"), *common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at step 2" in resumed.stderr
+    plain = shardwise("train", "--nproc", "1", "--steps", "4", "--run-dir", str(tmp_path / "c"), *common)
+    a, b = last_json(resumed), last_json(plain)
+    assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-12, abs=0)
+    assert a["final_grad_norm"] == pytest.approx(b["final_grad_norm"], rel=1e-10, abs=0)
+
+
+@pytest.mark.slow
+def test_trace_records_every_action_of_every_rank(tmp_path: Path) -> None:
+    args = ["--pp", "2", "--nproc", "2", "--steps", "2", "--preset", "tiny", "--micro-batches", "4"]
+    result = shardwise("train", *args, "--schedule", "zb", "--trace", "--run-dir", str(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    actions = [(e["pid"], e["name"]) for e in events if "kind" in e.get("args", {})]  # one span per action
+    schedule = build("zb", 2, 1, 4)
+    expected = [(rank, str(a)) for rank in (0, 1) for a in schedule[rank]] * 2  # two steps
+    assert sorted(actions) == sorted(expected)

@@ -50,8 +50,9 @@ def verify_defaults(kind: str, strategy: str = "ddp") -> dict[str, str]:
     """The defaults for ``model.kind`` and ``strategy``: only the built-in GPT has ``wpe`` to freeze;
     diloco runs as local SGD at H = 1, where it equals one process."""
     defaults = dict(VERIFY_DEFAULTS)
-    if kind != "gpt":
+    if kind != "gpt":  # the deep preset is the GPT's; the MLP keeps its own odd one
         del defaults["model.freeze"]
+        defaults["model.preset"] = "odd"
     if strategy == "diloco":
         defaults.update(DILOCO_DEFAULTS)
     return defaults

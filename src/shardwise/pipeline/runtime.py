@@ -17,6 +17,7 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    reusing I's intermediate gradients (torch's ``stage_backward_weight`` keeps them), so a W costs
    about a B here: the order, and so the bubble, is the zero-bubble schedule's, the work per W is not
    yet. A stage's activations are dropped once its B (or W) ran;
+   Each action is one span in the trace (``--trace``: lane "pipeline", named as printed, ``0F1``);
 4. the tied weight's copy sends its gradient to the first stage, which adds it to the parameter's
    (every backward ran under ``no_sync``, so the gradient is still local); then ``finish_grads``: the
    data-parallel exchange, once per step, each stage over its own dp group.

@@ -6,7 +6,8 @@ embedding goes with the first stage, the final norm, the head and the loss with 
 the stages its schedule places on it (``schedules.stage_placement``) and drops every other module:
 the block list becomes an ``nn.ModuleDict`` keyed by the block's index, so a kept block's parameters
 keep their names (``blocks.5.attn.qkv.weight``), and checkpoints and ``full_parameters`` stay in the
-model's own naming. Each ``Stage`` is a callable: the micro-batch's token ids (first stage) or the
+model's own naming. (Boundaries a user names, and balancing by measured per-block time, are not built
+yet: parameter count only.) Each ``Stage`` is a callable: the micro-batch's token ids (first stage) or the
 hidden state (any other) in, the hidden state (or, on the last, the logits) out. What every block needs
 besides the hidden state (Llama's rotary embeddings, its causal mask, position ids) is computed on each
 stage from the hidden state's shape, so nothing but the hidden state crosses a stage boundary.

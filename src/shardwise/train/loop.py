@@ -321,7 +321,10 @@ def _fit(trainer: Trainer, show_progress: bool) -> dict[str, Any] | None:
     if resumed:
         trainer.engine.resume_at(start)
         fast_forward(trainer.engine.schedulers, start)
-    with observing(trainer, getattr(trainer.engine.model, "blocks", None)):
+    blocks = getattr(trainer.engine.model, "blocks", None)
+    if isinstance(blocks, nn.ModuleDict):  # a pipeline stage keeps its blocks keyed by index
+        blocks = nn.ModuleList(blocks.values())
+    with observing(trainer, blocks):
         return _loop(trainer, show_progress, ckpt, resumed, restarts)
 
 
