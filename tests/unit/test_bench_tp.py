@@ -72,7 +72,12 @@ def test_summary_takes_the_slowest_rank_and_medians_then_ratios() -> None:
         [{"step_s": 0.5, "peak_bytes": 20}, {"step_s": 1.0, "peak_bytes": 16}],
     ]
     ours = summarize(reps, tokens=100)  # slowest ranks 2, 4, 1 -> median 2 s
-    assert ours == {"tokens_per_s": 50.0, "step_s": 2.0, "peak_tensor_bytes_per_rank": [20, 14]}
+    assert ours == {
+        "tokens_per_s": 50.0,
+        "step_s": 2.0,
+        "peak_at": "",
+        "peak_tensor_bytes_per_rank": [20, 14],
+    }
     theirs = {"tokens_per_s": 25.0, "step_s": 4.0, "peak_tensor_bytes_per_rank": [40, 10]}
     assert ratios(ours, theirs) == {"speed_ratio": 2.0, "memory_ratio": 0.5}
 

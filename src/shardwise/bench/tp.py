@@ -114,6 +114,7 @@ def summarize(reps: list[list[dict]], tokens: int) -> dict:
     return {
         "tokens_per_s": tokens / step_s,
         "step_s": step_s,
+        "peak_at": reps[0][0].get("peak_at", ""),  # the operator after which rank 0's peak was seen
         "peak_tensor_bytes_per_rank": [
             int(statistics.median(rep[r]["peak_bytes"] for rep in reps)) for r in ranks
         ],
@@ -302,7 +303,7 @@ def _bench_rank(rank: int, world_size: int, impl: str, settings: dict) -> dict:
         step = build()
         for _ in range(MEMORY_STEPS):
             step(x, y)
-    peak = counted.peak
+    peak, peak_at = counted.peak, counted.peak_at
     del step, counted
     gc.collect()
     step = build()
@@ -311,7 +312,7 @@ def _bench_rank(rank: int, world_size: int, impl: str, settings: dict) -> dict:
         start = time.perf_counter()
         step(x, y)
         times.append(time.perf_counter() - start)
-    out: dict[str, Any] = {"step_s": statistics.median(times[1:]), "peak_bytes": peak}
+    out: dict[str, Any] = {"step_s": statistics.median(times[1:]), "peak_bytes": peak, "peak_at": peak_at}
     if impl == "ours":
         comm = mesh.comm("tp")  # type: ignore[union-attr]
         out["full"] = _counts(comm, step, x, y)
