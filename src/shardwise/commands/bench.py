@@ -49,6 +49,13 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     zero.add_argument("--stages", default="1,2,3")
     zero.add_argument("--bucket-mb", type=float, default=4.0)
     zero.add_argument("--offload-stage", type=int, help="instead: peak RSS with and without disk offload")
+    tp = _kind(kinds, "tp", "tensor parallelism against DTensor's parallelize_module", run, nproc=2)
+    tp.add_argument("--steps", type=int, default=5)
+    tp.add_argument("--repeats", type=int, default=3, help="interleaved runs of each side; medians")
+    tp.add_argument("--preset", default="small", help="a gpt preset whose heads and widths nproc divides")
+    tp.add_argument("--global-batch", type=int, default=8)
+    tp.add_argument("--seq-len", type=int, default=64)
+    tp.add_argument("--rows", default="tp,tp+sp", help="comma-separated: tp, tp+sp (sequence parallel)")
     compare = _kind(kinds, "dp-compare", "single-process DP, parameter server, all-reduce DP", run, nproc=3)
     compare.add_argument("--steps", type=int, default=5)
     compare.add_argument("--global-batch", type=int, default=16)
@@ -134,6 +141,15 @@ def bench_command(args: argparse.Namespace) -> int:
             stages = tuple(int(s) for s in args.stages.split(","))
             result = run_zero_bench(args.nproc, args.steps, args.repeats, stages, bucket_mb=args.bucket_mb)
         render = render_zero
+    elif args.kind == "tp":
+        from shardwise.bench.tp import check_tp_settings, render_tp, run_tp_bench
+
+        rows = tuple(args.rows.split(","))
+        check_tp_settings(args.nproc, args.preset, args.seq_len, rows)
+        result = run_tp_bench(
+            args.nproc, args.steps, args.repeats, args.preset, args.global_batch, args.seq_len, rows
+        )
+        render = render_tp
     elif args.kind == "dp-compare":
         from shardwise.bench.dp_compare import render_compare, run_dp_compare
 
