@@ -96,6 +96,12 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument(
         "--no-tp", action="store_true", help="--check: leave out the tp=2 layouts (run by default when even)"
     )
+    p.add_argument(
+        "--comm-profile",
+        default="",
+        help="--check: the collectives' cost profile (default: the one `shardwise bench comm` saved here, "
+        "else the built-in, unmeasured one)",
+    )
     p.add_argument("--out", help="--check: also write the result as JSON to this file")
     p.add_argument("--json", action="store_true", help="print the whole plan as one JSON line")
     p.set_defaults(run=plan_command)
@@ -237,7 +243,7 @@ def check_command(
                 "optim.name": args.optimizer, "data.global_batch": str(args.global_batch),
                 "ddp.bucket_mb": str(args.bucket_mb), "zero.bucket_mb": str(args.bucket_mb),
                 "steps": str(args.steps), "eval_every": "0", "run_dir": f"{run_dir}/{i}",
-                **layout_overrides(layout),
+                "comm.profile": args.comm_profile, **layout_overrides(layout),
             }  # fmt: skip
             rows.append(check_layout(model, training, layout, load_config(None, overrides), args.steps))
     out = {"model": model.describe(), "nproc": args.nproc, "cores": os.cpu_count(), "check": rows}
