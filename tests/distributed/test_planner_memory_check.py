@@ -94,7 +94,10 @@ def test_plan_check_prints_predicted_beside_measured() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = last_json(result)["check"]
     assert [(row["strategy"], row["activation_checkpointing"]) for row in rows] == [
-        ("zero2", False), ("zero2", True), ("zero3", False), ("zero3", True)
+        ("zero2", False),
+        ("zero2", True),
+        ("zero3", False),
+        ("zero3", True),
     ]
     for row in rows:
         assert 0.9 <= row["memory_ratio"] <= 1.1, row
