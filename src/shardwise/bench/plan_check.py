@@ -8,7 +8,10 @@ storages: tensor bytes, not RSS) for the peak; then builds it again and times ``
 the counter (the median after the first, the slowest rank's, as ``Trainer.step`` reports it). The
 prediction
 (:mod:`shardwise.planner`) uses those two rates, the collectives' profile that ``shardwise bench comm``
-saved (or the built-in default, said so), gloo's forms of ZeRO's collectives, and no overhead.
+saved (or ``--comm-profile``; else the built-in default, said so), gloo's forms of ZeRO's collectives,
+and no overhead. The layouts (``check_layouts``): each strategy with and without activation
+checkpointing, then on tp = 2 when the ranks are even. With more ranks than cores a rank's time is
+its share of a core, not the layout's: such a row gives memory alone and says why.
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int) -> dict[str
 
     init_distributed(config.timeout_s)
     try:
-        share = config.data.global_batch // dist.get_world_size() // config.data.micro_batches
+        # a data-parallel rank's sequences: tp ranks share theirs (the rate is taken at that batch)
+        dp = dist.get_world_size() // (config.parallel.tp * config.parallel.pp)
+        share = config.data.global_batch // dp // config.data.micro_batches
         flops, bandwidth = measure_rates(config, model, share * config.model.seq_len)
         with TensorBytes() as counted:
             trainer = Trainer.build(config)
