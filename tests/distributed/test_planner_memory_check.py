@@ -52,17 +52,53 @@ def test_predicted_peak_is_within_10_percent_of_the_measured(precision: str, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout("ddp", dp=2, activation_checkpointing=True),
+        Layout("zero3", dp=2, activation_checkpointing=True),
+        Layout("ddp", dp=1, tp=2),
+        Layout("zero2", dp=1, tp=2),
+        Layout("zero1", dp=4),  # 4 ranks on 2 cores: memory holds, time would not
+        Layout("zero3", dp=2, tp=2),
+    ],
+    ids=lambda layout: layout.name().replace(" ", "-"),
+)
+def test_checkpointing_and_tp2_peaks_are_within_10_percent(layout: Layout, tmp_path: Any) -> None:
+    """Activation checkpointing keeps each block's input and rebuilds one block in backward; tp=2
+    divides the head-split activations, the matrices and their states by 2 (memory.py)."""
+    from shardwise.bench.plan_check import layout_overrides
+
+    shape, training = preset_shape(PRESET, SEQ), Training(BATCH, SEQ)
+    overrides = {
+        "model.kind": "gpt", "model.preset": PRESET, "model.seq_len": str(SEQ), "steps": str(STEPS),
+        "data.global_batch": str(BATCH), "eval_every": "0", "run_dir": str(tmp_path),
+        **layout_overrides(layout),
+    }  # fmt: skip
+    predicted = estimate_memory(shape, training, layout)
+    peaks = run_on_ranks(_peak, layout.devices, overrides, timeout_s=600)
+    ratios = [predicted.total / got["peak"] for got in peaks]
+    print(layout.name(), [round(r, 3) for r in ratios], dict(predicted.device))
+    assert all(0.9 <= r <= 1.1 for r in ratios), ratios
+
+
+@pytest.mark.slow
 def test_plan_check_prints_predicted_beside_measured() -> None:
     """``shardwise plan --check``: the command a user types; memory within the bound, time reported."""
     from .cli_helpers import last_json, shardwise
 
     result = shardwise(
         "plan", "--preset", PRESET, "--check", "--nproc", "2", "--steps", "2",
-        "--strategies", "zero2,zero3", "--json", timeout_s=600,
+        "--strategies", "zero2,zero3", "--no-tp", "--json", timeout_s=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = last_json(result)["check"]
-    assert [row["strategy"] for row in rows] == ["zero2", "zero3"]
+    assert [(row["strategy"], row["activation_checkpointing"]) for row in rows] == [
+        ("zero2", False),
+        ("zero2", True),
+        ("zero3", False),
+        ("zero3", True),
+    ]
     for row in rows:
         assert 0.9 <= row["memory_ratio"] <= 1.1, row
         assert row["measured_step_s"] > 0 and row["time_ratio"] > 0, row  # reported; this machine is shared

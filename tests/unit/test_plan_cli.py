@@ -66,7 +66,7 @@ def test_llama3_8b_on_eight_h100s_prints_a_ranked_list_with_reasons(
         ),
         (["--preset", "large", *MACHINE, "--strategies", "zero4"], "--strategies: zero4; choose from"),
         (["--preset", "large", *MACHINE, "--global-batch", "0"], "global_batch and seq_len must be >= 1"),
-        (["--preset", "large", *MACHINE, "--global-batch", "12"], "divides global_batch(12)"),
+        (["--preset", "large", *MACHINE, "--global-batch", "5"], "divides global_batch(5)"),
         (["--preset", "large", *MACHINE, "--precision", "fp8"], "precision must be one of"),
         (["--preset", "large", *MACHINE, "--bucket-mb", "nan"], "bucket_mb must be a finite number > 0"),
         (["--preset", "large", *MACHINE, "--flops", "0"], "flops_per_s must be a finite number > 0"),
@@ -82,3 +82,18 @@ def test_bad_input_is_one_line_and_exit_2(
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("shardwise plan: error: ") and message in err[0], err
+
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "llama-3-8b" / "config.json"
+
+
+def test_the_shipped_llama3_8b_fixture_plans_tp2_layouts_with_a_reason_each(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", "--model", f"hf:{FIXTURE}", *MACHINE, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["params"] == 8_030_261_248  # the published count (embeddings and head untied)
+    ranked = result["ranked"]
+    assert {row["tp"] for row in ranked} == {1, 2} and all(row["reason"] for row in ranked)
+    tp2 = [row for row in ranked if row["tp"] == 2]
+    assert all(row["dp"] == 4 and not row["activation_checkpointing"] for row in tp2)

@@ -90,3 +90,10 @@ def test_the_plan_is_pure_and_its_figures_are_the_estimators() -> None:
     row = top.as_dict()
     assert row["fits"] and row["memory_bytes"] == top.memory.total and row["step_time_s"] > 0
     assert row["layout"] == top.layout.name() and row["strategy"] == top.layout.strategy
+
+
+def test_tp2_layouts_are_searched_without_checkpointing_which_tp_does_not_build() -> None:
+    layouts = enumerate_layouts(LLAMA3_8B, Training(16, 128), devices=8, tp_degrees=(1, 2))
+    tp2 = [layout for layout in layouts if layout.tp == 2]
+    assert tp2 and all(layout.dp == 4 and not layout.activation_checkpointing for layout in tp2)
+    assert any(layout.activation_checkpointing for layout in layouts if layout.tp == 1)

@@ -109,3 +109,16 @@ def test_a_preset_runs_end_to_end() -> None:
     shape = preset_shape("large", 64)
     t = step_time(shape, Training(16, 64, "bf16"), Layout("zero3", dp=2), Machine(2, 1e9, 1e9).profile())
     assert t.total_s > t.compute_s > 0 and t.comm_bytes > 0
+
+
+def test_the_optimizer_step_counts_adamws_twenty_passes_over_each_master_value() -> None:
+    from shardwise.planner.calibration import Calibration
+    from shardwise.planner.memory import Layout, Training
+    from shardwise.planner.model import preset_shape
+    from shardwise.planner.time import optimizer_seconds
+
+    model, calibration = preset_shape("large", 64), Calibration(memory_bytes_per_s=1e9)
+    adamw, _ = optimizer_seconds(model, Training(8, 64), Layout("ddp", dp=2), calibration)
+    assert adamw == 20 * 4 * model.params / 1e9  # every fp32 value read or written 20 times
+    sgd, _ = optimizer_seconds(model, Training(8, 64, optimizer="sgd"), Layout("ddp", dp=2), calibration)
+    assert sgd == 8 * 4 * model.params / 1e9

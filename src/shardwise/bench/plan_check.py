@@ -8,11 +8,15 @@ storages: tensor bytes, not RSS) for the peak; then builds it again and times ``
 the counter (the median after the first, the slowest rank's, as ``Trainer.step`` reports it). The
 prediction
 (:mod:`shardwise.planner`) uses those two rates, the collectives' profile that ``shardwise bench comm``
-saved (or the built-in default, said so), gloo's forms of ZeRO's collectives, and no overhead.
+saved (or ``--comm-profile``; else the built-in default, said so), gloo's forms of ZeRO's collectives,
+and no overhead. The layouts (``check_layouts``): each strategy with and without activation
+checkpointing, then on tp = 2 when the ranks are even. With more ranks than cores a rank's time is
+its share of a core, not the layout's: such a row gives memory alone and says why.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any
@@ -76,7 +80,9 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int) -> dict[str
 
     init_distributed(config.timeout_s)
     try:
-        share = config.data.global_batch // dist.get_world_size() // config.data.micro_batches
+        # a data-parallel rank's sequences: tp ranks share theirs (the rate is taken at that batch)
+        dp = dist.get_world_size() // (config.parallel.tp * config.parallel.pp)
+        share = config.data.global_batch // dp // config.data.micro_batches
         flops, bandwidth = measure_rates(config, model, share * config.model.seq_len)
         with TensorBytes() as counted:
             trainer = Trainer.build(config)
@@ -100,11 +106,46 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int) -> dict[str
         dist.destroy_process_group()
 
 
+def time_note(ranks: int, cores: int) -> str:
+    """Why a measured step time says nothing about the layout ("" when it does): ranks share cores."""
+    return f"time not meaningful: {ranks} ranks on {cores} cores" if ranks > cores else ""
+
+
+def check_layouts(model: ModelShape, strategies: list[str], nproc: int, tp: bool = True) -> list[Layout]:
+    """What ``--check`` runs on ``nproc`` ranks: each strategy with and without activation
+    checkpointing on dp = nproc, then (``tp``, when nproc is even and the heads divide) each on tp = 2
+    with the strategy over dp = nproc / 2 (without checkpointing: with tp it is not built yet)."""
+    meshes = [(nproc, 1)]
+    if tp and nproc % 2 == 0 and model.n_head % 2 == 0 and model.kv_heads % 2 == 0:
+        meshes.append((nproc // 2, 2))
+    return [
+        Layout(strategy, dp=dp, tp=degree, activation_checkpointing=ckpt)
+        for dp, degree in meshes
+        for strategy in strategies
+        for ckpt in ((False, True) if degree == 1 else (False,))
+    ]
+
+
+def layout_overrides(layout: Layout) -> dict[str, str]:
+    """The config overrides that run ``layout`` (its mesh, strategy and checkpointing)."""
+    return {
+        "strategy": layout.strategy,
+        "parallel.dp": str(layout.dp),
+        "parallel.tp": str(layout.tp),
+        "parallel.activation_checkpointing": str(layout.activation_checkpointing).lower(),
+        "parallel.sequence_parallel": str(layout.sequence_parallel).lower(),
+    }
+
+
 def check_layout(
     model: ModelShape, training: Training, layout: Layout, config: TrainConfig, steps: int
 ) -> dict[str, Any]:
-    """Run ``config`` (the layout's) on ``layout.dp`` local ranks; predicted beside measured."""
-    measured = launch_local(check_worker, (config, model, steps), layout.dp)[0]
+    """Run ``config`` (the layout's) on ``layout.devices`` local ranks; predicted beside measured.
+
+    With more ranks than cores the ranks take turns on a core, so a step's time says nothing about
+    the layout: the row gives the memory ratio alone (``time_ratio`` None) and says why."""
+    ranks = layout.devices
+    measured = launch_local(check_worker, (config, model, steps), ranks)[0]
     calibration = Calibration(
         flops_per_s=measured["flops_per_s"],
         memory_bytes_per_s=measured["memory_bytes_per_s"],
@@ -113,15 +154,20 @@ def check_layout(
     profile = load_profile(config.comm.profile) or CostProfile()
     memory = estimate_memory(model, training, layout, calibration)
     time_ = step_time(model, training, layout, profile, calibration, "native", gloo=True)
+    note = time_note(ranks, os.cpu_count() or 1)
     return {
         "layout": layout.name(),
         "strategy": layout.strategy,
+        "dp": layout.dp,
+        "tp": layout.tp,
+        "activation_checkpointing": layout.activation_checkpointing,
         "predicted_bytes": memory.total,
         "measured_bytes": measured["peak_bytes"],
         "memory_ratio": memory.total / measured["peak_bytes"],
         "predicted_step_s": time_.total_s,
         "measured_step_s": measured["step_s"],
-        "time_ratio": time_.total_s / measured["step_s"],
+        "time_ratio": None if note else time_.total_s / measured["step_s"],
+        "time_note": note,
         "flops_per_s": measured["flops_per_s"],
         "memory_bytes_per_s": measured["memory_bytes_per_s"],
         "comm_profile": profile.source,

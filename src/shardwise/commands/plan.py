@@ -9,8 +9,11 @@ hf:PATH``), or sizes by hand (``--layers --hidden --heads --vocab``); the machin
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 from shardwise.commands.output import emit
@@ -90,6 +93,16 @@ def add_plan_parser(sub: Any) -> None:
     )
     p.add_argument("--nproc", type=int, default=2, help="--check: local ranks (default 2)")
     p.add_argument("--steps", type=int, default=5, help="--check: timed steps per layout (default 5)")
+    p.add_argument(
+        "--no-tp", action="store_true", help="--check: leave out the tp=2 layouts (run by default when even)"
+    )
+    p.add_argument(
+        "--comm-profile",
+        default="",
+        help="--check: the collectives' cost profile (default: the one `shardwise bench comm` saved here, "
+        "else the built-in, unmeasured one)",
+    )
+    p.add_argument("--out", help="--check: also write the result as JSON to this file")
     p.add_argument("--json", action="store_true", help="print the whole plan as one JSON line")
     p.set_defaults(run=plan_command)
 
@@ -168,7 +181,11 @@ def plan_command(args: argparse.Namespace) -> int:
         overhead_bytes=parse_bytes(args.overhead, "--overhead") if args.overhead else 0.0,
         **({"flops_per_s": args.flops, "source": "--flops"} if args.flops is not None else {}),
     )
-    layouts = enumerate_layouts(model, training, machine.devices, strategies, bucket_mb=args.bucket_mb)
+    # tensor parallelism over 2 devices where they allow it (Megatron's all-reduces are in the time)
+    tp_degrees = (1, 2) if machine.devices % 2 == 0 else (1,)
+    layouts = enumerate_layouts(
+        model, training, machine.devices, strategies, tp_degrees=tp_degrees, bucket_mb=args.bucket_mb
+    )
     result = plan(model, training, machine, calibration, layouts=layouts)
     out = {
         "model": model.describe(),
@@ -207,10 +224,10 @@ def check_command(
 ) -> int:
     """Each strategy run here on ``--nproc`` ranks: predicted and measured peak bytes and step time."""
     import tempfile
+    from dataclasses import replace
 
-    from shardwise.bench.plan_check import check_layout
+    from shardwise.bench.plan_check import check_layout, check_layouts, layout_overrides
     from shardwise.config import load_config
-    from shardwise.planner.memory import Layout
 
     if not (args.preset or args.model):
         raise ConfigError("--check runs the model: give --preset NAME or --model hf:PATH, not sizes by hand")
@@ -218,17 +235,21 @@ def check_command(
         raise ConfigError(f"--check needs --nproc >= 1 and --steps >= 2; got {args.nproc}, {args.steps}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="shardwise-plan-check-") as run_dir:
-        for strategy in strategies:
-            layout = Layout(strategy, dp=args.nproc, bucket_mb=args.bucket_mb)
+        for i, layout in enumerate(check_layouts(model, strategies, args.nproc, tp=not args.no_tp)):
+            layout = replace(layout, bucket_mb=args.bucket_mb)
             overrides = {
                 "model.kind": "gpt" if args.preset else args.model, "model.preset": args.preset or "small",
-                "model.seq_len": str(args.seq_len), "strategy": strategy, "precision": args.precision,
+                "model.seq_len": str(args.seq_len), "precision": args.precision,
                 "optim.name": args.optimizer, "data.global_batch": str(args.global_batch),
                 "ddp.bucket_mb": str(args.bucket_mb), "zero.bucket_mb": str(args.bucket_mb),
-                "steps": str(args.steps), "eval_every": "0", "run_dir": f"{run_dir}/{strategy}",
+                "steps": str(args.steps), "eval_every": "0", "run_dir": f"{run_dir}/{i}",
+                "comm.profile": args.comm_profile, **layout_overrides(layout),
             }  # fmt: skip
             rows.append(check_layout(model, training, layout, load_config(None, overrides), args.steps))
-    out = {"model": model.describe(), "nproc": args.nproc, "check": rows}
+    out = {"model": model.describe(), "nproc": args.nproc, "cores": os.cpu_count(), "check": rows}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     emit(out, args.json, _render_check)
     return 0
 
@@ -236,7 +257,7 @@ def check_command(
 def _render_check(result: dict[str, Any]) -> None:
     print(f"{result['model']}; measured on {result['nproc']} local ranks (tensor bytes, not RSS)")
     heads = ("pred MB", "meas MB", "mem x", "pred ms", "meas ms", "time x")
-    print(f"{'layout':<24} " + " ".join(f"{h:>8}" for h in heads))
+    print(f"{'layout':<30} " + " ".join(f"{h:>8}" for h in heads))
     for row in result["check"]:
         cells = (
             row["predicted_bytes"] / 1e6,
@@ -246,6 +267,7 @@ def _render_check(result: dict[str, Any]) -> None:
             row["measured_step_s"] * 1e3,
             row["time_ratio"],
         )
-        print(f"{row['layout']:<24} " + " ".join(f"{c:>8.2f}" for c in cells))
+        text = " ".join(f"{c:>8.2f}" if c is not None else f"{'-':>8}" for c in cells)
+        print(f"{row['layout']:<30} {text}" + (f"  ({row['time_note']})" if row.get("time_note") else ""))
     if result["check"]:
         print(f"communication profile: {result['check'][0]['comm_profile']}")

@@ -109,14 +109,15 @@ def enumerate_layouts(
     bucket_mb: float = 25.0,
 ) -> list[Layout]:
     """Every layout to consider; meshes the model cannot take (tp not dividing the heads, more stages
-    than blocks, a batch that does not divide) are left out."""
+    than blocks, a batch that does not divide) are left out, and so is activation checkpointing with
+    tp > 1 (the library refuses it: not built yet)."""
     layouts = []
     for dp, pp, tp in mesh_shapes(devices, pp_degrees, tp_degrees):
         if model.n_head % tp or model.kv_heads % tp or pp > model.n_layer or training.global_batch % dp:
             continue
         for strategy in strategies:
             for where in offload if strategy.startswith("zero") else ("none",):
-                for ckpt in checkpointing:
+                for ckpt in checkpointing if tp == 1 else (False,):  # tp + checkpointing: not built
                     for m in divisors(training.global_batch // dp):
                         layouts.append(Layout(strategy, dp, pp, tp, False, m, ckpt, where, bucket_mb))
     return layouts

@@ -186,6 +186,16 @@ def compute_seconds(
     return forward, total - forward
 
 
+def optimizer_passes(training: Training) -> int:
+    """Master-sized reads and writes per parameter of one optimizer step, as torch's foreach kernels
+    run it. AdamW: decay (read, write), the first moment's lerp (2 reads, a write), the second moment's
+    mul and addcmul (2 + 3), its square root, the bias correction and eps (2 each, into a new tensor),
+    and the update's addcdiv (3 reads, a write): 20. SGD: the update (3), momentum's mul and add (2 + 3)."""
+    if training.optimizer in ("adam", "adamw"):
+        return 20
+    return 3 + (5 if training.states else 0)
+
+
 def optimizer_seconds(
     model: ModelShape, training: Training, layout: Layout, calibration: Calibration
 ) -> tuple[float, float]:
@@ -196,7 +206,7 @@ def optimizer_seconds(
         return 0.0, 0.0  # the servers step while the workers wait on the pull (in its send time)
     held = psi / layout.dp if stage else psi
     mb, cb = training.master_bytes, training.compute_bytes
-    touched = held * (2 * mb + mb + 2 * training.states * mb + (cb if training.mixed else 0))
+    touched = held * (optimizer_passes(training) * mb + (cb if training.mixed else 0))
     if layout.offload == "none":
         return touched / calibration.memory_bytes_per_s, 0.0
     gathers = 1 + (2 * layout.micro_batches if stage == 3 else 0)  # stage 3 reads the master per gather
