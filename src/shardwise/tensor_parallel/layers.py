@@ -278,7 +278,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(logits.size(0), device=logits.device)
         picked = shifted[rows, local_target].masked_fill(~mine, 0.0)  # the target's logit, on its rank only
         comm.all_reduce(picked, label="vocab-parallel CE target logit")
-        exp = shifted.exp()
+        exp = shifted.exp_()  # in place: no second logits-sized buffer (shifted is not needed again)
         sum_exp = exp.sum(dim=-1)
         comm.all_reduce(sum_exp, label="vocab-parallel CE sum exp")
         losses = (sum_exp.log() - picked).masked_fill(ignored, 0.0)
@@ -294,7 +294,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(g.size(0), device=g.device)
         g[rows, local_target] -= mine.to(g.dtype)
         g.masked_fill_(ignored.unsqueeze(-1), 0.0)
-        return g * grad, None, None, None
+        return g.mul_(grad), None, None, None  # the clone above keeps the saved softmax for a re-walk
 
 
 def vocab_parallel_cross_entropy(
