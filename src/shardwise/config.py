@@ -206,14 +206,16 @@ class ParallelDims:
             if trainers % model_ranks:
                 raise ConfigError(
                     f"pp({parallel.pp}) x tp({parallel.tp}) = {model_ranks} does not divide the world "
-                    f"of {_ranks(trainers, servers)}"
+                    f"of {_ranks(trainers, servers)}; start a multiple of {model_ranks} ranks that train "
+                    "(--nproc), or lower pp or tp"
                 )
             dp = trainers // model_ranks
         total = dp * model_ranks
         if total != trainers:
             raise ConfigError(
                 f"dp({dp}) x pp({parallel.pp}) x tp({parallel.tp}) = {total}, but the world has "
-                f"{_ranks(trainers, servers)}"
+                f"{_ranks(trainers, servers)}; start {total} ranks that train (--nproc), or leave dp "
+                "unset (-1: what the world leaves)"
             )
         return cls(dp, parallel.pp, parallel.tp, servers)
 
@@ -226,11 +228,17 @@ class ParallelDims:
         """The mesh's shape over the ranks that train: (dp, pp, tp)."""
         return (self.dp, self.pp, self.tp)
 
+    @property
+    def label(self) -> str:
+        """The layout in words: ``dp2 x pp2 x tp2`` (with ``+ 2 servers`` for a parameter server)."""
+        servers = f" + {self.servers} servers" if self.servers else ""
+        return f"dp{self.dp} x pp{self.pp} x tp{self.tp}{servers}"
+
 
 def _ranks(trainers: int, servers: int) -> str:
     if servers:
         return f"{trainers} ranks that train ({trainers + servers} ranks - {servers} servers)"
-    return f"{trainers} ranks"
+    return f"{trainers} rank" if trainers == 1 else f"{trainers} ranks"
 
 
 @dataclass(frozen=True)

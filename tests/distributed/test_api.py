@@ -347,7 +347,7 @@ def _main_that_diverges(run_dir: str) -> None:
 def test_launch_raises_a_ranks_config_error_as_itself_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(sw.ConfigError) as raised:
         sw.launch(_main_with_a_bad_config, 2, str(tmp_path))
-    assert str(raised.value) == "dp(3) x pp(1) x tp(1) = 3, but the world has 2 ranks"
+    assert str(raised.value).startswith("dp(3) x pp(1) x tp(1) = 3, but the world has 2 ranks; start 3")
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
 
 

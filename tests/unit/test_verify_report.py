@@ -21,10 +21,13 @@ def _run(losses: list[float], norms: list[float]) -> dict:
     }
 
 
+RUN = {"layout": "dp2 x pp1 x tp1", "nproc": 2, "steps": 2, "dtype": "float64"}
+
+
 def test_the_failing_measure_is_printed_even_when_it_is_the_gradient_norm(capsys) -> None:
     report = compare_runs(_run([1.0, 2.0], [3.0, 4.0]), _run([1.0, 2.0], [3.0, 4.5]), 1e-10)
     assert not report["ok"] and report["failed"] == ["grad norm"]
-    _render({**report, "strategy": "ddp", "nproc": 2, "steps": 2, "dtype": "float64"})
+    _render({**report, "strategy": "ddp", **RUN})
     out = capsys.readouterr().out
     assert out.startswith("FAILED (grad norm over the tolerance): ddp on 2 ranks")
     assert "max grad norm diff 5.000e-01  <- over" in out
@@ -36,7 +39,7 @@ def test_diloco_gradient_norm_is_shown_not_compared(capsys) -> None:
         _run([1.0, 2.0], [3.0, 4.0]), _run([1.0, 2.0], [3.0, 4.5]), 1e-10, compare_norm=False
     )
     assert report["ok"] and "grad norm" not in report["compared"]
-    _render({**report, "strategy": "diloco", "nproc": 2, "steps": 2, "dtype": "float64"})
+    _render({**report, "strategy": "diloco", **RUN})
     out = capsys.readouterr().out
     assert out.startswith("OK: diloco")
     assert "max grad norm diff 5.000e-01  (not compared: diloco clips each rank's own norm" in out

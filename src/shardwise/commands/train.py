@@ -46,7 +46,8 @@ def _finish(summary: dict[str, Any], as_json: bool) -> int:
 def render_summary(summary: dict[str, Any]) -> None:
     console = Console(soft_wrap=True)  # long lines stay whole in logs and pipes
     console.print(
-        f"[bold]{summary['strategy']}[/] on {summary['world_size']} ranks, {summary['steps']} steps: "
+        f"[bold]{summary['strategy']}[/] on {summary['world_size']} ranks ({summary['layout']}), "
+        f"{summary['steps']} steps: "
         f"loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
         + (f", held-out {summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else "")
         + f", {summary['tokens_per_s']:,.0f} tokens/s"

@@ -252,6 +252,7 @@ def run_verify(config: TrainConfig, nproc: int) -> dict[str, Any]:
     report = compare_runs(reference_run(config), candidate, TOLERANCE, compare_norm)
     return {
         "strategy": config.strategy,
+        "layout": config.dims(nproc).label,
         "nproc": nproc,
         "steps": config.steps,
         "dtype": config.dtype,
@@ -275,7 +276,7 @@ def _render(report: dict[str, Any]) -> None:
     failed = report.get("failed", [])
     verdict = f"FAILED ({', '.join(failed)} over the tolerance)" if failed else "OK"
     lines = [
-        f"{verdict}: {report['strategy']} on {report['nproc']} ranks vs one process, "
+        f"{verdict}: {report['strategy']} on {report['nproc']} ranks ({report['layout']}) vs one process, "
         f"{report['steps']} steps in {report['dtype']}"
     ]
     where = {"grad": report["worst_grad"], "param": report["worst_param"]}

@@ -464,4 +464,5 @@ def apply_tensor_parallel(
     params = {}
     for name, param in model.named_parameters():
         params[name] = ctx.sharder.record(param) or replicated(name, tuple(param.shape))
+    ctx.sharder.made.clear()  # the full, uncut weights: hooks hold ctx, so they would live on with it
     return TensorParallelLayout(comm, sequence_parallel, params, tuple(ctx.sp_params), ctx.tracker, ctx.hooks)

@@ -170,6 +170,15 @@ class Trainer:
             )
         return cls(config, engine, sampler, mesh, held_out, scheduler is not None)
 
+    def _step_comms(self, trainers: Comm) -> list[Comm]:
+        """What a step communicates over: the engine's group, and the tp and pp axes when they are
+        more than one rank (their activations, gradients and norms are the step's traffic too)."""
+        comms = [self.engine.comm or trainers]
+        for axis in ("tp", "pp"):
+            if self.mesh.in_mesh and self.mesh.comm(axis).world_size > 1:
+                comms.append(self.mesh.comm(axis))
+        return comms
+
     def step(self, step: int, after_backward: Callable[[int], None] | None = None) -> StepRecord:
         """One optimizer step; ``after_backward(step)`` sees the global gradients before the update."""
         # every rank runs the same number of passes, empty ones included (see local_micro_batches)
@@ -179,8 +188,8 @@ class Trainer:
         trainers = self.mesh.trainers
         if trainers is None or not self.engine.role.steps:
             raise RuntimeError(f"rank {self.mesh.rank} serves; it does not step")
-        engine_comm = self.engine.comm or trainers
-        before = engine_comm.stats.snapshot()
+        step_comms = self._step_comms(trainers)
+        before = [c.stats.snapshot() for c in step_comms]
         start = time.perf_counter()
         count = self.engine.global_count(micro)
         share = self.engine.forward_backward(micro, max(count, 1.0))
@@ -191,12 +200,12 @@ class Trainer:
         found = self._update(trainers, share)
         elapsed = time.perf_counter() - start
         MONITOR.set_phase("metrics")
-        comm = engine_comm.stats.since(before)
+        comms = [c.stats.since(b) for c, b in zip(step_comms, before, strict=True)]
         values = {
             "loss_share": share,
             "step_s": elapsed,
-            "comm_s": comm.blocked_s,
-            "bytes_sent": comm.bytes_sent,
+            "comm_s": sum(c.blocked_s for c in comms),
+            "bytes_sent": sum(c.bytes_sent for c in comms),
             "rss_mb": (current := rss_mb()),
             "peak_rss_mb": max(current, peak_rss_mb()),
             "samples": sum(rows(batch) for batch in micro),
@@ -438,6 +447,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
     ranks = len(history[-1].peak_rss_mb_by_rank)
     return {
         "strategy": config.strategy,
+        "layout": trainer.mesh.dims.label,
         "compute_dtype": str(trainer.engine.compute_dtype).removeprefix("torch."),
         "world_size": dist.get_world_size(),
         "training_ranks": ranks,
