@@ -79,7 +79,7 @@ VERIFY = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", VERIFY, ids=list(VERIFY))
 def test_verify_with_activation_checkpointing(case: str) -> None:
-    args = ["verify", "--activation-checkpointing", *VERIFY[case], "--nproc", "2", "--json"]
+    args = ["verify", "--activation-checkpointing", *VERIFY[case], "--nproc", "2", "--steps", "2", "--json"]
     result = shardwise(*args, timeout_s=280)
     summary = last_json(result)
     assert result.returncode == 0 and summary["ok"], result.stderr[-3000:]

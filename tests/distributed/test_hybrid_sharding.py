@@ -31,7 +31,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_verify_hybrid_sharding(case: str) -> None:
-    result = shardwise("verify", *CASES[case], "--json", timeout_s=480)
+    result = shardwise("verify", *CASES[case], "--steps", "2", "--json", timeout_s=480)
     summary = last_json(result)
     assert result.returncode == 0 and summary["ok"], result.stderr[-3000:]
     assert summary["max_param_diff"] <= 1e-10

@@ -46,7 +46,7 @@ VERIFY_CASES = {
 
 @pytest.mark.parametrize("case", VERIFY_CASES, ids=list(VERIFY_CASES))
 def test_verify_tensor_parallel(case: str) -> None:
-    result = shardwise("verify", *VERIFY_CASES[case], "--json", timeout_s=480)
+    result = shardwise("verify", *VERIFY_CASES[case], "--steps", "2", "--json", timeout_s=480)
     summary = last_json(result)
     assert result.returncode == 0 and summary["ok"], result.stderr[-3000:]
     assert summary["max_param_diff"] <= 1e-10 and summary["max_grad_norm_diff"] <= 1e-10
