@@ -393,6 +393,15 @@ class Engine(ABC):
         """After the optimizers (or a skipped update): gradients cleared, parameters ready for forward."""
         return None
 
+    def override(self, methods: Mapping[str, Callable[..., Any]]) -> None:
+        """Replace some of this instance's methods: an attachment (``pipeline.engine``,
+        ``tensor_parallel.engine``, ``zero.hybrid``) widens what an engine over one axis answers for,
+        each wrapper calling the method it replaces. Only methods the interface has can be replaced."""
+        for name, method in methods.items():
+            if not callable(getattr(type(self), name, None)):
+                raise AttributeError(f"{type(self).__name__} has no method {name!r} to override")
+            setattr(self, name, method)
+
     # -- roles --------------------------------------------------------------------------------------
     def serve(self, after_step: Callable[[int], None] | None = None) -> None:
         """A serving rank's whole run (the parameter server); ``after_step(done)`` runs where the ranks

@@ -69,8 +69,7 @@ def attach_pipeline(engine: Engine, runner: PipelineRunner) -> None:
         "full_gradients": lambda: gather_dicts(pp, local_grads()),
         "state_pieces": state_pieces,
     }
-    for name, method in overrides.items():
-        setattr(engine, name, method)  # this engine instance only: it now holds one stage
+    engine.override(overrides)
 
 
 def _stage_owned(name: str) -> bool:

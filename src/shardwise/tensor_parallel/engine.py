@@ -70,8 +70,7 @@ def attach_tensor_parallel(engine: Engine, layout: TensorParallelLayout) -> None
         "load_state": lambda read: local_load(BoxReader(read, sharded)),
         "step_loss": lambda share: local_loss(share) if tp.rank == 0 else 0.0,
     }
-    for name, method in overrides.items():
-        setattr(engine, name, method)  # this engine instance only: it now holds tp shards
+    engine.override(overrides)
 
 
 def sum_over(comm: Comm, tensors: list[torch.Tensor]) -> None:

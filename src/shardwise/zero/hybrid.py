@@ -42,5 +42,4 @@ def attach_hybrid(engine: ZeroBase, replicate: Comm) -> None:
         return local_pieces(engine.comm.rank, engine.comm.world_size) if replicate.rank == 0 else []
 
     overrides: dict[str, Callable[..., Any]] = {"finish_grads": finish_grads, "state_pieces": state_pieces}
-    for name, method in overrides.items():
-        setattr(engine, name, method)  # this engine instance only: it is now one replica
+    engine.override(overrides)
