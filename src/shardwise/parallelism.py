@@ -49,7 +49,7 @@ from shardwise.pipeline.split import split_model
 from shardwise.strategies import build_data_parallel
 from shardwise.tensor_parallel import Plan, TensorParallelLayout, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from shardwise.tensor_parallel import apply_tensor_parallel as apply_tp_plan
-from shardwise.tensor_parallel.engine import attach_tensor_parallel
+from shardwise.tensor_parallel.engine import attach_rng_states, attach_tensor_parallel
 from shardwise.tensor_parallel.layers import VocabParallelCausalLMLoss, VocabParallelTokenLoss
 from shardwise.tensor_parallel.random import RNGStatesTracker
 from shardwise.zero.units import resolve_units
@@ -358,6 +358,8 @@ def parallelize(
     if runner is not None:
         engine.loss_comm = mesh.trainers  # only the last stage holds a loss share: sum over every stage
         attach_pipeline(engine, runner)
+    if layout is not None:  # per rank, so last: the pipeline keeps only its stage's model pieces
+        attach_rng_states(engine, layout.tracker, mesh.rank)
     if scheduler is None and not is_constant(config.optim):
         scheduler = schedule_factory(config.optim, config.steps)
     return attach_optimizers(engine, factory or optimizer_factory(config.optim), scheduler)

@@ -451,6 +451,9 @@ class Engine(ABC):
           ``ps/version`` (each server's version), ``precision/loss_scale`` (fp16's loss scaler).
         - ``codec/<layout>/rank<r>/...``: with ``comm.compress``, each rank's own error-feedback state
           (``engine.codec_state``), loaded back only by a run of the same layout.
+        - ``rng/<state>/rank<r>``: with tensor parallelism, each rank's private dropout stream
+          (``tensor_parallel.engine.attach_rng_states``), beside the ``rng/torch/rank<r>`` the
+          checkpoint writer adds for every rank.
 
         Every element of every tensor must be written by exactly one rank. Replicated engines (DDP)
         spread whole tensors over ranks (``checkpoint.spread_replicated``), so no rank writes it all.
