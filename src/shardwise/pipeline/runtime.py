@@ -16,7 +16,10 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    (``torch.autograd.backward(inputs=weights)``). W walks the graph from the output again rather than
    reusing I's intermediate gradients (torch's ``stage_backward_weight`` keeps them), so a W costs
    about a B here: the order, and so the bubble, is the zero-bubble schedule's, the work per W is not
-   yet. A stage's activations are dropped once its B (or W) ran;
+   yet. A stage's activations are dropped once its B (or W) ran. Each action runs inside
+   ``engine.pipeline_stage(the stage's parameters)``: ZeRO-3 gathers them there as they are used and
+   releases them after (every replica of a stage runs the same actions, so the dp group's gathers
+   match), and keeps the gradients local until ``finish_grads``;
    Each action is one span in the trace (``--trace``: lane "pipeline", named as printed, ``0F1``);
 4. the tied weight's copy sends its gradient to the first stage, which adds it to the parameter's
    (every backward ran under ``no_sync``, so the gradient is still local); then ``finish_grads``: the
