@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shardwise.pipeline.schedules import build
+from shardwise.testing import run_on_ranks
 
 from .cli_helpers import last_json, shardwise
 
@@ -69,6 +72,58 @@ def test_verify_pipeline_equals_one_process(args: list[str]) -> None:
     assert report["ok"] is True, report
     assert report["max_param_diff"] <= 1e-10
     assert report["max_grad_diff"] <= 1e-10 and report["max_loss_diff"] <= 1e-10
+
+
+def _zero3_stage_traffic(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Two zb steps of pp 2 under ZeRO-3 (activation checkpointing on), watched from outside: which
+    units are still gathered when each action ends, and how often each group is reduced."""
+    from shardwise.config import load_config
+    from shardwise.train.loop import Trainer
+    from shardwise.zero.group import FlatGroup
+
+    config = load_config(None, {
+        "dtype": "float64", "steps": "2", "model.preset": "odd-deep", "data.global_batch": "8",
+        "eval_every": "0", "run_dir": root, "strategy": "zero3", "parallel.pp": "2",
+        "parallel.schedule": "zb", "data.micro_batches": "4", "parallel.activation_checkpointing": "true",
+    })  # fmt: skip
+    reduced: list[int] = []
+    reduce_grads = FlatGroup.reduce_grads
+
+    def counted(group: FlatGroup, release: bool) -> None:
+        reduced.append(id(group))
+        reduce_grads(group, release)
+
+    FlatGroup.reduce_grads = counted  # type: ignore[method-assign]
+    engine = (trainer := Trainer.build(config)).engine
+    stage = engine.pipeline_stage
+    units = [g for i, g in enumerate(engine.groups) if i != engine._root]  # type: ignore[attr-defined]
+    at_end: dict[str, list[int]] = {"before release": [], "after": []}
+
+    @contextmanager
+    def watched(params: Any, input_grad_only: bool = False) -> Iterator[None]:
+        with stage(params, input_grad_only):
+            yield
+            at_end["before release"].append(sum(g.materialized for g in units))
+        at_end["after"].append(sum(g.materialized for g in units))
+
+    engine.pipeline_stage = watched  # type: ignore[method-assign]
+    for step in range(2):
+        trainer.step(step)
+    return {"groups": len(engine.groups), "units": len(units), "reduced": len(reduced), **at_end}
+
+
+@pytest.mark.slow
+def test_zero3_on_a_stage_releases_its_units_after_every_action_and_reduces_once_per_step(
+    tmp_path: Path,
+) -> None:
+    """What parity cannot show: a stage's units are gathered only while an action uses them (an I
+    pass, which gives no gradient to free them by, releases each as backward leaves it) and each
+    group's gradients, summed over four micro-batches, are reduce-scattered once per step."""
+    for rank, out in enumerate(run_on_ranks(_zero3_stage_traffic, 2, str(tmp_path), timeout_s=300)):
+        assert out["units"] >= 2, out
+        assert out["reduced"] == 2 * out["groups"], (rank, out)  # two steps, each group once
+        assert not any(out["after"]), (rank, out)  # nothing of the stage left gathered
+        assert max(out["before release"]) <= 1, (rank, out)  # never the whole stage at once
 
 
 @pytest.mark.slow
