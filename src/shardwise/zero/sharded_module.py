@@ -27,7 +27,8 @@ the same units work per action: the root is gathered when a stage that uses it (
 last) runs, units are gathered by the hooks above and prefetched only within the running stage, and
 whatever an action left gathered is released when it ends. A zero-bubble schedule's I pass
 (``autograd.grad`` to the stage's input) gathers each unit through the same output hooks but gives no
-parameter its gradient, so its units are released at the action's end; the W pass
+parameter its gradient to free it by, so each unit is released when backward reaches the one before it
+(the blocks of every model that splits run in sequence); the W pass
 (``autograd.backward(inputs=weights)``) walks the retained graph again, and the hooks gather each
 unit once more (freed storage is re-filled in place, so the graph's saved views read the weights
 again). Gradients are not reduced per unit there: each is added into its unit's flat buffer, kept
