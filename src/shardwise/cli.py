@@ -46,6 +46,10 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         {"help": "pipeline schedule: gpipe | 1f1b | interleaved | zb | interleaved-zb | zbv | dualpipev"},
     ),
     "--virtual-stages": ("parallel.virtual_stages", {"help": "pipeline stages per pp rank"}),
+    "--pp-split": (
+        "parallel.pp_split",
+        {"help": "the blocks stages 1.. start at, e.g. blocks.3,blocks.6 (default: balanced by parameters)"},
+    ),
     "--data-weights": ("data.weights", {"help": "per-rank shares, e.g. .25,.25,.10,.40"}),
     "--lr": ("optim.lr", {}),
     "--optimizer": ("optim.name", {"help": "adamw | adam | sgd"}),
