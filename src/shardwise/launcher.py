@@ -119,7 +119,7 @@ def launch_local(
     os.environ[HANG_REPORT_ENV] = str(hang_report)  # the watchdog's one line lands here (see below)
     procstart.start_early()
     try:
-        return elastic_launch(config, _RankMain(fn, dict(os.environ)))(*args)
+        return elastic_launch(config, _RankMain(fn, dict(os.environ), procstart.Stdio()))(*args)
     except ChildFailedError as exc:
         if hang_report.exists():  # a rank's watchdog named (above) the rank that held the job up
             raise LaunchError("the job stopped on the hang named above") from None
@@ -204,8 +204,9 @@ class _RankMain:
     traceback that matters.
     """
 
-    def __init__(self, fn: Callable[..., Any], env: dict[str, str]) -> None:
-        self.fn, self.env = fn, env  # env: the launcher's, which a forked rank adopts (``procstart``)
+    def __init__(self, fn: Callable[..., Any], env: dict[str, str], stdio: procstart.Stdio) -> None:
+        # the launcher's environment and output, which a forked rank adopts (``procstart``)
+        self.fn, self.env, self.stdio = fn, env, stdio
         functools.update_wrapper(self, fn)  # the agent names the entry point by __name__
 
     def __call__(self, *args: Any) -> Any:
@@ -216,6 +217,7 @@ class _RankMain:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         procstart.adopt_environment(self.env, keep=_set_by_agent)
+        self.stdio.apply()
         try:
             return self.fn(*args)
         except Exception as exc:

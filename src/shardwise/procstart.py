@@ -7,11 +7,13 @@ fork of that clean, single-threaded process (never of the launcher, whose store 
 a plain fork unsafe). What a rank sees is otherwise what ``spawn`` gave it: it imports the caller's
 main module by path or name, so functions are pickled by reference exactly as before.
 
-Two things differ, and are mended here. The forkserver keeps the environment it started with, so the
-launcher's environment is sent along and ``adopt_environment`` puts it in place in each rank. And it
-would share the terminal's process group while it imports torch, where a Ctrl-C would print a
-traceback: ``start_early`` starts it with SIGINT ignored (it ignores SIGINT itself once running; ranks
-set their own handlers).
+Three things differ, and are mended here. The forkserver keeps the environment it started with, so the
+launcher's environment is sent along and ``adopt_environment`` puts it in place in each rank. It keeps
+the standard output and error it started with too (a test's capture that has since ended, say), so
+``Stdio`` sends the launcher's present ones with each rank, which writes there. And it would share the
+terminal's process group while it imports torch, where a Ctrl-C would print a traceback:
+``start_early`` starts it with SIGINT ignored (it ignores SIGINT itself once running; ranks set their
+own handlers).
 
 No communication: process start-up only.
 """
@@ -23,8 +25,11 @@ import multiprocessing.context
 import multiprocessing.forkserver
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Mapping
+from multiprocessing import reduction
+from typing import Any
 
 # SHARDWISE_START_METHOD=spawn starts every rank as a fresh interpreter again (slower; an escape hatch)
 START_METHOD = os.environ.get("SHARDWISE_START_METHOD", "forkserver")
@@ -64,6 +69,26 @@ def adopt_environment(env: Mapping[str, str], keep: Callable[[str], bool] = lamb
     for name in [n for n in os.environ if n not in env and not keep(n)]:
         del os.environ[name]
     os.environ.update({name: value for name, value in env.items() if not keep(name)})
+
+
+class Stdio:
+    """The starting process's file descriptors 1 and 2, sent with a rank as it starts (pickled by
+    multiprocessing while it starts a process, which passes the descriptors along); ``apply`` in the
+    rank makes them its own standard output and error."""
+
+    def __init__(self) -> None:
+        self.fds: tuple[Any, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fds": (reduction.DupFd(1), reduction.DupFd(2))}
+
+    def apply(self) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for target, received in zip((1, 2), self.fds, strict=True):
+            fd = received.detach()
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 def is_rank_process(parent_pid: int, launcher_pid: int, cmdline: str) -> bool:

@@ -1,11 +1,13 @@
-"""Ranks forked from the long-lived forkserver see the environment of the launch, not of its start."""
+"""Ranks forked from the long-lived forkserver get the launch's environment and output, not its start's."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
+from shardwise import procstart
 from shardwise.launcher import launch_local
 from shardwise.testing import run_on_ranks
 
@@ -27,3 +29,18 @@ def test_each_launch_passes_its_own_environment(monkeypatch: pytest.MonkeyPatch)
     assert run_on_ranks(_read, 2) == [None, None]
     monkeypatch.setenv("SW_PROCSTART_PROBE", "launched")
     assert launch_local(_read_rank, (), 2) == {0: ("launched", "0"), 1: ("launched", "1")}
+
+
+def _say(rank: int, *_: object) -> None:
+    print(f"rank {rank} writes to the launch's output", flush=True)
+    print(f"rank {rank} writes to the launch's error", file=sys.stderr, flush=True)
+
+
+def test_ranks_write_where_the_launch_writes(capfd: pytest.CaptureFixture[str]) -> None:
+    with capfd.disabled():  # the forkserver (if not already running) starts outside this capture
+        procstart.start_early()
+    run_on_ranks(_say, 2)
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert f"rank {rank} writes to the launch's output" in out
+        assert f"rank {rank} writes to the launch's error" in err

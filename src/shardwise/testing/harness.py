@@ -46,14 +46,15 @@ def run_on_ranks(
     ``fn`` must be a top-level (picklable) function; its return value must be picklable too.
     """
     ctx = procstart.context()
-    env = {**os.environ, **(env or {})}  # a forked rank adopts it (procstart)
+    env = {**os.environ, **(env or {})}  # a forked rank adopts it and our output (procstart)
+    stdio = procstart.Stdio()
     results: mp.Queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shardwise-ranks-") as folder:
         store_path = os.path.join(folder, "store")
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, store_path, backend, timeout_s, env, args, results),
+                args=(fn, rank, world_size, store_path, backend, timeout_s, env, stdio, args, results),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -109,10 +110,12 @@ def _rank_main(
     backend: str,
     timeout_s: float,
     env: dict[str, str],
+    stdio: procstart.Stdio,
     args: tuple[Any, ...],
     results: mp.Queue,
 ) -> None:
     procstart.adopt_environment(env)
+    stdio.apply()
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
