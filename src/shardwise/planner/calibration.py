@@ -3,8 +3,9 @@
 No communication. ``Machine`` is the target (devices that need not exist here: ``--devices N
 --device-memory M --link L``); its link becomes an alpha-beta profile of the collectives' cost model
 (:mod:`shardwise.collectives.cost`: an exchange of m bytes costs ``alpha + m / L``). ``Calibration``
-holds the constants measured once on a machine (a short matmul run for FLOP/s, one process without a
-strategy for the framework overhead) and never fitted on the layout being checked; its defaults are
+holds the constants measured once on a machine (the model's own forward and backward for FLOP/s, plain and
+with activation checkpointing; an in-place add for memory bandwidth; one process without a strategy
+for the framework overhead) and never fitted on the layout being checked; its defaults are
 stated as unmeasured.
 """
 

@@ -6,9 +6,12 @@ algorithm's prediction comes from). For one rank of a layout, per step:
 **Compute.** A training token costs 6 FLOPs per matmul weight (2 forward, 4 backward; Kaplan et al.
 2020) plus attention, 12·s·h per layer (4·s·h forward for the scores and the weighted sum; Narayanan et
 al., SC 2021, eq. 3: 72·l·h² + 12·s·l·h + 6·V·h per token). Activation checkpointing runs each block's
-forward again in backward (Narayanan et al.'s factor 4 instead of 3, on the blocks). Each rank computes
-its tokens (global batch x s / dp) over its share of the blocks (1/pp) and of every matmul (1/tp), at
-``Calibration.flops_per_s``; forward is a third of it, backward the rest.
+forward again in backward (Narayanan et al.'s factor 4 instead of 3, on the blocks), costed at the
+checkpointed model's own measured rate where there is one (``Calibration.checkpointed_flops_per_s``).
+On this CPU checkpointing added 6-22% to the compute (the probes' best and median), not 33%: likely
+because the first forward keeps no graph and the replay runs beside its backward, its activations in
+cache. Each rank computes its tokens (global batch x s / dp) over its share of the blocks (1/pp) and
+of every matmul (1/tp), at ``Calibration.flops_per_s``; forward is a third of it, backward the rest.
 
 **Bytes per step, per strategy** (Ψ the rank's parameters, N = dp, fp32 gradients here even under mixed
 precision, ``cb`` the compute dtype's bytes):
