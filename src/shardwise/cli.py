@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from shardwise import signals
+from shardwise import procstart, signals
 from shardwise.config import ConfigError, TrainConfig, load_config, set_key
 
 # flag -> (dotted config key, argparse kwargs)
@@ -46,6 +46,10 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         {"help": "pipeline schedule: gpipe | 1f1b | interleaved | zb | interleaved-zb | zbv | dualpipev"},
     ),
     "--virtual-stages": ("parallel.virtual_stages", {"help": "pipeline stages per pp rank"}),
+    "--pp-split": (
+        "parallel.pp_split",
+        {"help": "the blocks stages 1.. start at, e.g. blocks.3,blocks.6 (default: balanced by parameters)"},
+    ),
     "--data-weights": ("data.weights", {"help": "per-rank shares, e.g. .25,.25,.10,.40"}),
     "--lr": ("optim.lr", {}),
     "--optimizer": ("optim.name", {"help": "adamw | adam | sgd"}),
@@ -232,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # first, before the parser imports torch: a signal at any moment exits 128 + signal, in one line
     previous = signals.install()
     command = ""
+    if _starts_ranks(sys.argv[1:] if argv is None else list(argv)):
+        procstart.start_early()  # the ranks' imports run beside the parser's (see procstart)
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -248,6 +254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return signals.exit_code(exc)
     finally:
         signals.restore(previous)
+
+
+def _starts_ranks(argv: list[str]) -> bool:
+    """Whether the command will likely start local ranks (a guess: the launcher starts what it needs)."""
+    command = argv[0] if argv else ""
+    one = any(a in ("--nproc=1", "--help", "-h") for a in argv) or "--nproc 1" in " ".join(argv) + " "
+    return not one and (command in ("train", "verify", "bench") or (command == "plan" and "--check" in argv))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -161,6 +161,9 @@ class ParallelConfig:
         "1f1b", OneOf(("gpipe", "1f1b", "interleaved", "zb", "interleaved-zb", "zbv", "dualpipev"))
     )
     virtual_stages: int = checked(1, Range(ge=1))  # stages per pp rank (interleaved: >= 2; V: 2)
+    # the block each stage after the first starts at, by its name in the model ("blocks.3", "blocks.6":
+    # pp x virtual_stages - 1 of them, in order); empty: stages balanced by parameter count
+    pp_split: tuple[str, ...] = ()
     # tp > 1: norms and dropout on a tp-th of the sequence each (Korthikanti et al., 2022)
     sequence_parallel: bool = False
     # hybrid sharding (HSDP, ZeRO++'s hpZ): ZeRO shards within groups of dp / dp_replicate ranks and

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise import signals
+from shardwise import procstart, signals
 from shardwise.observe.watchdog import HANG_REPORT_ENV
 
 
@@ -104,7 +104,7 @@ def launch_local(
         rdzv_configs={"timeout": 60},
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=procstart.START_METHOD,
         local_addr="127.0.0.1",
         shutdown_timeout=3,
         # The agent would answer SIGINT and SIGTERM itself by forwarding them to the ranks, and SIGINT
@@ -117,8 +117,9 @@ def launch_local(
     ours = _install_launch_handlers()
     hang_report = Path(tempfile.mkdtemp(prefix="shardwise-launch-")) / "hang.txt"
     os.environ[HANG_REPORT_ENV] = str(hang_report)  # the watchdog's one line lands here (see below)
+    procstart.start_early()
     try:
-        return elastic_launch(config, _RankMain(fn))(*args)
+        return elastic_launch(config, _RankMain(fn, dict(os.environ)))(*args)
     except ChildFailedError as exc:
         if hang_report.exists():  # a rank's watchdog named (above) the rank that held the job up
             raise LaunchError("the job stopped on the hang named above") from None
@@ -160,14 +161,15 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _end_spawned_ranks() -> None:
-    """SIGTERM every child this process spawned as a rank (multiprocessing's ``spawn_main``) and wait
-    briefly for them; the resource tracker, also a child, is left to clean up after them."""
+    """SIGTERM every rank this process started (``procstart.is_rank_process``) and wait briefly for
+    them; the resource tracker and the forkserver are left to clean up after them."""
     import psutil
 
     ranks = []
-    for child in psutil.Process().children():
+    me = os.getpid()
+    for child in psutil.Process().children(recursive=True):
         try:
-            if "spawn_main" in " ".join(child.cmdline()):
+            if procstart.is_rank_process(child.ppid(), me, " ".join(child.cmdline())):
                 child.terminate()
                 ranks.append(child)
         except psutil.Error:  # gone already
@@ -202,8 +204,8 @@ class _RankMain:
     traceback that matters.
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[..., Any], env: dict[str, str]) -> None:
+        self.fn, self.env = fn, env  # env: the launcher's, which a forked rank adopts (``procstart``)
         functools.update_wrapper(self, fn)  # the agent names the entry point by __name__
 
     def __call__(self, *args: Any) -> Any:
@@ -213,6 +215,7 @@ class _RankMain:
         # traceback. Checkpoints are published atomically, so nothing is left half-written.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        procstart.adopt_environment(self.env, keep=_set_by_agent)
         try:
             return self.fn(*args)
         except Exception as exc:
@@ -222,6 +225,19 @@ class _RankMain:
 
 
 PEER_LOST_GRACE_S = 2.0
+
+# what the elastic agent sets for each worker alone (LocalElasticAgent's worker env)
+_AGENT_KEYS = frozenset(
+    {
+        *("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"),
+        *("GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    }
+)
+
+
+def _set_by_agent(name: str) -> bool:
+    return name in _AGENT_KEYS or name.startswith("TORCHELASTIC_")
 
 
 def _failure_text(failure: Any) -> str:

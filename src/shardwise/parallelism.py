@@ -38,18 +38,18 @@ from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
 from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.mesh import Mesh
-from shardwise.models import PRESETS
+from shardwise.models import PRESETS, build_model
 from shardwise.models.meta import meta_parameters
 from shardwise.pipeline.engine import attach_pipeline
 from shardwise.pipeline.runtime import PipelineRunner
 from shardwise.pipeline.schedules import ScheduleConfigError, stage_placement
 from shardwise.pipeline.schedules import build as build_schedule
 from shardwise.pipeline.schedules import check as check_schedule
-from shardwise.pipeline.split import split_model
+from shardwise.pipeline.split import plan_stages, split_model
 from shardwise.strategies import build_data_parallel
 from shardwise.tensor_parallel import Plan, TensorParallelLayout, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from shardwise.tensor_parallel import apply_tensor_parallel as apply_tp_plan
-from shardwise.tensor_parallel.engine import attach_tensor_parallel
+from shardwise.tensor_parallel.engine import attach_rng_states, attach_tensor_parallel
 from shardwise.tensor_parallel.layers import VocabParallelCausalLMLoss, VocabParallelTokenLoss
 from shardwise.tensor_parallel.random import RNGStatesTracker
 from shardwise.zero.units import resolve_units
@@ -59,8 +59,9 @@ class NotBuiltError(ConfigError):
     """The config asks for a kind of parallelism this version does not have yet."""
 
 
-PIPELINE_STRATEGIES = ("ddp", "zero1", "zero2")  # the data-parallel engines a pipeline stage runs under
-PIPELINE_REFUSED = ("ps", "zero3", "diloco")
+# the data-parallel engines a pipeline stage runs under
+PIPELINE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+PIPELINE_REFUSED = ("ps", "diloco")
 
 
 def check(config: TrainConfig) -> None:
@@ -121,15 +122,22 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
         )
 
 
-def _check_pipeline(config: TrainConfig) -> None:
+def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
     """The schedule fits pp, virtual stages and micro-batches (the arithmetic in the message); the
-    strategies that cannot run on a pipeline stage are refused."""
+    strategies that cannot run on a pipeline stage are refused; ``named_split``: the names of
+    ``parallel.pp_split`` checked against the model built on meta (the ranks' split checks them on
+    the real model, so ``apply_pipeline`` skips it)."""
     parallel = config.parallel
     if parallel.pp == 1:
         if parallel.virtual_stages != 1:
             raise ConfigError(
                 f"parallel.virtual_stages = {parallel.virtual_stages} needs a pipeline: set parallel.pp > 1 "
                 "(--pp) or virtual_stages = 1"
+            )
+        if parallel.pp_split:
+            raise ConfigError(
+                "parallel.pp_split names where pipeline stages start, but there is no pipeline: set "
+                "parallel.pp > 1 (--pp) or leave pp_split empty"
             )
         return
     if config.strategy in PIPELINE_REFUSED:
@@ -155,7 +163,11 @@ def _check_pipeline(config: TrainConfig) -> None:
         check_schedule(parallel.schedule, parallel.pp, parallel.virtual_stages, config.data.micro_batches)
     except ScheduleConfigError as exc:
         raise ConfigError(str(exc)) from None
-    if config.model.kind == "gpt":
+    if parallel.pp_split:
+        if named_split:  # the names against the model's own blocks (built on meta: no values drawn)
+            model = build_model(config.model, meta=True)
+            plan_stages(model, parallel.pp * parallel.virtual_stages, parallel.pp_split)
+    elif config.model.kind == "gpt":
         blocks = PRESETS["gpt"].get(config.model.preset, {}).get("n_layer", 0)
         stages = parallel.pp * parallel.virtual_stages
         if blocks < stages:
@@ -214,14 +226,14 @@ def tensor_parallel_loss(loss: Loss, comm: Comm) -> Loss:
 def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> PipelineRunner | None:
     """Step 2: keep this rank's pipeline stages over the ``pp`` axis (``pipeline.split``); returns the
     runtime that runs them (the engine's step runner), or None without a pipeline."""
-    _check_pipeline(config)
+    _check_pipeline(config, named_split=False)
     parallel = config.parallel
     if parallel.pp == 1 or not mesh.in_mesh:
         return None
     comm = mesh.comm("pp")
     name, pp, virtual = parallel.schedule, parallel.pp, parallel.virtual_stages
     placement = stage_placement(name, pp, virtual)
-    split = split_model(model, placement, comm.rank)
+    split = split_model(model, placement, comm.rank, parallel.pp_split)
     return PipelineRunner(split, comm, placement, lambda m: build_schedule(name, pp, virtual, m)[comm.rank])
 
 
@@ -358,6 +370,8 @@ def parallelize(
     if runner is not None:
         engine.loss_comm = mesh.trainers  # only the last stage holds a loss share: sum over every stage
         attach_pipeline(engine, runner)
+    if layout is not None:  # per rank, so last: the pipeline keeps only its stage's model pieces
+        attach_rng_states(engine, layout.tracker, mesh.rank)
     if scheduler is None and not is_constant(config.optim):
         scheduler = schedule_factory(config.optim, config.steps)
     return attach_optimizers(engine, factory or optimizer_factory(config.optim), scheduler)

@@ -1,18 +1,24 @@
 """Pipeline parallelism end to end: ``shardwise verify --pp ...`` against one process, float64.
 
 Every schedule at pp 2 (four micro-batches), pp 4, one micro-batch, fewer micro-batches than stages and
-empty ones, pp x dp with DDP and ZeRO-1/2 on the dp axis, Hugging Face Llama and GPT-2; evaluation and
-the reported loss under a pipeline equal one process's; refusals in one line.
+empty ones, pp x dp with DDP and ZeRO-1/2/3 on the dp axis, stage boundaries the user names, Hugging
+Face Llama and GPT-2; evaluation and the reported loss under a pipeline equal one process's;
+checkpoints across layouts; refusals in one line.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from shardwise.pipeline.schedules import build
+from shardwise.testing import run_on_ranks
 
 from .cli_helpers import last_json, shardwise
 
@@ -42,6 +48,16 @@ CASES = {
         "--pp", "2", "--schedule", "interleaved-zb", "--virtual-stages", "2", "--micro-batches", "5",
         "--global-batch", "6", "--nproc", "4", "--strategy", "zero2",
     ],
+    # ZeRO-3 on dp: units gathered per action; the zero-bubble W pass gathers them again; gradients
+    # accumulated over micro-batches and reduce-scattered once. zb: the tied head's copy on the other
+    # rank; zbv: both ends on one rank, with activation checkpointing (gpipe, 1f1b, interleaved,
+    # interleaved-zb and dualpipev were checked by hand)
+    "dp2-pp2-zero3-zb": ["--pp", "2", "--nproc", "4", "--strategy", "zero3", "--schedule", "zb",
+                         "--micro-batches", "4"],
+    "dp2-pp2-zero3-zbv-ac": ["--pp", "2", "--nproc", "4", "--strategy", "zero3", "--schedule", "zbv",
+                             "--virtual-stages", "2", "--micro-batches", "4", "--activation-checkpointing"],
+    # stages cut where the user says: 2 blocks on the first, the other 6 on the second
+    "pp2-named-split": [*pp2("1f1b"), "--pp-split", "blocks.2"],
     "pp2-llama": [*pp2("1f1b"), "--model", "hf:tiny-llama"],
     "pp2-gpt2-zb": [*pp2("zb"), "--model", "hf:tiny-gpt2"],
 }  # fmt: skip
@@ -56,6 +72,58 @@ def test_verify_pipeline_equals_one_process(args: list[str]) -> None:
     assert report["ok"] is True, report
     assert report["max_param_diff"] <= 1e-10
     assert report["max_grad_diff"] <= 1e-10 and report["max_loss_diff"] <= 1e-10
+
+
+def _zero3_stage_traffic(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Two zb steps of pp 2 under ZeRO-3 (activation checkpointing on), watched from outside: which
+    units are still gathered when each action ends, and how often each group is reduced."""
+    from shardwise.config import load_config
+    from shardwise.train.loop import Trainer
+    from shardwise.zero.group import FlatGroup
+
+    config = load_config(None, {
+        "dtype": "float64", "steps": "2", "model.preset": "odd-deep", "data.global_batch": "8",
+        "eval_every": "0", "run_dir": root, "strategy": "zero3", "parallel.pp": "2",
+        "parallel.schedule": "zb", "data.micro_batches": "4", "parallel.activation_checkpointing": "true",
+    })  # fmt: skip
+    reduced: list[int] = []
+    reduce_grads = FlatGroup.reduce_grads
+
+    def counted(group: FlatGroup, release: bool) -> None:
+        reduced.append(id(group))
+        reduce_grads(group, release)
+
+    FlatGroup.reduce_grads = counted  # type: ignore[method-assign]
+    engine = (trainer := Trainer.build(config)).engine
+    stage = engine.pipeline_stage
+    units = [g for i, g in enumerate(engine.groups) if i != engine._root]  # type: ignore[attr-defined]
+    at_end: dict[str, list[int]] = {"before release": [], "after": []}
+
+    @contextmanager
+    def watched(params: Any, input_grad_only: bool = False) -> Iterator[None]:
+        with stage(params, input_grad_only):
+            yield
+            at_end["before release"].append(sum(g.materialized for g in units))
+        at_end["after"].append(sum(g.materialized for g in units))
+
+    engine.pipeline_stage = watched  # type: ignore[method-assign]
+    for step in range(2):
+        trainer.step(step)
+    return {"groups": len(engine.groups), "units": len(units), "reduced": len(reduced), **at_end}
+
+
+@pytest.mark.slow
+def test_zero3_on_a_stage_releases_its_units_after_every_action_and_reduces_once_per_step(
+    tmp_path: Path,
+) -> None:
+    """What parity cannot show: a stage's units are gathered only while an action uses them (an I
+    pass, which gives no gradient to free them by, releases each as backward leaves it) and each
+    group's gradients, summed over four micro-batches, are reduce-scattered once per step."""
+    for rank, out in enumerate(run_on_ranks(_zero3_stage_traffic, 2, str(tmp_path), timeout_s=300)):
+        assert out["units"] >= 2, out
+        assert out["reduced"] == 2 * out["groups"], (rank, out)  # two steps, each group once
+        assert not any(out["after"]), (rank, out)  # nothing of the stage left gathered
+        assert max(out["before release"]) <= 1, (rank, out)  # never the whole stage at once
 
 
 @pytest.mark.slow
@@ -85,7 +153,7 @@ def test_train_pipeline_reports_the_loss_and_evaluates_as_one_process(tmp_path: 
             "has 2 blocks, fewer than pp(4) x virtual_stages(1)",
         ),
         (["--precision", "fp16"], "precision = fp16 (each stage would decide an overflow alone)"),
-        (["--strategy", "zero3"], "--strategy zero3 does not run with pipeline parallelism"),
+        (["--pp-split", "blocks.1,blocks.2"], "parallel.pp_split names 2 boundaries, but 2 stages"),
     ],
 )
 def test_pipeline_refusals_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
@@ -96,29 +164,54 @@ def test_pipeline_refusals_in_one_line(tmp_path: Path, args: list[str], message:
     assert len(lines) == 1 and message in lines[0], result.stderr[-3000:]
 
 
+CKPT_COMMON = ["--preset", "tiny", "--dtype", "float64", "--eval-every", "0", "--json"]
+PP2_DP2 = ["--pp", "2", "--nproc", "4"]
+
+
+@pytest.fixture(scope="module")
+def one_process_four_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What one process that never stopped ends with (every layout's resume is held to it)."""
+    run_dir = tmp_path_factory.mktemp("one-process")
+    plain = shardwise("train", "--nproc", "1", "--steps", "4", "--run-dir", str(run_dir), *CKPT_COMMON)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    return last_json(plain)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("save", "load"),
+    ("save", "loads"),
     [
-        (["--pp", "2", "--nproc", "4", "--strategy", "zero1"], ["--nproc", "1"]),
-        (["--nproc", "1"], ["--pp", "2", "--nproc", "4", "--strategy", "ddp"]),
+        ([*PP2_DP2, "--strategy", "zero1"], [["--nproc", "1"], ["--nproc", "4", "--strategy", "zero3"]]),
+        (["--nproc", "1"], [[*PP2_DP2, "--strategy", "ddp"]]),
+        ([*PP2_DP2, "--strategy", "zero3"], [["--nproc", "2", "--strategy", "ddp"]]),
     ],
-    ids=["pp2-dp2-zero1-to-one", "one-to-pp2-dp2-ddp"],
+    ids=["pp2-dp2-zero1-to-one-and-zero3-on-4", "one-to-pp2-dp2-ddp", "pp2-dp2-zero3-to-ddp-on-2"],
 )
-def test_a_pipeline_checkpoint_loads_in_any_layout(tmp_path: Path, save: list[str], load: list[str]) -> None:
-    """Each stage writes its own parameters under the model's names (the tied weight once): the
-    other layout resumes from them and ends where one process that never stopped ends."""
-    common = ["--preset", "tiny", "--dtype", "float64", "--eval-every", "0", "--json"]
-    ckpt = ["--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = shardwise("train", *save, "--steps", "2", *ckpt, "--run-dir", str(tmp_path / "a"), *common)
+def test_a_pipeline_checkpoint_loads_in_any_layout(
+    tmp_path: Path, save: list[str], loads: list[list[str]], one_process_four_steps: dict[str, Any]
+) -> None:
+    """Each stage writes its own parameters under the model's names (the tied weight once; ZeRO-3
+    its shards of them): every other layout resumes from them and ends where one process that never
+    stopped ends."""
+    ckpt = tmp_path / "ckpt"
+    every = ["--checkpoint-every", "2"]
+    first = shardwise(
+        "train", *save, "--steps", "2", *every, "--checkpoint-dir", str(ckpt), "--run-dir",
+        str(tmp_path / "a"), *CKPT_COMMON,
+    )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = shardwise("train", *load, "--steps", "4", *ckpt, "--run-dir", str(tmp_path / "b"), *common)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming at step 2" in resumed.stderr
-    plain = shardwise("train", "--nproc", "1", "--steps", "4", "--run-dir", str(tmp_path / "c"), *common)
-    a, b = last_json(resumed), last_json(plain)
-    assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-12, abs=0)
-    assert a["final_grad_norm"] == pytest.approx(b["final_grad_norm"], rel=1e-10, abs=0)
+    for i, load in enumerate(loads):
+        mine = tmp_path / f"ckpt{i}"  # each resume writes its own step-4 checkpoint: start from a copy
+        shutil.copytree(ckpt, mine)
+        resumed = shardwise(
+            "train", *load, "--steps", "4", *every, "--checkpoint-dir", str(mine), "--run-dir",
+            str(tmp_path / f"b{i}"), *CKPT_COMMON,
+        )  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "resuming at step 2" in resumed.stderr, load
+        a, b = last_json(resumed), one_process_four_steps
+        assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-12, abs=0), load
+        assert a["final_grad_norm"] == pytest.approx(b["final_grad_norm"], rel=1e-10, abs=0), load
 
 
 @pytest.mark.slow

@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from shardwise import procstart
+
 from .cli_helpers import SRC
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
@@ -118,11 +120,11 @@ def test_a_signal_mid_run_stops_every_rank(tmp_path: Path, sig: signal.Signals) 
 
 
 def _ranks(proc: subprocess.Popen[str]) -> list[psutil.Process]:
-    """The rank processes the launcher has spawned so far."""
+    """The rank processes the launcher has started so far."""
     found = []
     for child in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if "spawn_main" in " ".join(child.cmdline()):
+            if procstart.is_rank_process(child.ppid(), proc.pid, " ".join(child.cmdline())):
                 found.append(child)
         except psutil.NoSuchProcess:
             pass

@@ -1,11 +1,14 @@
-"""The pipeline split, in one process: balanced contiguous runs, every block once, names preserved."""
+"""The pipeline split, in one process: balanced contiguous runs or the user's boundaries, every block
+once, names preserved."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.parallelism import check
 from shardwise.pipeline.schedules import stage_placement
 from shardwise.pipeline.split import SplitError, balance, split_model
 
@@ -52,3 +55,43 @@ def test_the_last_stage_reads_a_copy_of_the_tied_weight_and_runs_the_plain_model
     ids = torch.randint(0, 256, (2, 8))
     hidden = a.stages[0](ids)
     assert torch.allclose(b.stages[1](hidden), reference(ids))
+
+
+def test_named_boundaries_cut_where_the_user_says_and_every_rank_keeps_its_blocks() -> None:
+    placement = stage_placement("interleaved", 2, 2)  # stages 0, 2 on rank 0; 1, 3 on rank 1
+    model = _model()
+    split = split_model(model, placement, 1, ("blocks.1", "blocks.2", "blocks.4"))
+    assert split.assignment == [[0], [1], [2, 3], [4]]  # uneven, and not what balance() gives
+    assert split.assignment != balance([1] * 5, 4)
+    assert [split.stages[s].blocks for s in sorted(split.stages)] == [[1], [4]]
+    kept = {n.split(".")[1] for n, _ in model.named_parameters() if n.startswith("blocks.")}
+    assert sorted(kept) == ["1", "4"]
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (("blocks.2",), "names 1 boundaries, but 4 stages (pp x virtual stages) need 3"),
+        (("blocks.1", "blocks.9", "blocks.4"), "'blocks.9' is not a block of the model; name blocks.0 .."),
+        (("blocks.1", "h.2", "blocks.4"), "'h.2' is not a block of the model"),
+        (("blocks.3", "blocks.2", "blocks.4"), "blocks.2 is not after blocks.3; list the boundaries in"),
+        (("blocks.0", "blocks.2", "blocks.4"), "blocks.0 is not after blocks.0, where stage 0 starts"),
+    ],
+)  # fmt: skip
+def test_wrong_boundaries_are_refused_in_one_line(names: tuple[str, ...], message: str) -> None:
+    with pytest.raises(SplitError, match=r"^parallel\.pp_split") as caught:
+        split_model(_model(), stage_placement("interleaved", 2, 2), 0, names)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_config_check_refuses_bad_boundaries_before_any_rank_starts() -> None:
+    def config(**keys: object) -> TrainConfig:
+        parallel = {f"parallel.{k}": v for k, v in keys.items()}
+        return load_config(overrides={"model.preset": "tiny", **parallel})
+
+    known = r"'blocks\.9' is not a block of the model; name blocks\.0 \.\. blocks\.1 "
+    with pytest.raises(SplitError, match=known):
+        check(config(pp=2, pp_split="blocks.9"))
+    check(config(pp=2, pp_split="blocks.1"))
+    with pytest.raises(ConfigError, match=r"parallel\.pp_split names where pipeline stages start, but there"):
+        check(config(pp_split="blocks.1"))

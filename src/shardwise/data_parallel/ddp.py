@@ -25,6 +25,12 @@ Cases handled, and how:
   all-reduced as it is; each bucket keeps its own error-feedback state, and its tensors' shapes for
   PowerSGD. Checkpoints hold each rank's bucket states (``engine.codec_state``), so a resume on the
   same ranks and buckets goes on exactly.
+- A dp group of one rank (tensor or pipeline parallelism using every rank, or ``--nproc 1``): there is
+  nothing to all-reduce, so no buckets and no hooks: autograd makes each ``.grad`` in backward and
+  ``after_update`` drops it (``set_to_none``), as a plain training loop does; gradients then occupy
+  memory only from backward to the update, instead of a flat copy of the model held through forward
+  (the peak of a tp run, where activations are largest). With a codec the buckets stay (its error
+  feedback is per bucket, and it runs even on one rank).
 """
 
 from __future__ import annotations
@@ -104,12 +110,16 @@ class DDPEngine(Engine):
         self.params = [p for _, p in named if p.requires_grad]
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
         broadcast_coalesced(comm, [p.data for _, p in named] + list(model.buffers()))
-        groups = plan_buckets(self.params, int(config.bucket_mb * 2**20), int(config.first_bucket_mb * 2**20))
+        # one rank alone has nothing to reduce: autograd's own .grad tensors, made in backward (module doc)
+        self.bucketed = comm.world_size > 1 or compressor is not None
+        bucket_caps = int(config.bucket_mb * 2**20), int(config.first_bucket_mb * 2**20)
+        groups = plan_buckets(self.params, *bucket_caps) if self.bucketed else []
         self.buckets = [self._make_bucket(g) for g in groups]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
         self._sync = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        hooked = self.params if self.bucketed else []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in hooked]
         self._start_step()
 
     def _make_bucket(self, params: list[nn.Parameter]) -> Bucket:
@@ -179,8 +189,15 @@ class DDPEngine(Engine):
                 bucket.work = self.comm.all_reduce(bucket.buffer, "sum", async_op=True)
             self._next += 1
 
+    def _got_grad(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` received a gradient this step (unbucketed: autograd made its ``.grad``,
+        dropped at the last update)."""
+        if not self.bucketed:
+            return param.grad is not None
+        return id(param) in self._bucket_of[id(param)].ready
+
     def finish_grads(self) -> None:
-        unused = [p for p in self.params if id(p) not in self._bucket_of[id(p)].ready]
+        unused = [p for p in self.params if not self._got_grad(p)]
         had_backward = len(unused) < len(self.params)
         if unused and had_backward and not self.config.find_unused_parameters:
             names = ", ".join(self._names[id(p)] for p in unused[:4])
@@ -198,9 +215,7 @@ class DDPEngine(Engine):
 
     def _drop_globally_unused(self) -> None:
         """A parameter no rank used keeps ``grad = None``, so the optimizer skips it as in one process."""
-        used = torch.tensor(
-            [float(id(p) in self._bucket_of[id(p)].ready) for p in self.params], dtype=torch.float32
-        )
+        used = torch.tensor([float(self._got_grad(p)) for p in self.params], dtype=torch.float32)
         self.comm.all_reduce(used, "max")
         for p, flag in zip(self.params, used.tolist(), strict=True):
             if not flag:
@@ -210,10 +225,15 @@ class DDPEngine(Engine):
     def optimizer_units(self) -> list[NamedTensors]:
         return [[(self._names[id(p)], p) for p in self.params]]  # every rank: the whole model
 
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        """Every gradient this rank holds: the flat buckets (slots of unused parameters are zeros; a
+        frozen parameter is never in one), or unbucketed the ``.grad`` tensors that exist."""
+        if self.bucketed:
+            return [bucket.buffer for bucket in self.buckets]
+        return [p.grad for p in self.params if p.grad is not None]
+
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
-        # every rank holds the whole, reduced gradient, in a few flat buckets (slots of unused
-        # parameters are zeros); a frozen parameter is never in one
-        return sq_sum([bucket.buffer for bucket in self.buckets]), None
+        return sq_sum(self._grad_tensors()), None  # every rank holds the whole, reduced gradient
 
     def prepare_update(self) -> bool:
         """fp16: unscale the reduced gradients; an inf or NaN skips the update and lowers the scale.
@@ -221,15 +241,18 @@ class DDPEngine(Engine):
         if not self.scaler.enabled:
             return True
         finite = True
-        for bucket in self.buckets:
-            bucket.buffer.div_(self.scaler.scale)
-            finite = finite and bool(torch.isfinite(bucket.buffer).all())
+        for grad in self._grad_tensors():
+            grad.div_(self.scaler.scale)
+            finite = finite and bool(torch.isfinite(grad).all())
         self.scaler.update(found_inf=not finite)
         return finite
 
     def after_update(self) -> None:
         for bucket in self.buckets:
             bucket.buffer.zero_()
+        if not self.bucketed:  # freed until the next backward makes them (module doc)
+            for p in self.params:
+                p.grad = None
         self._start_step()
 
     # -- inspection -------------------------------------------------------------------------------

@@ -276,6 +276,19 @@ class Engine(ABC):
         """Accumulate gradients locally without communicating (default: nothing to skip)."""
         yield
 
+    @contextmanager
+    def pipeline_stage(self, params: Sequence[nn.Parameter], input_grad_only: bool = False) -> Iterator[None]:
+        """Around one pipeline action (F, B, I or W) of a stage whose trainable parameters are ``params``,
+        and around any other use of them by a pipeline runtime (evaluation, the tied weight's refresh);
+        ``input_grad_only``: the action is a zero-bubble I (a backward that gives no parameter a gradient).
+
+        An engine that shards parameters (ZeRO-3) has them present while they are used and released
+        after, and keeps the gradients they get local until ``finish_grads`` (a pipeline's backward
+        passes of different micro-batches interleave, so none of them is the step's last). Every rank
+        of a stage's dp group runs the same action list, so its collectives come in the same order.
+        Nothing by default: the parameters are always whole here."""
+        yield
+
     @abstractmethod
     def finish_grads(self) -> None:
         """After the last backward of a step: complete gradient communication."""
@@ -451,6 +464,9 @@ class Engine(ABC):
           ``ps/version`` (each server's version), ``precision/loss_scale`` (fp16's loss scaler).
         - ``codec/<layout>/rank<r>/...``: with ``comm.compress``, each rank's own error-feedback state
           (``engine.codec_state``), loaded back only by a run of the same layout.
+        - ``rng/<state>/rank<r>``: with tensor parallelism, each rank's private dropout stream
+          (``tensor_parallel.engine.attach_rng_states``), beside the ``rng/torch/rank<r>`` the
+          checkpoint writer adds for every rank.
 
         Every element of every tensor must be written by exactly one rank. Replicated engines (DDP)
         spread whole tensors over ranks (``checkpoint.spread_replicated``), so no rank writes it all.

@@ -1,7 +1,7 @@
 """A data-parallel engine on one pipeline stage, made to answer for the whole model.
 
-After ``pipeline.split`` a rank's model holds only its stages' parameters, and its engine (DDP, ZeRO-1
-or -2 over the rank's dp group) knows only those. ``attach_pipeline`` sets the pipeline runtime as the
+After ``pipeline.split`` a rank's model holds only its stages' parameters, and its engine (DDP, ZeRO-1,
+-2 or -3 over the rank's dp group) knows only those. ``attach_pipeline`` sets the pipeline runtime as the
 engine's step runner and widens, over the pp axis, what is global by contract (``engine/base.py``):
 
 - ``grad_norm_sq``: the stage's share, summed over its dp group, then over the pp group: every element

@@ -16,7 +16,10 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    (``torch.autograd.backward(inputs=weights)``). W walks the graph from the output again rather than
    reusing I's intermediate gradients (torch's ``stage_backward_weight`` keeps them), so a W costs
    about a B here: the order, and so the bubble, is the zero-bubble schedule's, the work per W is not
-   yet. A stage's activations are dropped once its B (or W) ran;
+   yet. A stage's activations are dropped once its B (or W) ran. Each action runs inside
+   ``engine.pipeline_stage(the stage's parameters)``: ZeRO-3 gathers them there as they are used and
+   releases them after (every replica of a stage runs the same actions, so the dp group's gathers
+   match), and keeps the gradients local until ``finish_grads``;
    Each action is one span in the trace (``--trace``: lane "pipeline", named as printed, ``0F1``);
 4. the tied weight's copy sends its gradient to the first stage, which adds it to the parameter's
    (every backward ran under ``no_sync``, so the gradient is still local); then ``finish_grads``: the
@@ -68,7 +71,7 @@ class PipelineRunner:
     # -- the step -------------------------------------------------------------------------------
     def forward_backward(self, engine: Engine, micro_batches: Sequence[Any], global_count: float) -> float:
         divisor = engine.begin_step(micro_batches, global_count)
-        self._refresh_tied()
+        self._refresh_tied(engine)
         m = len(micro_batches)
         plan = transfers(self.comm.rank, self.schedule(m), self.placement)
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
@@ -118,7 +121,9 @@ class PipelineRunner:
                 work.wait()
                 state.pending[t.key] = (buffer, Done())  # gloo's work hangs if waited for twice
         started = time.monotonic()
-        self._compute(engine, action, sends, batch, divisor, state)
+        # ZeRO-3: the stage's parameters gathered as they are used, released after
+        with engine.pipeline_stage(self.split.params[action.stage], action.kind is Kind.INPUT_GRAD):
+            self._compute(engine, action, sends, batch, divisor, state)
         # one span per action (with --trace): what observe.plots and the pipeline bench read as busy time
         MONITOR.span(
             str(action), "compute", "actions", started,
@@ -234,7 +239,7 @@ class PipelineRunner:
         (the same on every pp rank: the last stage's sum is all-reduced over the pp axis)."""
         total = torch.zeros((), dtype=torch.float64)
         items = 0
-        self._refresh_tied()  # the update since the step began changed the first stage's weight
+        self._refresh_tied(engine)  # the update since the step began changed the first stage's weight
         with torch.no_grad():
             for batch in batches:
                 total += self._evaluate_one(engine, batch)
@@ -258,7 +263,7 @@ class PipelineRunner:
             else:
                 x = torch.empty(self._hidden_shape(batch), dtype=_dtype(engine))
                 self.comm.recv(x, self.placement[s - 1], s)
-            with _autocast(engine):
+            with _autocast(engine), engine.pipeline_stage(self.split.params[s]):
                 hidden = stage(x)
             if stage.last:
                 loss = engine.loss(hidden, batch).detach().to(torch.float64)
@@ -272,10 +277,11 @@ class PipelineRunner:
     def _tie_peer(self) -> int:
         return self.placement[self.last_stage] if self.split.tied_owner is not None else self.placement[0]
 
-    def _refresh_tied(self) -> None:
+    def _refresh_tied(self, engine: Engine) -> None:
         """The first stage's weight to the last stage's copy (they differ after every update)."""
-        if self.split.tied_owner is not None:
-            self.comm.send(self.split.tied_owner.detach().contiguous(), self._tie_peer(), _TIE_TAG)
+        if (owner := self.split.tied_owner) is not None:
+            with engine.pipeline_stage([owner]):  # ZeRO-3: the owner's values gathered first
+                self.comm.send(owner.detach().contiguous(), self._tie_peer(), _TIE_TAG)
         elif self.split.tied is not None:
             self.comm.recv(self.split.tied.copy.data, self._tie_peer(), _TIE_TAG)
 

@@ -1,15 +1,16 @@
 """Split a plain model into pipeline stages from outside, parameter names preserved.
 
 The model's blocks are assigned to ``pp * virtual`` stages in order, contiguous runs balanced by
-parameter count (each stage at least one block, every block on exactly one stage: checked); the
-embedding goes with the first stage, the final norm, the head and the loss with the last. A rank keeps
-the stages its schedule places on it (``schedules.stage_placement``) and drops every other module:
-the block list becomes an ``nn.ModuleDict`` keyed by the block's index, so a kept block's parameters
-keep their names (``blocks.5.attn.qkv.weight``), and checkpoints and ``full_parameters`` stay in the
-model's own naming. (Boundaries a user names, and balancing by measured per-block time, are not built
-yet: parameter count only.) Each ``Stage`` is a callable: the micro-batch's token ids (first stage) or the
-hidden state (any other) in, the hidden state (or, on the last, the logits) out. What every block needs
-besides the hidden state (Llama's rotary embeddings, its causal mask, position ids) is computed on each
+parameter count, or cut where the user says (``parallel.pp_split``: the block each stage after the first
+starts at, ``blocks.3,blocks.6``); each stage holds at least one block and every block lands on exactly
+one stage (checked). The embedding goes with the first stage, the final norm, the head and the loss with
+the last. A rank keeps the stages its schedule places on it (``schedules.stage_placement``) and drops
+every other module: the block list becomes an ``nn.ModuleDict`` keyed by the block's index, so a kept
+block's parameters keep their names (``blocks.5.attn.qkv.weight``), and checkpoints and
+``full_parameters`` stay in the model's own naming. (Balancing by measured per-block time is not built
+yet.) Each ``Stage`` is a callable: the micro-batch's token ids (first stage) or the hidden state (any
+other) in, the hidden state (or, on the last, the logits) out. What every block needs besides the hidden
+state (Llama's rotary embeddings, its causal mask, position ids) is computed on each
 stage from the hidden state's shape, so nothing but the hidden state crosses a stage boundary.
 
 A weight tied across the first and the last stage (the GPT's embedding used as its head) stays a
@@ -253,6 +254,55 @@ def balance(costs: Sequence[int], stages: int) -> list[list[int]]:
     return runs[::-1]
 
 
+def named_boundaries(names: Sequence[str], blocks_path: str, blocks: int, stages: int) -> list[list[int]]:
+    """Contiguous runs of block indices, one per stage, cut where ``names`` say: ``names[k]`` is the
+    block (``<blocks_path>.<index>``, its name in the model) stage ``k + 1`` starts at. A wrong count,
+    a name that is not a block, or names out of order are refused in one line naming the fix."""
+    known = f"{blocks_path}.0 .. {blocks_path}.{blocks - 1}"
+    if len(names) != stages - 1:
+        raise SplitError(
+            f"parallel.pp_split names {len(names)} boundaries, but {stages} stages (pp x virtual stages) "
+            f"need {stages - 1}: the block each stage after the first starts at ({known}); name "
+            f"{stages - 1}, or leave it empty to balance by parameters"
+        )
+    starts = [0]
+    for name in names:
+        index = _block_index(name, blocks_path, blocks)
+        if index is None:
+            raise SplitError(
+                f"parallel.pp_split: {name!r} is not a block of the model; name {known} (the block a "
+                "stage starts at)"
+            )
+        if index <= starts[-1]:  # a stage between the two would hold no block
+            after = f"{blocks_path}.{starts[-1]}" + ("" if len(starts) > 1 else ", where stage 0 starts")
+            raise SplitError(
+                f"parallel.pp_split: {name} is not after {after}; list the boundaries in order, each "
+                "block after the one before, so that every stage holds at least one"
+            )
+        starts.append(index)
+    ends = [*starts[1:], blocks]
+    return [list(range(a, b)) for a, b in zip(starts, ends, strict=True)]
+
+
+def _block_index(name: str, blocks_path: str, blocks: int) -> int | None:
+    prefix, _, index = name.strip().rpartition(".")
+    if prefix != blocks_path or not index.isdigit() or int(index) >= blocks:
+        return None
+    return int(index)
+
+
+def plan_stages(model: nn.Module, stages: int, boundaries: Sequence[str] = ()) -> list[list[int]]:
+    """Every stage's blocks: at ``boundaries`` when given (see ``named_boundaries``), else balanced by
+    parameter count. Inspects the module tree only (the model may be on the meta device)."""
+    adapter = adapter_for(model)
+    container = adapter.blocks()
+    if not isinstance(container, nn.ModuleList):
+        raise SplitError(f"{adapter.blocks_path} is not an nn.ModuleList; the model was split already?")
+    if boundaries:
+        return named_boundaries(boundaries, adapter.blocks_path, len(container), stages)
+    return balance([sum(p.numel() for p in b.parameters()) for b in container], stages)
+
+
 @dataclass
 class Stage:
     """One pipeline stage this rank holds: ``stage(x)`` runs its blocks (and the ends it owns)."""
@@ -284,16 +334,15 @@ class Split:
     shared_buffers: set[str] = field(default_factory=set)  # buffers every stage holds (written once)
 
 
-def split_model(model: nn.Module, placement: Sequence[int], rank: int) -> Split:
-    """Keep on ``model`` only what pipeline rank ``rank`` holds under ``placement`` (stage -> rank)."""
+def split_model(
+    model: nn.Module, placement: Sequence[int], rank: int, boundaries: Sequence[str] = ()
+) -> Split:
+    """Keep on ``model`` only what pipeline rank ``rank`` holds under ``placement`` (stage -> rank);
+    ``boundaries``: the blocks stages 1.. start at (``parallel.pp_split``), empty to balance."""
     adapter = adapter_for(model)
     stages = len(placement)
-    container = adapter.blocks()
-    blocks = list(container) if isinstance(container, nn.ModuleList) else None
-    if blocks is None:
-        raise SplitError(f"{adapter.blocks_path} is not an nn.ModuleList; the model was split already?")
-    costs = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    assignment = balance(costs, stages)
+    assignment = plan_stages(model, stages, boundaries)
+    blocks = list(adapter.blocks())
     held = [s for s in range(stages) if placement[s] == rank]
     holds_first, holds_last = 0 in held, stages - 1 in held
     pair = adapter.tied_pair()

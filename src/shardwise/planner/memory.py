@@ -13,7 +13,8 @@ fp32 slice (4Ψ/N); stages 2-3 only an fp32 gradient shard 4Ψ/N; stage 3 keeps 
 memory. Rajbhandari et al. (SC 2020, "ZeRO", section 5) count the same states with fp16 gradients and
 an fp16 parameter shard (``zero_paper_bytes``: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N for K = 12).
 
-**Communication buffers**: DDP's gradients *are* its buckets (views), so nothing extra; ZeRO-1 under
+**Communication buffers**: DDP's gradients *are* its buckets (views), so nothing extra (and on a dp
+group of one there are no buckets: gradients exist from backward to the update); ZeRO-1 under
 mixed precision casts every bucket to fp32 for the reduction (4Ψ, all held at the end of backward);
 ZeRO-2 holds up to three fp32 buckets of ``bucket_mb`` in backward (one collecting, two reducing);
 ZeRO-3 holds the root unit (embeddings, final norm, head) gathered all step, one or two gathered blocks
@@ -450,8 +451,13 @@ def estimate_memory(
     states = model_states(
         psi, layout.strategy, layout.dp, training.precision, training.states, training.param_bytes
     )
-    # DDP's buckets and stage 1's flat gradients live all step; stages 2-3's shards arrive at its end
-    grad_phases = ("step",) if stage >= 2 else ALWAYS
+    # DDP's buckets and stage 1's flat gradients live all step; stages 2-3's shards arrive at its end;
+    # DDP over a dp group of one keeps no buckets: autograd's gradients, from backward to the update
+    grad_phases: tuple[str, ...] = ALWAYS
+    if stage >= 2:
+        grad_phases = ("step",)
+    elif layout.strategy == "ddp" and layout.dp == 1:
+        grad_phases = ("backward", "step")
     parts: Parts = {
         "params": (states.params, ALWAYS),
         "master_params": (states.master, ALWAYS),

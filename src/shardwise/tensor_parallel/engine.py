@@ -18,6 +18,12 @@ does over pp:
 - after ``finish_grads``: under sequence parallelism, one all-reduce over tp of the gradients of the
   parameters replicated inside the sequence-cut region (Korthikanti et al., 2022).
 
+``attach_rng_states`` (after every other attachment, so no wrapper filters its pieces) puts the RNG
+tracker's states (the split regions' dropout streams, ``tensor_parallel.random``) into checkpoints as
+``rng/<state>/rank<r>``, per global rank beside torch's own generator (``checkpoint.rng``), and loads
+them back, as Megatron's checkpoints keep its tracker's states: without them a resumed run would draw
+the split regions' masks from the seed again and part from the uninterrupted run.
+
 Communication: per step one all-reduce of one number over tp (the norm), and the sequence-parallel sum;
 the full model (verify, the end of a run) costs one all-reduce per sharded tensor.
 """
@@ -32,9 +38,11 @@ import torch
 
 from shardwise.checkpoint.boxes import Box, flat_segments, intersect
 from shardwise.checkpoint.manager import Piece
+from shardwise.checkpoint.rng import torch_rng_name
 from shardwise.collectives.api import Comm
 from shardwise.engine.base import Engine, Span, StateReader, sq_sum
 from shardwise.tensor_parallel.plans import TensorParallelLayout
+from shardwise.tensor_parallel.random import RNGStatesTracker
 from shardwise.tensor_parallel.shards import Placement, ShardedParam
 
 
@@ -71,6 +79,30 @@ def attach_tensor_parallel(engine: Engine, layout: TensorParallelLayout) -> None
         "step_loss": lambda share: local_loss(share) if tp.rank == 0 else 0.0,
     }
     engine.override(overrides)
+
+
+def attach_rng_states(engine: Engine, tracker: RNGStatesTracker, rank: int) -> None:
+    """Make ``engine``'s checkpoints carry ``tracker``'s states as ``rng/<state>/rank<rank>`` (``rank``:
+    this rank in the whole job; every rank writes its own) and its loads restore them when present (a
+    checkpoint without them, from a run without tensor parallelism, leaves the tracker as seeded)."""
+    local_pieces, local_load = engine.state_pieces, engine.load_state
+
+    def state_pieces(writer_rank: int, writers: int) -> list[Piece]:
+        states = tracker.get_states()
+        return local_pieces(writer_rank, writers) + [
+            Piece.full(torch_rng_name(rank, name), state) for name, state in states.items()
+        ]
+
+    def load_state(read: StateReader) -> None:
+        names = {torch_rng_name(rank, name): name for name in tracker.states}
+        present = [key for key in names if key in read.shapes]
+        saved = read(dict.fromkeys(present)) if present else {}  # all read before anything changes
+        local_load(read)
+        states = tracker.get_states()
+        states.update({names[key]: tensor.to(torch.uint8) for key, tensor in saved.items()})
+        tracker.set_states(states)
+
+    engine.override({"state_pieces": state_pieces, "load_state": load_state})
 
 
 def sum_over(comm: Comm, tensors: list[torch.Tensor]) -> None:

@@ -1,7 +1,8 @@
 """Run a function on N local ranks (gloo, file rendezvous) and collect what each returns.
 
-Each rank is a spawned process that joins one process group through a ``FileStore`` in a temporary
-folder, so no ports are involved and parallel test runs cannot collide. The parent waits with a hard
+Each rank is a process (a fork of a server that imported torch once: ``procstart``) that joins one
+process group through a ``FileStore`` in a temporary folder, so no ports are involved and parallel
+test runs cannot collide. The parent waits with a hard
 deadline; the first rank to fail stops the others and its traceback is re-raised, naming the rank.
 """
 
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shardwise import procstart
 
 
 class RankFailure(RuntimeError):
@@ -42,14 +45,15 @@ def run_on_ranks(
 
     ``fn`` must be a top-level (picklable) function; its return value must be picklable too.
     """
-    ctx = mp.get_context("spawn")
+    ctx = procstart.context()
+    env = {**os.environ, **(env or {})}  # a forked rank adopts it (procstart)
     results: mp.Queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shardwise-ranks-") as folder:
         store_path = os.path.join(folder, "store")
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, store_path, backend, timeout_s, env or {}, args, results),
+                args=(fn, rank, world_size, store_path, backend, timeout_s, env, args, results),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -108,7 +112,7 @@ def _rank_main(
     args: tuple[Any, ...],
     results: mp.Queue,
 ) -> None:
-    os.environ.update(env)
+    procstart.adopt_environment(env)
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)

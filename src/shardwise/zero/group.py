@@ -193,13 +193,14 @@ class FlatGroup:
             p.grad = self.flat_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def take_grad(self, index: int) -> None:
-        """Copy parameter ``index``'s ready gradient into the flat buffer and free it."""
+        """Add parameter ``index``'s ready gradient into the flat buffer (zeros until the group is
+        reduced: under a pipeline, several micro-batches' gradients sum there) and free it."""
         if self._incoming is None:
             dtype, device = self.precision.master, self.full.device
             self._incoming = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
         slot, p = self.layout.slots[index], self.params[index]
         if p.grad is not None:
-            self._incoming[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+            self._incoming[slot.offset : slot.offset + slot.numel].add_(p.grad.reshape(-1))
             p.grad = None
 
     def _flatten_grads(self, release: bool) -> torch.Tensor:

@@ -22,7 +22,22 @@ From weights on disk (``model.init_from``, the model built with its parameters o
 each unit reads only this rank's shard of its parameters into the master (``FlatGroup._read_shard``);
 no rank ever holds its shards plus more than one unit, and no start-up broadcast is needed.
 
-Limitations: ``no_sync`` does not skip communication here; each micro-batch's gradients are
+Under a pipeline (``pipeline_stage``, called by the pipeline runtime around each action of a stage),
+the same units work per action: the root is gathered when a stage that uses it (the first or the
+last) runs, units are gathered by the hooks above and prefetched only within the running stage, and
+whatever an action left gathered is released when it ends. A zero-bubble schedule's I pass
+(``autograd.grad`` to the stage's input) gathers each unit through the same output hooks but gives no
+parameter its gradient to free it by, so each unit is released when backward reaches the one before it
+(the blocks of every model that splits run in sequence); the W pass
+(``autograd.backward(inputs=weights)``) walks the retained graph again, and the hooks gather each
+unit once more (freed storage is re-filled in place, so the graph's saved views read the weights
+again). Gradients are not reduced per unit there: each is added into its unit's flat buffer, kept
+for the whole step, and ``finish_grads`` reduce-scatters every group once over the stage's dp group
+(FSDP's ``no_sync``: a full gradient per unit held across micro-batches, one exchange per step).
+Every replica of a stage runs the same action list, so its gathers and reductions come in the same
+order on every rank of the dp group.
+
+Limitations: ``no_sync`` does not skip communication in the plain loop; each micro-batch's gradients are
 reduce-scattered and summed into the shard (correct, but no saving). Frozen parameters are not sharded.
 Every rank must run the same units (gathers are collectives); a parameter no rank used is left alone
 by the optimizer (:mod:`shardwise.zero.unused`).
@@ -31,7 +46,8 @@ by the optimizer (:mod:`shardwise.zero.unused`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -68,6 +84,11 @@ class ShardedModule(ZeroBase):
         self._gathering: set[int] = set()  # groups whose gather has started since they were last freed
         self._missing = [len(g.params) for g in self.groups]
         self._group_unit = {g: u for u, g in enumerate(self._unit_group) if g is not None}
+        self._group_of = {id(p): i for i, g in enumerate(self.groups) for p in g.params}
+        self._pipelined = False  # set by the first pipeline_stage: gradients wait for finish_grads
+        self._active: set[int] | None = None  # under a pipeline action: the groups of its stage
+        self._input_only = False  # the action is a zero-bubble I pass
+        self._in_backward: int | None = None  # ... and the group its backward last gathered
         self._register_hooks()
         self.after_step()
 
@@ -152,10 +173,15 @@ class ShardedModule(ZeroBase):
         if self._root is not None:
             self._ensure(self._root)
 
+    def _prefetch(self, index: int | None) -> None:
+        """Start gathering ``index`` ahead of its use; under a pipeline action, only a group of the
+        running stage (the next block on this rank may be another stage's, run much later)."""
+        if self.config.prefetch and (self._active is None or index in self._active):
+            self._start(index)
+
     def _unit_pre_forward(self, unit: int) -> None:
         self._ensure(self._unit_group[unit])  # type: ignore[arg-type]
-        if self.config.prefetch:
-            self._start(self._neighbour(unit, +1))
+        self._prefetch(self._neighbour(unit, +1))
 
     def _unit_forward(self, unit: int, output: Any) -> None:
         if torch.is_grad_enabled():  # a block may return a tuple or a dict (Hugging Face's do)
@@ -165,11 +191,22 @@ class ShardedModule(ZeroBase):
         self._free(self._unit_group[unit])  # type: ignore[arg-type]
 
     def _unit_pre_backward(self, unit: int) -> None:
-        self._ensure(self._unit_group[unit])  # type: ignore[arg-type]
+        index = self._unit_group[unit]
+        assert index is not None
+        if self._input_only:
+            # an I pass gives no parameter its gradient, so no gradient hook frees a unit: the unit
+            # whose backward ran before this one is done once this one's output gradient is complete
+            if self._in_backward is not None and self._in_backward != index:
+                self._free(self._in_backward)
+            self._in_backward = index
+        self._ensure(index)
 
     # -- gradients ----------------------------------------------------------------------------------
     def _on_grad(self, index: int, param_index: int) -> None:
         self.mark_used(index, param_index)
+        if self._pipelined:
+            self._accumulate(index, param_index)
+            return
         if index != self._root:
             # a unit's gradients arrive together: flatten each at once and free it. The root's arrive
             # at both ends of backward (final norm first, embeddings last): they stay as .grad until
@@ -187,15 +224,53 @@ class ShardedModule(ZeroBase):
             if index != self._root:
                 self._free(index)
 
+    def _accumulate(self, index: int, param_index: int) -> None:
+        """Under a pipeline: a unit's gradient is added into its flat buffer (kept until
+        ``finish_grads``) and the unit released once all of its gradients of this pass are in. The
+        root's stay as ``.grad``, where autograd sums them over micro-batches (and the pipeline adds
+        the tied weight's last-stage gradient) until ``finish_grads`` flattens them."""
+        if index == self._root:
+            return
+        group = self.groups[index]
+        group.take_grad(param_index)
+        self._missing[index] -= 1
+        if self._missing[index] == len(group.params) // 2:
+            self._prefetch_previous(index)
+        if self._missing[index] == 0:
+            self._missing[index] = len(group.params)
+            self._free(index)
+
+    @contextmanager
+    def pipeline_stage(self, params: Sequence[nn.Parameter], input_grad_only: bool = False) -> Iterator[None]:
+        """Around one action of a pipeline stage holding ``params`` (see the module docstring): the
+        root gathered if the stage uses it (kept, as in the plain model, until the step's gradients
+        are reduced), the stage's units gathered by their hooks, and released at the end (in an I
+        pass, each unit as soon as backward reaches the unit before it)."""
+        self._pipelined = True
+        active = {self._group_of[id(p)] for p in params if id(p) in self._group_of}
+        self._active, self._input_only, self._in_backward = active, input_grad_only, None
+        if self._root is not None and self._root in active:
+            self._ensure(self._root)
+        try:
+            yield
+        finally:
+            self._active, self._input_only, self._in_backward = None, False, None
+            for index in active - {self._root}:
+                self._free(index)  # an I pass, or a unit whose gradients did not all come
+                self._missing[index] = len(self.groups[index].params)
+
     def _prefetch_previous(self, index: int) -> None:
         """Half of unit ``index``'s gradients are in (and its activations partly freed): start
         gathering the unit that runs backward next. It still lands well before it is needed (a
         gather takes a few ms, half a block's backward tens), and at most one flat gradient buffer
         and two gathered units are alive at a time (the root aside)."""
-        if self.config.prefetch:
-            self._start(self._neighbour(self._group_unit[index], -1))
+        self._prefetch(self._neighbour(self._group_unit[index], -1))
 
     def finish_grads(self) -> None:
+        if self._pipelined:  # every group once (the same on every replica), zeros where none came
+            for index, group in enumerate(self.groups):
+                self.launch_reduce(group, release=True)
+                self._missing[index] = len(group.params)
         for index, group in enumerate(self.groups):
             if self._missing[index] != len(group.params):  # some gradients never arrived: zeros
                 self.launch_reduce(group, release=True)
