@@ -194,3 +194,23 @@ def test_overhead_is_one_constant_and_ps_workers_keep_no_optimizer() -> None:
     assert more.total - base.total == 1e8
     ps = estimate_memory(shape, train, Layout("ps", dp=2)).device
     assert ps["optimizer_state"] == 0 and ps["ps_messages"] == 8 * shape.params
+
+
+def test_pipeline_micro_batches_in_flight_come_from_the_pipelines_validator() -> None:
+    """1F1B holds min(m, pp) micro-batches on its first stage, GPipe all m; an interleaved schedule's
+    pairs are each 1/v of a rank's blocks. The figures are the validator's (pipeline.validate)."""
+    from shardwise.planner.memory import micro_batches_in_flight
+
+    assert micro_batches_in_flight(Layout("ddp")) == 1
+    assert micro_batches_in_flight(Layout("ddp", pp=4, micro_batches=8)) == 4
+    assert micro_batches_in_flight(Layout("ddp", pp=4, micro_batches=2)) == 2
+    assert micro_batches_in_flight(Layout("ddp", pp=4, micro_batches=8, schedule="gpipe")) == 8
+    interleaved = Layout("ddp", pp=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
+    assert micro_batches_in_flight(interleaved) == 2.5  # 5 chunk-pairs of half a rank's blocks
+    one_f_one_b = _estimate(Layout("ddp", pp=4, micro_batches=8))
+    gpipe = _estimate(Layout("ddp", pp=4, micro_batches=8, schedule="gpipe"))
+    head = 8 // 8 * 64 * preset_shape("large", 64).d_model * 8  # one micro-batch's head input
+    assert gpipe["activations"] - head == pytest.approx(2 * (one_f_one_b["activations"] - head))
+    assert Layout("ddp", pp=4, micro_batches=8, schedule="gpipe").name() == "ddp dp1-pp4 mb8 gpipe"
+    with pytest.raises(ConfigError, match="zbv holds two stages per rank"):
+        Layout("ddp", pp=2, micro_batches=4, schedule="zbv")

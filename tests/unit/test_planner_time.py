@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.collectives.cost import CostProfile, predict
+from shardwise.config import ConfigError
 from shardwise.planner.calibration import Calibration, Machine
 from shardwise.planner.memory import Layout, Training
 from shardwise.planner.model import ModelShape, preset_shape
@@ -122,3 +123,62 @@ def test_the_optimizer_step_counts_adamws_twenty_passes_over_each_master_value()
     assert adamw == 20 * 4 * model.params / 1e9  # every fp32 value read or written 20 times
     sgd, _ = optimizer_seconds(model, Training(8, 64, optimizer="sgd"), Layout("ddp", dp=2), calibration)
     assert sgd == 8 * 4 * model.params / 1e9
+
+
+def test_checkpointing_is_one_more_forward_at_its_own_measured_rate() -> None:
+    """The recomputation is one forward of the blocks (Narayanan's 4 instead of 3), costed at the
+    calibrated rate of the checkpointed model where one was measured, else at the plain rate."""
+    layout, ckpt = Layout("ddp", dp=8), Layout("ddp", dp=8, activation_checkpointing=True)
+    tokens = TRAIN.global_batch * TRAIN.seq_len / 8
+    plain_flops = flops_per_token(MODEL, TRAIN.seq_len) * tokens
+    ckpt_flops = flops_per_token(MODEL, TRAIN.seq_len, recompute=True) * tokens
+    assume = Calibration(flops_per_s=1e12)
+    assert step_time(MODEL, TRAIN, layout, WIRE, assume).compute_s == pytest.approx(plain_flops / 1e12)
+    assert step_time(MODEL, TRAIN, ckpt, WIRE, assume).compute_s == pytest.approx(ckpt_flops / 1e12)
+    measured = Calibration(flops_per_s=1e12, checkpointed_flops_per_s=1.2e12)
+    both = step_time(MODEL, TRAIN, ckpt, WIRE, measured)
+    assert both.compute_s == pytest.approx(ckpt_flops / 1.2e12)
+    assert both.forward_s == pytest.approx(plain_flops / 3 / 1e12)  # the first forward: the plain rate
+    assert step_time(MODEL, TRAIN, layout, WIRE, measured).compute_s == pytest.approx(plain_flops / 1e12)
+    with pytest.raises(ConfigError, match="checkpointed_flops_per_s must be a finite number > 0"):
+        Calibration(checkpointed_flops_per_s=0.0)
+
+
+BASE, BASE_TRAIN = preset_shape("base", 64), Training(16, 64)
+# bytes_sent per step that Comm's statistics counted on 2 gloo ranks (shardwise plan --preset base
+# --nproc 2 --check: measured_sent_bytes in benchmarks/results/plan_check-base.json), the busiest rank's;
+# the same with and without activation checkpointing, and for every strategy over dp = 1 beside tp = 2
+COUNTED_DDP, COUNTED_ZERO12, COUNTED_ZERO3, COUNTED_TP = 43081736, 64622912, 85916480, 40906760
+
+
+@pytest.mark.parametrize(
+    ("layout", "counted"),
+    [
+        (Layout("ddp", dp=2), COUNTED_DDP),
+        (Layout("zero1", dp=2), COUNTED_ZERO12),
+        (Layout("zero2", dp=2, activation_checkpointing=True), COUNTED_ZERO12),
+        (Layout("zero3", dp=2), COUNTED_ZERO3),
+        (Layout("zero2", dp=1, tp=2), COUNTED_TP),
+    ],
+    ids=lambda x: x.name() if isinstance(x, Layout) else "",
+)
+def test_predicted_bytes_sent_are_what_a_run_counted(layout: Layout, counted: float) -> None:
+    sent = step_time(BASE, BASE_TRAIN, layout, WIRE, gloo=True).sent_bytes
+    assert sent == pytest.approx(counted, rel=0.01)
+
+
+def test_a_group_of_one_sends_nothing() -> None:
+    """ZeRO over dp = 1 (tp takes the ranks) moves no bytes and takes no time."""
+    alone = collectives(BASE, BASE_TRAIN, Layout("zero3", dp=1, tp=2))
+    zero = [c for c in alone if c.phase != "exposed"]
+    assert zero and all(c.seconds(WIRE, "ring", gloo=True) == 0 and c.sent(gloo=True) == 0 for c in zero)
+
+
+def test_the_bubble_is_the_pipeline_simulators() -> None:
+    """1F1B: (pp - 1) / m of the compute; GPipe the same; interleaving v stages a rank divides it by v
+    (Narayanan et al. 2021, section 2.2.2) when pp divides m."""
+    calib = Calibration(flops_per_s=1e12)
+    for schedule, v, shrink in (("1f1b", 1, 1), ("gpipe", 1, 1), ("interleaved", 2, 2)):
+        layout = Layout("ddp", dp=2, pp=4, micro_batches=8, schedule=schedule, virtual_stages=v)
+        t = step_time(MODEL, TRAIN, layout, WIRE, calib)
+        assert t.bubble_s == pytest.approx(3 / 8 / shrink * t.compute_s), schedule

@@ -1,17 +1,22 @@
 """``shardwise plan --check``: each layout run here, on N local ranks, beside the planner's prediction.
 
-For each layout, one launch of N ranks (gloo on CPU; loopback): every rank first measures, all ranks
-at once so that the contention is the training's own, its FLOP/s on the model's own forward and
-backward (one micro-batch, no strategy) and its memory bandwidth (a large in-place add); then builds
-the trainer and runs two steps under ``TensorBytes`` (a dispatch mode counting live floating-point
-storages: tensor bytes, not RSS) for the peak; then builds it again and times ``steps`` steps without
-the counter (the median after the first, the slowest rank's, as ``Trainer.step`` reports it). The
-prediction
-(:mod:`shardwise.planner`) uses those two rates, the collectives' profile that ``shardwise bench comm``
-saved (or ``--comm-profile``; else the built-in default, said so), gloo's forms of ZeRO's collectives,
-and no overhead. The layouts (``check_layouts``): each strategy with and without activation
-checkpointing, then on tp = 2 when the ranks are even. With more ranks than cores a rank's time is
-its share of a core, not the layout's: such a row gives memory alone and says why.
+For each layout, one launch of N ranks (gloo on CPU; loopback): every rank first runs the calibration's
+probes, all ranks at once so that the contention is the training's own, each with a training rank's
+thread count: the model's own forward and backward on a data-parallel rank's micro-batch (no strategy),
+the same with each block checkpointed, and a large in-place add (memory bandwidth), three interleaved
+repeats; then it builds the trainer and runs two steps under ``TensorBytes`` (a dispatch mode counting
+live floating-point storages: tensor bytes, not RSS) for the peak; then builds it again and times
+``steps`` steps without the counter (each the slowest rank's, as ``Trainer.step`` reports it), with the
+bytes each rank sent. The probes' samples of every launch are pooled into one calibration for the whole
+check (``calibration_from``: each rate's best repeat), so no row is predicted from its own launch alone
+and none from a step timing (the issue's rule: calibrations measured separately, never fitted on the
+layout being checked). The prediction (:mod:`shardwise.planner`) uses that calibration, the
+collectives' profile that ``shardwise bench comm`` saved (or ``--comm-profile``; else the built-in
+default, said so), gloo's forms of ZeRO's collectives, and no overhead; it is compared with the fastest
+timed step (others on a shared machine only add time, as they do to the probes), the median beside it.
+The layouts (``check_layouts``): each strategy with and without activation checkpointing, then on tp = 2
+when the ranks are even. With more ranks than cores a rank's time is its share of a core, not the
+layout's: such a row gives memory alone and says why.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,56 +41,121 @@ from shardwise.planner.time import step_time
 from shardwise.testing.memory import TensorBytes
 
 MEMORY_STEPS = 2
+CALIBRATION_REPEATS = 3  # per launch; pooled over the check's launches
 
 
-def _median_seconds(fn: Any, repeats: int = 5) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _seconds(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def measure_rates(config: TrainConfig, model: ModelShape, tokens_per_rank: int) -> tuple[float, float]:
-    """(FLOP/s, memory bytes/s) of this process now. FLOP/s: forward and backward of the model itself
-    on one micro-batch, in one process, no strategy (so norms, activations functions and the
-    framework's own time are in the rate, as the planner's FLOP count is not); memory: an in-place
-    add over 16M floats (reads two, writes one)."""
+@dataclass(frozen=True)
+class Probe:
+    """One timed piece of work of the calibration and its size (FLOPs, or bytes moved)."""
+
+    run: Callable[[], Any]
+    work: float
+
+
+def _model_probe(config: TrainConfig, model: ModelShape, batch: int, checkpointed: bool) -> Probe:
+    """The model's own forward and backward on ``batch`` sequences, in one process, no strategy (so
+    norms, activation functions and the framework's time are in the rate, as the planner's FLOP count
+    is not); ``checkpointed``: each block wrapped as ``apply_activation_checkpointing`` wraps it, so
+    the recomputation's real cost (a forward kept off the graph, then replayed beside its backward) is
+    measured on the model's own blocks rather than assumed."""
     from shardwise.engine.loss import loss_sum
     from shardwise.models import build_model
+    from shardwise.parallelism import checkpoint_forward
     from shardwise.planner.time import flops_per_token
+    from shardwise.zero.units import resolve_units
 
     net = build_model(config.model)
-    batch = max(1, tokens_per_rank // config.model.seq_len)
+    if checkpointed:
+        found = resolve_units(net, config.zero.unit)
+        for block in found.blocks if found else []:
+            checkpoint_forward(block)
     tokens = torch.randint(0, model.vocab, (batch, config.model.seq_len + 1))
     mixed = config.precision != "fp32"
 
-    def step() -> None:
+    def run() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
             loss = loss_sum(net(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
 
-    flops = flops_per_token(model, config.model.seq_len) * batch * config.model.seq_len
-    rate = flops / _median_seconds(step, repeats=3)
+    per_token = flops_per_token(model, config.model.seq_len, recompute=checkpointed)
+    return Probe(run, per_token * batch * config.model.seq_len)
+
+
+def _probes(config: TrainConfig, model: ModelShape, batch: int) -> list[Probe]:
+    """The calibration's probes, in the order of ``Calibration``'s rates: the model's training compute,
+    the same with activation checkpointing, and an in-place add over 16M floats (reads two, writes one)
+    for memory bandwidth."""
     x, y = torch.zeros(1 << 24), torch.ones(1 << 24)
-    bandwidth = 3 * x.numel() * 4 / _median_seconds(lambda: x.add_(y))
-    return rate, bandwidth
+    return [
+        _model_probe(config, model, batch, checkpointed=False),
+        _model_probe(config, model, batch, checkpointed=True),
+        Probe(lambda: x.add_(y), 3 * x.numel() * 4.0),
+    ]
 
 
-def check_worker(config: TrainConfig, model: ModelShape, steps: int) -> dict[str, float]:
-    """On one rank: rates, peak tensor bytes, and step time (see the module docstring)."""
+def measure_rates(config: TrainConfig, model: ModelShape, repeats: int) -> list[list[float]]:
+    """On one rank of a launch: ``repeats`` interleaved samples of each probe's rate (``_probes``),
+    every rank measuring at once (a barrier before each probe) so that the ranks contend for the cores
+    and memory as training's ranks do, each with the thread count a training rank gets (the
+    launcher's), on a data-parallel rank's micro-batch at dp = all ranks (the same probe in every
+    launch, whatever its layout). Returns, per repeat, the slowest rank's rates (the slowest rank sets
+    a step's pace)."""
+    import torch.distributed as dist
+
+    batch = max(1, config.data.global_batch // dist.get_world_size() // config.data.micro_batches)
+    probes = _probes(config, model, batch)
+    for probe in probes:  # warm-up: first-touch allocation, lazy initialisation
+        probe.run()
+    mine = torch.zeros(repeats, len(probes), dtype=torch.float64)
+    for i in range(repeats):
+        for j, probe in enumerate(probes):
+            dist.barrier()
+            mine[i, j] = probe.work / _seconds(probe.run)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    slowest = torch.stack(everyone).amin(dim=0)
+    return [[float(v) for v in row] for row in slowest]
+
+
+RATES = ("flops_per_s", "checkpointed_flops_per_s", "memory_bytes_per_s")  # the probes' order
+
+
+def calibration_from(samples: list[list[float]]) -> tuple[Calibration, dict[str, Any]]:
+    """The rates the prediction uses and a summary of their spread. Each rate is its best repeat's:
+    the other users of a shared machine only ever slow a probe down, so the fastest of several is the
+    least disturbed estimate of the machine's own rate (the measured step time is taken the same way,
+    see ``compare``); the median and the slowest are reported beside it."""
+    spread: dict[str, Any] = {"repeats": len(samples), "samples": samples}
+    for j, name in enumerate(RATES):
+        rates = sorted(sample[j] for sample in samples)
+        spread[name] = {"best": rates[-1], "median": statistics.median(rates), "slowest": rates[0]}
+    calibration = Calibration(
+        **{name: spread[name]["best"] for name in RATES},
+        source=f"measured once on the ranks, best of {len(samples)} interleaved repeats",
+    )
+    return calibration, spread
+
+
+def check_worker(config: TrainConfig, model: ModelShape, steps: int) -> dict[str, Any]:
+    """On one rank: first the calibration's probes (``measure_rates``: samples of the machine's rates
+    now, pooled over the whole check, never used for this layout alone); then peak tensor bytes over
+    ``MEMORY_STEPS`` steps under ``TensorBytes`` (a dispatch mode counting live floating-point
+    storages: tensor bytes, not RSS); then, built again without the counter, ``steps`` timed steps
+    (each the slowest rank's, as ``Trainer.step`` reports it) with the bytes each rank sent and the
+    time it was blocked on communication."""
     import torch.distributed as dist
 
     from shardwise.train.loop import Trainer
 
     init_distributed(config.timeout_s)
     try:
-        # a data-parallel rank's sequences: tp ranks share theirs (the rate is taken at that batch)
-        dp = dist.get_world_size() // (config.parallel.tp * config.parallel.pp)
-        share = config.data.global_batch // dp // config.data.micro_batches
-        flops, bandwidth = measure_rates(config, model, share * config.model.seq_len)
+        rates = measure_rates(config, model, CALIBRATION_REPEATS)
         with TensorBytes() as counted:
             trainer = Trainer.build(config)
             for step in range(MEMORY_STEPS):
@@ -91,16 +163,18 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int) -> dict[str
         trainer.engine.close()
         del trainer
         trainer = Trainer.build(config)
-        times = [trainer.step(step).step_s for step in range(steps)]
+        records = [trainer.step(step) for step in range(steps)]
         trainer.engine.close()
-        mine = torch.tensor([counted.peak, flops, bandwidth], dtype=torch.float64)
+        mine = torch.tensor([counted.peak], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
+        timed = records[1:] if len(records) > 1 else records  # the first step warms up
         return {
+            "rates": rates,
             "peak_bytes": max(float(t[0]) for t in everyone),
-            "flops_per_s": min(float(t[1]) for t in everyone),  # the slowest rank sets the pace
-            "memory_bytes_per_s": min(float(t[2]) for t in everyone),
-            "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
+            "step_s": [r.step_s for r in timed],
+            "comm_s": [r.comm_s for r in timed],
+            "bytes_sent": max(float(b) for b in timed[-1].bytes_sent),
         }
     finally:
         dist.destroy_process_group()
@@ -137,24 +211,54 @@ def layout_overrides(layout: Layout) -> dict[str, str]:
     }
 
 
-def check_layout(
-    model: ModelShape, training: Training, layout: Layout, config: TrainConfig, steps: int
-) -> dict[str, Any]:
-    """Run ``config`` (the layout's) on ``layout.devices`` local ranks; predicted beside measured.
+def run_check(
+    model: ModelShape,
+    training: Training,
+    layouts: list[Layout],
+    config_for: Callable[[Layout, int], TrainConfig],
+    steps: int,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run every layout; then each layout's prediction beside its run, all from one calibration.
 
-    With more ranks than cores the ranks take turns on a core, so a step's time says nothing about
-    the layout: the row gives the memory ratio alone (``time_ratio`` None) and says why."""
-    ranks = layout.devices
-    measured = launch_local(check_worker, (config, model, steps), ranks)[0]
-    calibration = Calibration(
-        flops_per_s=measured["flops_per_s"],
-        memory_bytes_per_s=measured["memory_bytes_per_s"],
-        source="measured on the ranks",
-    )
+    ``config_for(layout, i)``: the config that runs ``layout``, ``i`` a distinct index for its run
+    folder. Each launch measures the calibration's probes before it builds anything; the samples of
+    all launches are pooled into the one calibration of the whole check (``calibration_from``), so
+    the rates span the same spells of load as the steps do, and no row's prediction is made from its
+    own launch's rates alone, nor ever from a step timing."""
+    runs = []
+    for i, layout in enumerate(layouts):
+        load = os.getloadavg()[0]
+        config = config_for(layout, i)
+        measured = launch_local(check_worker, (config, model, steps), layout.devices)[0]
+        runs.append((layout, config, load, measured))
+    calibration, spread = calibration_from([s for *_, measured in runs for s in measured["rates"]])
+    rows = [
+        {**compare(model, training, layout, config, measured, calibration), "load_average": load}
+        for layout, config, load, measured in runs
+    ]
+    return rows, spread
+
+
+def compare(
+    model: ModelShape,
+    training: Training,
+    layout: Layout,
+    config: TrainConfig,
+    measured: dict[str, Any],
+    calibration: Calibration,
+) -> dict[str, Any]:
+    """One layout's prediction beside its run (``check_worker``'s ``measured``).
+
+    ``calibration``: the check's one calibration, never this layout's timings. The measured step time
+    is the fastest timed step (each the slowest rank's), as the calibration takes its best repeat: on
+    a shared machine others only add time; the median is reported beside it. With more ranks than
+    cores the ranks take turns on a core, so a step's time says nothing about the layout: the row
+    gives the memory ratio alone (``time_ratio`` None) and says why."""
     profile = load_profile(config.comm.profile) or CostProfile()
     memory = estimate_memory(model, training, layout, calibration)
     time_ = step_time(model, training, layout, profile, calibration, "native", gloo=True)
-    note = time_note(ranks, os.cpu_count() or 1)
+    note = time_note(layout.devices, os.cpu_count() or 1)
+    best, median = min(measured["step_s"]), statistics.median(measured["step_s"])
     return {
         "layout": layout.name(),
         "strategy": layout.strategy,
@@ -165,10 +269,24 @@ def check_layout(
         "measured_bytes": measured["peak_bytes"],
         "memory_ratio": memory.total / measured["peak_bytes"],
         "predicted_step_s": time_.total_s,
-        "measured_step_s": measured["step_s"],
-        "time_ratio": None if note else time_.total_s / measured["step_s"],
+        "measured_step_s": best,
+        "measured_step_s_median": median,
+        "measured_steps_s": measured["step_s"],  # every timed step, for whoever doubts the statistic
+        "time_ratio": None if note else time_.total_s / best,
+        "time_ratio_median": None if note else time_.total_s / median,
         "time_note": note,
-        "flops_per_s": measured["flops_per_s"],
-        "memory_bytes_per_s": measured["memory_bytes_per_s"],
+        "predicted_parts_s": {
+            "forward": time_.forward_s,
+            "backward": time_.backward_s,
+            "optimizer": time_.optimizer_s,
+            "comm": time_.comm_s,
+            "exposed_comm": time_.exposed_comm_s,
+        },
+        "predicted_sent_bytes": time_.sent_bytes,
+        "measured_sent_bytes": measured["bytes_sent"],
+        "measured_comm_s": min(measured["comm_s"]),
+        "flops_per_s": calibration.flops_per_s,
+        "checkpointed_flops_per_s": calibration.checkpointed_flops_per_s,
+        "memory_bytes_per_s": calibration.memory_bytes_per_s,
         "comm_profile": profile.source,
     }

@@ -19,7 +19,7 @@ from typing import Any
 from shardwise.commands.output import emit
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.planner.calibration import Calibration, Machine
-from shardwise.planner.memory import GB, Training
+from shardwise.planner.memory import GB, Layout, Training
 from shardwise.planner.model import ModelShape, hf_shape, preset_shape
 from shardwise.planner.search import SEARCHED, enumerate_layouts, plan
 
@@ -226,17 +226,20 @@ def check_command(
     import tempfile
     from dataclasses import replace
 
-    from shardwise.bench.plan_check import check_layout, check_layouts, layout_overrides
+    from shardwise.bench.plan_check import check_layouts, layout_overrides, run_check
     from shardwise.config import load_config
 
     if not (args.preset or args.model):
         raise ConfigError("--check runs the model: give --preset NAME or --model hf:PATH, not sizes by hand")
     if args.nproc < 1 or args.steps < 2:
         raise ConfigError(f"--check needs --nproc >= 1 and --steps >= 2; got {args.nproc}, {args.steps}")
-    rows = []
+    layouts = [
+        replace(layout, bucket_mb=args.bucket_mb)
+        for layout in check_layouts(model, strategies, args.nproc, tp=not args.no_tp)
+    ]
     with tempfile.TemporaryDirectory(prefix="shardwise-plan-check-") as run_dir:
-        for i, layout in enumerate(check_layouts(model, strategies, args.nproc, tp=not args.no_tp)):
-            layout = replace(layout, bucket_mb=args.bucket_mb)
+
+        def config_for(layout: Layout, i: int) -> TrainConfig:
             overrides = {
                 "model.kind": "gpt" if args.preset else args.model, "model.preset": args.preset or "small",
                 "model.seq_len": str(args.seq_len), "precision": args.precision,
@@ -245,8 +248,13 @@ def check_command(
                 "steps": str(args.steps), "eval_every": "0", "run_dir": f"{run_dir}/{i}",
                 "comm.profile": args.comm_profile, **layout_overrides(layout),
             }  # fmt: skip
-            rows.append(check_layout(model, training, layout, load_config(None, overrides), args.steps))
-    out = {"model": model.describe(), "nproc": args.nproc, "cores": os.cpu_count(), "check": rows}
+            return load_config(None, overrides)
+
+        rows, calibration = run_check(model, training, layouts, config_for, args.steps)
+    out = {
+        "model": model.describe(), "nproc": args.nproc, "cores": os.cpu_count(),
+        "calibration": calibration, "check": rows,
+    }  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

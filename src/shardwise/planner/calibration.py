@@ -3,8 +3,9 @@
 No communication. ``Machine`` is the target (devices that need not exist here: ``--devices N
 --device-memory M --link L``); its link becomes an alpha-beta profile of the collectives' cost model
 (:mod:`shardwise.collectives.cost`: an exchange of m bytes costs ``alpha + m / L``). ``Calibration``
-holds the constants measured once on a machine (a short matmul run for FLOP/s, one process without a
-strategy for the framework overhead) and never fitted on the layout being checked; its defaults are
+holds the constants measured once on a machine (the model's own forward and backward for FLOP/s, plain and
+with activation checkpointing; an in-place add for memory bandwidth; one process without a strategy
+for the framework overhead) and never fitted on the layout being checked; its defaults are
 stated as unmeasured.
 """
 
@@ -23,16 +24,29 @@ class Calibration:
 
     overhead_bytes: float = 0.0  # per process: allocator, runtime, kernels (one process, no strategy)
     flops_per_s: float = 400e12  # achieved matmul throughput of one device in the compute dtype
+    # the same under activation checkpointing, counting its second forward (flops_per_token(recompute)):
+    # the replayed forward runs beside its own backward, where its activations are still in cache, so
+    # on a CPU it can cost less than a forward's share of the rate; None: flops_per_s
+    checkpointed_flops_per_s: float | None = None
     memory_bytes_per_s: float = 2e12  # device memory bandwidth (the optimizer step is bound by it)
     host_bytes_per_s: float = 50e9  # host memory bandwidth (the optimizer step under CPU offload)
     host_link_bytes_per_s: float = 25e9  # device <-> host copies (PCIe) under offload
     source: str = "built-in default (not measured)"
 
     def __post_init__(self) -> None:
-        for name in ("flops_per_s", "memory_bytes_per_s", "host_bytes_per_s", "host_link_bytes_per_s"):
+        rates = ("flops_per_s", "memory_bytes_per_s", "host_bytes_per_s", "host_link_bytes_per_s")
+        for name in (*rates, "checkpointed_flops_per_s"):
             value = getattr(self, name)
-            if not 0 < value < math.inf:
+            if value is None and name == "checkpointed_flops_per_s":
+                continue
+            if value is None or not 0 < value < math.inf:
                 raise ConfigError(f"calibration {name} must be a finite number > 0, got {value}")
+
+    def rate(self, checkpointed: bool) -> float:
+        """FLOP/s of training compute, with or without activation checkpointing's recomputation."""
+        if checkpointed and self.checkpointed_flops_per_s is not None:
+            return self.checkpointed_flops_per_s
+        return self.flops_per_s
 
 
 @dataclass(frozen=True)

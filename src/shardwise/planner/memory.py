@@ -45,8 +45,10 @@ tensor parallelism the head-split and MLP tensors divide by t, and with sequence
 does. With activation checkpointing a block keeps only its input, and backward rebuilds one block at a
 time. Outside the blocks: the final norm's and the head's inputs, and the logits peak at the loss (the
 logits, their fp32 log-softmax, and the gradients of each). With pipeline parallelism (Narayanan et al.,
-SC 2021), a stage holds ceil(L/pp) blocks and, under 1F1B, up to min(m, pp) micro-batches in flight (the
-first stage, the worst).
+SC 2021), a stage holds ceil(L/pp) blocks, and the micro-batches in flight come from the pipeline's own
+validator (``pipeline.validate``: the most (stage, micro-batch) pairs a rank holds until their backward,
+its weight gradient too for the zero-bubble schedules; the worst rank), each pair 1/v of a rank's blocks
+with v virtual stages; 1F1B gives min(m, pp) on the first stage.
 
 A framework overhead (``Calibration.overhead_bytes``: the allocator, the runtime, measured once in one
 process without a strategy) is added as one constant, never fitted on the layout being checked.
@@ -134,6 +136,8 @@ class Layout:
     bucket_mb: float = 25.0
     prefetch: bool = True  # ZeRO-3 gathers the next block while this one runs
     ps_servers: int = 1
+    schedule: str = "1f1b"  # the pipeline schedule (pipeline.schedules), when pp > 1
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved and V schedules)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -149,6 +153,13 @@ class Layout:
             raise ConfigError(f"offload applies to zero1/zero2/zero3, not to {self.strategy}")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence parallelism needs tp > 1")
+        if self.pp > 1:
+            from shardwise.pipeline.schedules import ScheduleConfigError, check
+
+            try:
+                check(self.schedule, self.pp, self.virtual_stages, self.micro_batches)
+            except ScheduleConfigError as e:
+                raise ConfigError(f"layout: {e}") from None
 
     @property
     def devices(self) -> int:
@@ -161,6 +172,8 @@ class Layout:
             + (f"-tp{self.tp}" if self.tp > 1 else "")
         )
         parts = [self.strategy, mesh, f"mb{self.micro_batches}"]
+        if self.pp > 1 and (self.schedule, self.virtual_stages) != ("1f1b", 1):
+            parts.append(self.schedule + (f"-v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.activation_checkpointing:
             parts.append("ckpt")
         if self.offload != "none":
@@ -391,6 +404,21 @@ def _comm_buffers(model: ModelShape, training: Training, layout: Layout) -> Part
     return out
 
 
+def micro_batches_in_flight(layout: Layout) -> float:
+    """Micro-batches of activations the worst pipeline rank holds at once, in units of its whole
+    share of blocks: the pipeline validator's peak of (stage, micro-batch) pairs kept for a backward
+    (``peak_held``: until the weight gradient, which needs the stored inputs too, where a schedule
+    splits it off), over the rank's virtual stages. 1 without a pipeline."""
+    if layout.pp == 1:
+        return 1.0
+    from shardwise.pipeline.schedules import build, stage_placement
+    from shardwise.pipeline.validate import validate
+
+    pp, v, m = layout.pp, layout.virtual_stages, layout.micro_batches
+    report = validate(build(layout.schedule, pp, v, m), stage_placement(layout.schedule, pp, v), m)
+    return max(report.peak_held.values()) / v
+
+
 def _activations(model: ModelShape, training: Training, layout: Layout, micro_batch: int) -> Parts:
     tokens = micro_batch * training.seq_len
     cb = training.compute_bytes
@@ -398,7 +426,7 @@ def _activations(model: ModelShape, training: Training, layout: Layout, micro_ba
     residual = 4 if training.mixed and replicated else cb  # autocast keeps the residual stream fp32
     acts = block_activations(model, tokens, cb, residual, layout.tp, layout.sequence_parallel)
     blocks = math.ceil(model.n_layer / layout.pp)
-    in_flight = 1 if layout.pp == 1 else min(layout.micro_batches, layout.pp)
+    in_flight = micro_batches_in_flight(layout)
     seq = layout.tp if layout.sequence_parallel else 1
     # the final norm's input (and, RMSNorm, its normalised copy) and the head's input
     head = tokens * model.d_model * (residual + cb + (0 if model.layer_norm else cb)) / seq

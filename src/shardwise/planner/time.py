@@ -6,9 +6,12 @@ algorithm's prediction comes from). For one rank of a layout, per step:
 **Compute.** A training token costs 6 FLOPs per matmul weight (2 forward, 4 backward; Kaplan et al.
 2020) plus attention, 12·s·h per layer (4·s·h forward for the scores and the weighted sum; Narayanan et
 al., SC 2021, eq. 3: 72·l·h² + 12·s·l·h + 6·V·h per token). Activation checkpointing runs each block's
-forward again in backward (Narayanan et al.'s factor 4 instead of 3, on the blocks). Each rank computes
-its tokens (global batch x s / dp) over its share of the blocks (1/pp) and of every matmul (1/tp), at
-``Calibration.flops_per_s``; forward is a third of it, backward the rest.
+forward again in backward (Narayanan et al.'s factor 4 instead of 3, on the blocks), costed at the
+checkpointed model's own measured rate where there is one (``Calibration.checkpointed_flops_per_s``).
+On this CPU checkpointing added 6-22% to the compute (the probes' best and median), not 33%: likely
+because the first forward keeps no graph and the replay runs beside its backward, its activations in
+cache. Each rank computes its tokens (global batch x s / dp) over its share of the blocks (1/pp) and
+of every matmul (1/tp), at ``Calibration.flops_per_s``; forward is a third of it, backward the rest.
 
 **Bytes per step, per strategy** (Ψ the rank's parameters, N = dp, fp32 gradients here even under mixed
 precision, ``cb`` the compute dtype's bytes):
@@ -22,8 +25,10 @@ precision, ``cb`` the compute dtype's bytes):
 - the parameter server: each worker pushes its gradient and pulls the weights, every server receiving
   from all workers in turn (its link is the bottleneck);
 - tensor parallelism (Megatron, Shoeybi et al. 2019): 2 all-reduces of the activations per block in
-  forward and 2 in backward, exposed; pipeline parallelism: point-to-point sends between stages and the
-  1F1B bubble, (pp - 1) / m of the compute (Narayanan et al. 2021).
+  forward and 2 in backward (and the recomputed forward's 2 again under checkpointing), exposed, and
+  one each for the vocabulary-cut embedding (its output) and head (its input's gradient); pipeline
+  parallelism: point-to-point sends between stages and the bubble of its schedule, from the pipeline's
+  own simulator ((pp - 1) / m of the compute for 1F1B, Narayanan et al. 2021).
 
 **Overlap.** Bucketed reductions run while backward goes on, so only what outlasts backward is
 exposed, and never less than the last bucket (launched when backward ends). ZeRO-3 with prefetch hides
@@ -74,6 +79,8 @@ class Collective:
     def seconds(self, profile: CostProfile, algorithm: str, gloo: bool = False) -> float:
         """``gloo``: ZeRO's forms on gloo's native collectives (``zero/group.py``): a reduce-scatter
         runs as an all-reduce, an all-gather as one broadcast of each rank's slice."""
+        if self.ranks < 2:  # a group of one sends nothing
+            return 0.0
         if self.op == "send":  # point-to-point: one one-way step
             return self.count * profile.one_way(self.nbytes)
         if gloo and self.op == "reduce_scatter":
@@ -82,6 +89,21 @@ class Collective:
             slice_bytes = int(self.nbytes / self.ranks)
             return self.count * self.ranks * predict(algorithm, "broadcast", slice_bytes, self.ranks, profile)
         return self.count * predict(algorithm, self.op, int(self.nbytes), self.ranks, profile)
+
+    def sent(self, gloo: bool = False) -> float:
+        """Bytes one rank sends, as ``Comm``'s statistics count them: a ring's share of an all-reduce
+        (2(n-1)/n of the buffer) or of a reduce-scatter and all-gather ((n-1)/n); gloo's forms of ZeRO's
+        collectives (``seconds``): an all-reduce, and one broadcast of this rank's own slice."""
+        n, size = self.ranks, self.nbytes
+        if n < 2:
+            return 0.0
+        if self.op == "send":
+            return self.count * size
+        if self.op == "all_reduce" or (gloo and self.op == "reduce_scatter"):
+            return self.count * 2 * (n - 1) / n * size
+        if gloo and self.op == "all_gather":
+            return self.count * size / n
+        return self.count * (n - 1) / n * size
 
 
 def bucket_sizes(total: float, bucket: float, first: float = 0.0) -> list[float]:
@@ -141,6 +163,10 @@ def _model_parallel(model: ModelShape, training: Training, layout: Layout) -> li
     if layout.tp > 1:
         forward_count = blocks * m * (4 if layout.activation_checkpointing else 2)  # recompute: again
         out.append(Collective("all_reduce", activation, layout.tp, "exposed", forward_count + 2 * blocks * m))
+        # the vocab-cut embedding's output in forward, the head's input gradient in backward: a pipeline
+        # stage holds one of the two at most (the first stage the embedding, the last the head)
+        ends = 2 if layout.pp == 1 else 1
+        out.append(Collective("all_reduce", activation, layout.tp, "exposed", ends * m))
     if layout.pp > 1:  # an activation forward and its gradient back, per micro-batch and boundary
         out.append(Collective("send", activation / layout.tp, 2, "exposed", 2 * m))
     return out
@@ -158,6 +184,7 @@ class StepTime:
     bubble_s: float = 0.0
     offload_s: float = 0.0
     comm_bytes: float = 0.0  # bytes this rank's collectives move (their message sizes, summed)
+    sent_bytes: float = 0.0  # bytes this rank sends on the wire (``Collective.sent``)
     parts: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -177,11 +204,14 @@ class StepTime:
 def compute_seconds(
     model: ModelShape, training: Training, layout: Layout, calibration: Calibration
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of one rank's compute in one step."""
+    """(forward, backward) seconds of one rank's compute in one step: its FLOPs at the calibrated
+    rate (under activation checkpointing, the checkpointed rate over FLOPs that count the second
+    forward; backward holds the recomputation). Forward is a third of the plain FLOPs."""
     tokens = training.global_batch * training.seq_len / layout.dp
-    plain = flops_per_token(model, training.seq_len) * tokens / (layout.pp * layout.tp)
-    flops = flops_per_token(model, training.seq_len, layout.activation_checkpointing)
-    total = flops * tokens / (layout.pp * layout.tp) / calibration.flops_per_s
+    share = tokens / (layout.pp * layout.tp)
+    plain = flops_per_token(model, training.seq_len) * share
+    ckpt = layout.activation_checkpointing
+    total = flops_per_token(model, training.seq_len, ckpt) * share / calibration.rate(ckpt)
     forward = plain / 3 / calibration.flops_per_s
     return forward, total - forward
 
@@ -212,6 +242,21 @@ def optimizer_seconds(
     gathers = 1 + (2 * layout.micro_batches if stage == 3 else 0)  # stage 3 reads the master per gather
     copies = held * (mb + cb * gathers)  # gradient shard down, parameter shard up
     return touched / calibration.host_bytes_per_s, copies / calibration.host_link_bytes_per_s
+
+
+def pipeline_bubble_s(layout: Layout, forward: float, backward: float) -> float:
+    """Idle seconds a rank's compute leaves in a pipeline step: the pipeline simulator's makespan of
+    ``layout.schedule`` (every stage the same forward and backward, a micro-batch's share of the
+    rank's), less the rank's own compute. 1F1B and GPipe give (pp - 1) / m of it."""
+    if layout.pp == 1:
+        return 0.0
+    from shardwise.pipeline.schedules import build, stage_placement
+    from shardwise.pipeline.simulate import Costs, simulate
+
+    pp, v, m = layout.pp, layout.virtual_stages, layout.micro_batches
+    costs = Costs.uniform(forward / (m * v), backward / (m * v))
+    timeline = simulate(build(layout.schedule, pp, v, m), stage_placement(layout.schedule, pp, v), costs)
+    return max(0.0, timeline.makespan - (forward + backward))
 
 
 def _exposed(times: list[float], window: float) -> float:
@@ -255,7 +300,7 @@ def step_time(
     # stages 1-2 all-gather each bucket while the next one is stepped: only the excess shows
     exposed_step = max(0.0, step_comm - optimizer) if stage in (1, 2) else step_comm
     exposed = fwd + exposed_backward + exposed_step + sum(by_phase.get("exposed", []))
-    bubble = (layout.pp - 1) / layout.micro_batches * (forward + backward) if layout.pp > 1 else 0.0
+    bubble = pipeline_bubble_s(layout, forward, backward)
     parts = {phase: sum(times) for phase, times in by_phase.items()}
     return StepTime(
         forward_s=forward,
@@ -266,5 +311,6 @@ def step_time(
         bubble_s=bubble,
         offload_s=offload,
         comm_bytes=sum(c.nbytes * c.count for c in todo),
+        sent_bytes=sum(c.sent(gloo) for c in todo),
         parts=parts,
     )
