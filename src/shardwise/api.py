@@ -140,6 +140,8 @@ def _bound(node: ast.AST) -> set[str]:
 # what a rank's user-input error is raised as here, by the name the rank reported (launcher.USER_ERRORS)
 _RAISED_AS: dict[str, Callable[[str], Exception]] = {
     "ConfigError": ConfigError,
+    "SplitError": ConfigError,  # kinds of ConfigError, raised here as their base
+    "NotBuiltError": ConfigError,
     "LossError": LossError,
     "StateMismatchError": StateMismatchError,
     "CheckpointWriteError": CheckpointWriteError,

@@ -45,7 +45,10 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "parallel.schedule",
         {"help": "pipeline schedule: gpipe | 1f1b | interleaved | zb | interleaved-zb | zbv | dualpipev"},
     ),
-    "--virtual-stages": ("parallel.virtual_stages", {"help": "pipeline stages per pp rank"}),
+    "--virtual-stages": (
+        "parallel.virtual_stages",
+        {"help": "pipeline stages per pp rank (default: 2 for interleaved and V schedules, else 1)"},
+    ),
     "--pp-split": (
         "parallel.pp_split",
         {"help": "the blocks stages 1.. start at, e.g. blocks.3,blocks.6 (default: balanced by parameters)"},

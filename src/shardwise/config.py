@@ -160,7 +160,10 @@ class ParallelConfig:
     schedule: str = checked(
         "1f1b", OneOf(("gpipe", "1f1b", "interleaved", "zb", "interleaved-zb", "zbv", "dualpipev"))
     )
-    virtual_stages: int = checked(1, Range(ge=1))  # stages per pp rank (interleaved: >= 2; V: 2)
+    # stages per pp rank (interleaved: >= 2; V: 2); 0: the schedule's own (``stages_per_rank``)
+    virtual_stages: int = checked(
+        0, Range(ge=1, also=(0,), note="or 0 for the schedule's own (2 for interleaved and V, else 1)")
+    )
     # the block each stage after the first starts at, by its name in the model ("blocks.3", "blocks.6":
     # pp x virtual_stages - 1 of them, in order); empty: stages balanced by parameter count
     pp_split: tuple[str, ...] = ()
@@ -169,6 +172,14 @@ class ParallelConfig:
     # hybrid sharding (HSDP, ZeRO++'s hpZ): ZeRO shards within groups of dp / dp_replicate ranks and
     # the groups replicate, so gathers stay in a group (a node); 1: shard over the whole dp axis
     dp_replicate: int = checked(1, Range(ge=1))
+
+    @property
+    def stages_per_rank(self) -> int:
+        """``virtual_stages``, or where it is 0 the schedule's own: 2 for interleaved, interleaved-zb
+        (the smallest interleaving) and the V schedules zbv and dualpipev (two stages per rank), else 1."""
+        if self.virtual_stages:
+            return self.virtual_stages
+        return 2 if self.schedule in ("interleaved", "interleaved-zb", "zbv", "dualpipev") else 1
 
     def resolve(self, world_size: int, servers: int = 0) -> ParallelConfig:
         """Fill in dp and check that the degrees multiply to the world size (see ``ParallelDims``)."""

@@ -58,7 +58,10 @@ class LaunchError(RuntimeError):
 
 # exceptions that mean "the input is wrong" (or, NonFiniteStop, that the run diverged), shown as their
 # message alone
-USER_ERRORS = ("ConfigError", "StateMismatchError", "CheckpointWriteError", "LossError", "NonFiniteStop")
+USER_ERRORS = (
+    *("ConfigError", "SplitError", "NotBuiltError"),  # ConfigError and its kinds
+    *("StateMismatchError", "CheckpointWriteError", "LossError", "NonFiniteStop"),
+)
 
 
 def running_under_torchrun() -> bool:

@@ -129,10 +129,10 @@ def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
     the real model, so ``apply_pipeline`` skips it)."""
     parallel = config.parallel
     if parallel.pp == 1:
-        if parallel.virtual_stages != 1:
+        if parallel.virtual_stages not in (0, 1):
             raise ConfigError(
                 f"parallel.virtual_stages = {parallel.virtual_stages} needs a pipeline: set parallel.pp > 1 "
-                "(--pp) or virtual_stages = 1"
+                "(--pp) or leave virtual_stages unset"
             )
         if parallel.pp_split:
             raise ConfigError(
@@ -160,20 +160,20 @@ def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
                 "drop it or set parallel.pp = 1"
             )
     try:
-        check_schedule(parallel.schedule, parallel.pp, parallel.virtual_stages, config.data.micro_batches)
+        check_schedule(parallel.schedule, parallel.pp, parallel.stages_per_rank, config.data.micro_batches)
     except ScheduleConfigError as exc:
         raise ConfigError(str(exc)) from None
     if parallel.pp_split:
         if named_split:  # the names against the model's own blocks (built on meta: no values drawn)
             model = build_model(config.model, meta=True)
-            plan_stages(model, parallel.pp * parallel.virtual_stages, parallel.pp_split)
+            plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
     elif config.model.kind == "gpt":
         blocks = PRESETS["gpt"].get(config.model.preset, {}).get("n_layer", 0)
-        stages = parallel.pp * parallel.virtual_stages
+        stages = parallel.pp * parallel.stages_per_rank
         if blocks < stages:
             raise ConfigError(
                 f"the gpt preset {config.model.preset!r} has {blocks} blocks, fewer than pp({parallel.pp}) x "
-                f"virtual_stages({parallel.virtual_stages}) = {stages} stages; pick a larger preset"
+                f"virtual_stages({parallel.stages_per_rank}) = {stages} stages; pick a larger preset"
             )
 
 
@@ -231,7 +231,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Pipelin
     if parallel.pp == 1 or not mesh.in_mesh:
         return None
     comm = mesh.comm("pp")
-    name, pp, virtual = parallel.schedule, parallel.pp, parallel.virtual_stages
+    name, pp, virtual = parallel.schedule, parallel.pp, parallel.stages_per_rank
     placement = stage_placement(name, pp, virtual)
     split = split_model(model, placement, comm.rank, parallel.pp_split)
     return PipelineRunner(split, comm, placement, lambda m: build_schedule(name, pp, virtual, m)[comm.rank])

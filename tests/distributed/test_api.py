@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -344,10 +345,25 @@ def _main_that_diverges(run_dir: str) -> None:
     sw.Trainer.build(sw.load_config(overrides=overrides)).fit(show_progress=False)
 
 
-def test_launch_raises_a_ranks_config_error_as_itself_in_one_line(tmp_path: Path) -> None:
+def _main_that_pipelines_its_own_model(run_dir: str) -> None:
+    config = sw.load_config(overrides={"steps": "1", "parallel.pp": "2", "run_dir": run_dir})
+    sw.Trainer.build(config, model=_Classifier().double(), dataset=_labelled()).fit(show_progress=False)
+
+
+@pytest.mark.parametrize(
+    ("main", "start"),
+    [
+        (_main_with_a_bad_config, "dp(3) x pp(1) x tp(1) = 3, but the world has 2 ranks; start 3"),
+        (_main_that_pipelines_its_own_model, "a _Classifier cannot be split into pipeline stages"),  # a kind
+    ],
+    ids=["config", "split"],
+)
+def test_launch_raises_a_ranks_config_error_as_itself_in_one_line(
+    tmp_path: Path, main: Callable[[str], None], start: str
+) -> None:
     with pytest.raises(sw.ConfigError) as raised:
-        sw.launch(_main_with_a_bad_config, 2, str(tmp_path))
-    assert str(raised.value).startswith("dp(3) x pp(1) x tp(1) = 3, but the world has 2 ranks; start 3")
+        sw.launch(main, 2, str(tmp_path))
+    assert str(raised.value).startswith(start) and "\n" not in str(raised.value)
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
 
 

@@ -272,3 +272,14 @@ def test_every_strategy_key_names_a_field_and_strategy() -> None:
         for part in key.split("."):
             node = getattr(node, part)  # an AttributeError names a key that no longer exists
         assert set(strategies) <= set(STRATEGIES), key
+
+
+def test_virtual_stages_default_to_the_schedules_own() -> None:
+    from shardwise.config import ParallelConfig
+
+    own = {s: ParallelConfig(pp=2, schedule=s).stages_per_rank for s in ("1f1b", "gpipe", "zb")}
+    assert own == {"1f1b": 1, "gpipe": 1, "zb": 1}
+    for schedule in ("interleaved", "interleaved-zb", "zbv", "dualpipev"):
+        assert ParallelConfig(pp=2, schedule=schedule).stages_per_rank == 2
+    assert ParallelConfig(pp=2, schedule="interleaved", virtual_stages=3).stages_per_rank == 3
+    assert ParallelConfig(pp=2, schedule="zbv", virtual_stages=1).stages_per_rank == 1  # refused later

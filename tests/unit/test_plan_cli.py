@@ -9,6 +9,7 @@ import pytest
 
 from shardwise.cli import main
 from shardwise.commands.plan import parse_bytes, parse_rate
+from shardwise.config import ConfigError
 
 LLAMA3_8B = {
     "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -18,8 +19,11 @@ MACHINE = ["--devices", "8", "--device-memory", "80GB", "--link", "400Gbit"]
 
 
 def test_sizes_and_rates_read_their_units() -> None:
-    assert parse_bytes("80GB") == 80e9 and parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("512") == 512
-    assert parse_rate("400Gbit") == 50e9 and parse_rate("50GB/s") == 50e9 and parse_rate("1.5e9") == 1.5e9
+    assert parse_bytes("80GB") == 80e9 and parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("512b") == 512
+    assert parse_rate("400Gbit") == 50e9 and parse_rate("400Gbps") == 50e9 and parse_rate("50GB/s") == 50e9
+    for bare in ("80", "1.5e9"):  # no unit: refused, not read as bytes
+        with pytest.raises(ConfigError, match="give a number with a unit"):
+            parse_bytes(bare)
 
 
 def test_llama3_8b_on_eight_h100s_prints_a_ranked_list_with_reasons(

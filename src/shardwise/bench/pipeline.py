@@ -199,7 +199,7 @@ def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -
 
     config = config.validate(world)
     seed_everything(config.seed)
-    name, virtual = config.parallel.schedule, config.parallel.virtual_stages
+    name, virtual = config.parallel.schedule, config.parallel.stages_per_rank
     placement = stage_placement(name, world, virtual)
     modules = _stage_modules(build_model(config.model), placement, rank)
     stages = [
@@ -246,7 +246,7 @@ def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, rep
     config = config.validate(config.parallel.pp)
     seed_everything(config.seed)
     stages = len(
-        stage_placement(config.parallel.schedule, config.parallel.pp, config.parallel.virtual_stages)
+        stage_placement(config.parallel.schedule, config.parallel.pp, config.parallel.stages_per_rank)
     )
     model = build_model(config.model)
     modules = _stage_modules(model, [0] * stages, 0)  # every stage here: each timed alone

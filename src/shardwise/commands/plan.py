@@ -23,8 +23,7 @@ from shardwise.planner.memory import GB, Layout, Training
 from shardwise.planner.model import ModelShape, hf_shape, preset_shape
 from shardwise.planner.search import SEARCHED, enumerate_layouts, plan
 
-_BYTES = {
-    "": 1,
+_BYTES = {  # a unit is required: a bare "80" (meant as GB) would plan for 80 bytes
     "b": 1,
     "kb": 1e3,
     "mb": 1e6,
@@ -35,6 +34,7 @@ _BYTES = {
     "gib": 2**30,
 }
 _RATES = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
+_RATES |= {"bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "tbps": 1e12 / 8}
 
 
 def _amount(text: str, units: dict[str, float], flag: str, example: str) -> float:
@@ -48,12 +48,12 @@ def _amount(text: str, units: dict[str, float], flag: str, example: str) -> floa
 
 
 def parse_bytes(text: str, flag: str = "--device-memory") -> float:
-    """``80GB`` (1e9 bytes), ``80GiB`` (2**30), or plain bytes."""
+    """``80GB`` (1e9 bytes), ``80GiB`` (2**30) or ``512B``: a unit always."""
     return _amount(text, _BYTES, flag, "80GB or 80GiB")
 
 
 def parse_rate(text: str) -> float:
-    """A link in bytes per second: ``400Gbit`` (bits per second) or ``50GB/s`` (bytes per second)."""
+    """A link in bytes per second: ``400Gbit`` or ``400Gbps`` (bits per second), ``50GB/s`` (bytes)."""
     return _amount(text, {**_BYTES, **_RATES}, "--link", "400Gbit or 50GB/s")
 
 

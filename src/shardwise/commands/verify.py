@@ -253,10 +253,24 @@ def run_verify(config: TrainConfig, nproc: int) -> dict[str, Any]:
     return {
         "strategy": config.strategy,
         "layout": config.dims(nproc).label,
+        **_pipeline_fields(config),
         "nproc": nproc,
         "steps": config.steps,
         "dtype": config.dtype,
         **report,
+    }
+
+
+def _pipeline_fields(config: TrainConfig) -> dict[str, Any]:
+    """With a pipeline: the schedule it ran, its stages per rank, the micro-batches and named split."""
+    parallel = config.parallel
+    if parallel.pp == 1:
+        return {}
+    return {
+        "schedule": parallel.schedule,
+        "virtual_stages": parallel.stages_per_rank,
+        "micro_batches": config.data.micro_batches,
+        "pp_split": list(parallel.pp_split),
     }
 
 
@@ -271,12 +285,21 @@ def verify_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
     return 0 if report["ok"] else 1
 
 
+def _schedule(report: dict[str, Any]) -> str:
+    if "schedule" not in report:
+        return ""
+    split = f", split at {','.join(report['pp_split'])}" if report["pp_split"] else ""
+    stages = f"{report['schedule']} x{report['virtual_stages']}"
+    return f", {stages}, {report['micro_batches']} micro-batches{split}"
+
+
 def _render(report: dict[str, Any]) -> None:
     """Every measure, each marked within or over the tolerance; the verdict names those over it."""
     failed = report.get("failed", [])
     verdict = f"FAILED ({', '.join(failed)} over the tolerance)" if failed else "OK"
     lines = [
-        f"{verdict}: {report['strategy']} on {report['nproc']} ranks ({report['layout']}) vs one process, "
+        f"{verdict}: {report['strategy']} on {report['nproc']} ranks ({report['layout']}{_schedule(report)}) "
+        "vs one process, "
         f"{report['steps']} steps in {report['dtype']}"
     ]
     where = {"grad": report["worst_grad"], "param": report["worst_param"]}
