@@ -225,3 +225,13 @@ def test_trace_records_every_action_of_every_rank(tmp_path: Path) -> None:
     schedule = build("zb", 2, 1, 4)
     expected = [(rank, str(a)) for rank in (0, 1) for a in schedule[rank]] * 2  # two steps
     assert sorted(actions) == sorted(expected)
+
+
+def test_bench_pipeline_measures_both_sides_of_a_schedule() -> None:
+    args = ["--schedules", "1f1b", "--steps", "2", "--rounds", "1", "--preset", "tiny", "--json"]
+    result = shardwise("bench", "pipeline", "--nproc", "2", *args, timeout_s=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = last_json(result)["rows"]
+    assert row["schedule"] == "1f1b" and row["torch_class"] == "Schedule1F1B"
+    for key in ("bubble_measured", "bubble_simulated", "bubble_theory", "speed_ratio"):
+        assert isinstance(row[key], float) and row[key] >= 0, (key, row)

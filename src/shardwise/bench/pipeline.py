@@ -288,7 +288,7 @@ def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, rep
 
 def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: float) -> Costs:
     """The separate profile (a fresh process) as the simulator's per-stage costs, in seconds."""
-    from shardwise.launch import threads_per_rank
+    from shardwise.launcher import threads_per_rank
 
     results, problem = launch(profile_worker, 1, (config, threads_per_rank(nproc), repeats), timeout_s)
     if results is None:
