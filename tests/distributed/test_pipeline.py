@@ -146,7 +146,10 @@ def test_train_pipeline_reports_the_loss_and_evaluates_as_one_process(tmp_path: 
     ("args", "message"),
     [
         (["--strategy", "ps", "--servers", "1", "--nproc", "3"], "--strategy ps does not run with pipeline"),
-        (["--schedule", "interleaved"], "interleaved interleaves chunks: --virtual-stages must be >= 2"),
+        (
+            ["--schedule", "interleaved", "--virtual-stages", "1"],  # left unset, it takes 2
+            "interleaved interleaves chunks: --virtual-stages must be >= 2",
+        ),
         (["--schedule", "zbv", "--virtual-stages", "3"], "zbv holds two stages per rank in a V"),
         (
             ["--pp", "4", "--nproc", "4", "--preset", "tiny"],
