@@ -11,31 +11,37 @@ LARGE = preset_shape("large", 64)
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 
 
-def test_two_ranks_check_each_strategy_with_and_without_checkpointing_then_on_tp2() -> None:
+def test_two_ranks_check_each_strategy_with_and_without_checkpointing_on_dp_tp_and_pp() -> None:
     layouts = check_layouts(LARGE, STRATEGIES, 2)
     names = [layout.name() for layout in layouts]
     assert names[:8] == [f"{s} dp2 mb1{c}" for s in STRATEGIES for c in ("", " ckpt")]
-    assert names[8:] == [f"{s} dp1-tp2 mb1" for s in STRATEGIES]  # tp with checkpointing: not built
+    assert names[8:16] == [f"{s} dp1-tp2 mb1{c}" for s in STRATEGIES for c in ("", " ckpt")]
+    assert names[16:] == [f"{s} dp1-pp2 mb4{c}" for s in STRATEGIES for c in ("", " ckpt")]  # 1F1B
     assert all(layout.devices == 2 for layout in layouts)
-    assert [layout.name() for layout in check_layouts(LARGE, ["ddp"], 2, tp=False)] == [
+    assert [layout.name() for layout in check_layouts(LARGE, ["ddp"], 2, tp=False, pp=False)] == [
         "ddp dp2 mb1",
         "ddp dp2 mb1 ckpt",
     ]
 
 
 def test_odd_ranks_or_odd_heads_take_no_tp() -> None:
-    assert {layout.tp for layout in check_layouts(LARGE, STRATEGIES, 3)} == {1}
+    assert {(layout.tp, layout.pp) for layout in check_layouts(LARGE, STRATEGIES, 3)} == {(1, 1)}
     odd = preset_shape("odd", 64)
     assert {layout.tp for layout in check_layouts(odd, STRATEGIES, 2)} == {1} or odd.n_head % 2 == 0
 
 
 def test_overrides_build_the_layouts_mesh() -> None:
-    zero2_tp, ddp_ckpt = check_layouts(LARGE, STRATEGIES, 4)[10], check_layouts(LARGE, STRATEGIES, 4)[1]
+    layouts = check_layouts(LARGE, STRATEGIES, 4)
+    zero2_tp, ddp_ckpt = layouts[12], layouts[1]
     config = load_config(None, {"model.kind": "gpt", "model.preset": "large", **layout_overrides(zero2_tp)})
     assert (config.strategy, config.parallel.dp, config.parallel.tp) == ("zero2", 2, 2)
     assert not config.parallel.activation_checkpointing
     config = load_config(None, layout_overrides(ddp_ckpt))
     assert config.parallel.activation_checkpointing and (config.parallel.dp, config.parallel.tp) == (4, 1)
+    zero1_pp = next(layout for layout in layouts if layout.pp == 2 and layout.strategy == "zero1")
+    config = load_config(None, {"model.kind": "gpt", "model.preset": "large", **layout_overrides(zero1_pp)})
+    parallel = config.parallel
+    assert (parallel.dp, parallel.pp, parallel.schedule, config.data.micro_batches) == (2, 2, "1f1b", 4)
 
 
 def test_time_is_declared_meaningless_with_more_ranks_than_cores() -> None:

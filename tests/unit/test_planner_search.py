@@ -9,7 +9,7 @@ from shardwise.config import ConfigError
 from shardwise.planner.calibration import Calibration, Machine
 from shardwise.planner.memory import Training, estimate_memory
 from shardwise.planner.model import ModelShape, preset_shape
-from shardwise.planner.search import Plan, enumerate_layouts, mesh_shapes, plan
+from shardwise.planner.search import Plan, enumerate_layouts, mesh_shapes, plan, search_degrees
 
 LLAMA3_8B = ModelShape(
     n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336, vocab=128256,
@@ -92,8 +92,33 @@ def test_the_plan_is_pure_and_its_figures_are_the_estimators() -> None:
     assert row["layout"] == top.layout.name() and row["strategy"] == top.layout.strategy
 
 
-def test_tp2_layouts_are_searched_without_checkpointing_which_tp_does_not_build() -> None:
-    layouts = enumerate_layouts(LLAMA3_8B, Training(16, 128), devices=8, tp_degrees=(1, 2))
-    tp2 = [layout for layout in layouts if layout.tp == 2]
-    assert tp2 and all(layout.dp == 4 and not layout.activation_checkpointing for layout in tp2)
-    assert any(layout.activation_checkpointing for layout in layouts if layout.tp == 1)
+def test_tp_and_pp_layouts_are_searched_with_checkpointing_and_both_schedules() -> None:
+    pp, tp = search_degrees(LLAMA3_8B, 8)
+    assert (pp, tp) == ([1, 2, 4, 8], [1, 2, 4, 8])  # 8 key-value heads: tp 8 at most
+    layouts = enumerate_layouts(LLAMA3_8B, Training(16, 128), 8, ["zero1"], pp, tp, offload=("none",))
+    shapes = {(layout.dp, layout.pp, layout.tp) for layout in layouts}
+    assert shapes == set(mesh_shapes(8, pp, tp)) and len(shapes) == 10
+    assert any(layout.activation_checkpointing for layout in layouts if layout.tp == 2)
+    staged = {(layout.schedule, layout.virtual_stages) for layout in layouts if layout.pp > 1}
+    assert staged == {("1f1b", 1), ("interleaved", 2)}
+    assert all(layout.schedule == "1f1b" for layout in layouts if layout.pp == 1)
+    # pp x stages per rank may not exceed the blocks: a 6-block model takes no interleaved pp4
+    small = ModelShape(n_layer=6, d_model=64, n_head=4, vocab=100, name="six")
+    assert search_degrees(small, 12) == ([1, 2, 3, 4, 6], [1, 2, 4])
+    pp4 = [layout for layout in enumerate_layouts(small, Training(8, 16), 4, ["ddp"], (4,)) if layout.pp == 4]
+    assert pp4 and {layout.schedule for layout in pp4} == {"1f1b"}
+
+
+def test_a_pipeline_layout_is_costed_with_its_bubble_and_in_flight_micro_batches() -> None:
+    """1F1B on pp 4 at m micro-batches: the simulator's bubble is (pp - 1) / m of the compute, and the
+    first stage holds min(m, pp) micro-batches of its blocks' activations."""
+    from shardwise.planner.memory import Layout, micro_batches_in_flight
+    from shardwise.planner.time import step_time
+
+    machine = Machine(devices=4, device_memory=1e12, link_bytes_per_s=1e12)
+    profile = machine.profile()
+    for m in (2, 4, 8):
+        layout = Layout("ddp", dp=1, pp=4, micro_batches=m)
+        time = step_time(LLAMA3_8B, Training(8, 512), layout, profile)
+        assert time.bubble_s == pytest.approx(3 / m * time.compute_s, rel=1e-9)
+        assert micro_batches_in_flight(layout) == min(m, 4)

@@ -14,9 +14,9 @@ layout being checked). The prediction (:mod:`shardwise.planner`) uses that calib
 collectives' profile that ``shardwise bench comm`` saved (or ``--comm-profile``; else the built-in
 default, said so), gloo's forms of ZeRO's collectives, and no overhead; it is compared with the fastest
 timed step (others on a shared machine only add time, as they do to the probes), the median beside it.
-The layouts (``check_layouts``): each strategy with and without activation checkpointing, then on tp = 2
-when the ranks are even. With more ranks than cores a rank's time is its share of a core, not the
-layout's: such a row gives memory alone and says why.
+The layouts (``check_layouts``): each strategy with and without activation checkpointing, then the same
+on tp = 2 and on a 2-stage 1F1B pipeline when the ranks are even. With more ranks than cores a rank's
+time is its share of a core, not the layout's: such a row gives memory alone and says why.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def measure_rates(config: TrainConfig, model: ModelShape, repeats: int) -> list[
     a step's pace)."""
     import torch.distributed as dist
 
-    batch = max(1, config.data.global_batch // dist.get_world_size() // config.data.micro_batches)
+    batch = max(1, config.data.global_batch // dist.get_world_size())  # whatever the layout's micro-batches
     probes = _probes(config, model, batch)
     for probe in probes:  # warm-up: first-touch allocation, lazy initialisation
         probe.run()
@@ -185,27 +185,47 @@ def time_note(ranks: int, cores: int) -> str:
     return f"time not meaningful: {ranks} ranks on {cores} cores" if ranks > cores else ""
 
 
-def check_layouts(model: ModelShape, strategies: list[str], nproc: int, tp: bool = True) -> list[Layout]:
+PP_MICRO_BATCHES = 4  # --check's pipeline layouts: 1F1B over this many micro-batches
+
+
+def check_layouts(
+    model: ModelShape, strategies: list[str], nproc: int, tp: bool = True, pp: bool = True
+) -> list[Layout]:
     """What ``--check`` runs on ``nproc`` ranks: each strategy with and without activation
-    checkpointing on dp = nproc, then (``tp``, when nproc is even and the heads divide) each on tp = 2
-    with the strategy over dp = nproc / 2 (without checkpointing: with tp it is not built yet)."""
-    meshes = [(nproc, 1)]
+    checkpointing on dp = nproc; then, when nproc is even, the same on tp = 2 (``tp``, where the heads
+    divide) and on a 1F1B pipeline of 2 stages over ``PP_MICRO_BATCHES`` micro-batches (``pp``, where
+    the model has 2 blocks or more), each with the strategy over dp = nproc / 2."""
+    meshes = [(nproc, 1, 1)]
     if tp and nproc % 2 == 0 and model.n_head % 2 == 0 and model.kv_heads % 2 == 0:
-        meshes.append((nproc // 2, 2))
+        meshes.append((nproc // 2, 1, 2))
+    if pp and nproc % 2 == 0 and model.n_layer >= 2:
+        meshes.append((nproc // 2, 2, 1))
     return [
-        Layout(strategy, dp=dp, tp=degree, activation_checkpointing=ckpt)
-        for dp, degree in meshes
+        Layout(
+            strategy,
+            dp=dp,
+            pp=stages,
+            tp=degree,
+            micro_batches=PP_MICRO_BATCHES if stages > 1 else 1,
+            activation_checkpointing=ckpt,
+        )
+        for dp, stages, degree in meshes
         for strategy in strategies
-        for ckpt in ((False, True) if degree == 1 else (False,))
+        for ckpt in (False, True)
     ]
 
 
 def layout_overrides(layout: Layout) -> dict[str, str]:
-    """The config overrides that run ``layout`` (its mesh, strategy and checkpointing)."""
+    """The config overrides that run ``layout`` (its mesh, strategy, micro-batches, schedule and
+    checkpointing)."""
     return {
         "strategy": layout.strategy,
         "parallel.dp": str(layout.dp),
+        "parallel.pp": str(layout.pp),
         "parallel.tp": str(layout.tp),
+        "parallel.schedule": layout.schedule,
+        "parallel.virtual_stages": str(layout.virtual_stages),
+        "data.micro_batches": str(layout.micro_batches),
         "parallel.activation_checkpointing": str(layout.activation_checkpointing).lower(),
         "parallel.sequence_parallel": str(layout.sequence_parallel).lower(),
     }
@@ -263,7 +283,10 @@ def compare(
         "layout": layout.name(),
         "strategy": layout.strategy,
         "dp": layout.dp,
+        "pp": layout.pp,
         "tp": layout.tp,
+        "micro_batches": layout.micro_batches,
+        "schedule": layout.schedule if layout.pp > 1 else None,
         "activation_checkpointing": layout.activation_checkpointing,
         "predicted_bytes": memory.total,
         "measured_bytes": measured["peak_bytes"],

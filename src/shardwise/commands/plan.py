@@ -21,7 +21,7 @@ from shardwise.config import ConfigError, TrainConfig
 from shardwise.planner.calibration import Calibration, Machine
 from shardwise.planner.memory import GB, Layout, Training
 from shardwise.planner.model import ModelShape, hf_shape, preset_shape
-from shardwise.planner.search import SEARCHED, enumerate_layouts, plan
+from shardwise.planner.search import MAX_TP, SEARCHED, enumerate_layouts, plan, search_degrees
 
 _BYTES = {  # a unit is required: a bare "80" (meant as GB) would plan for 80 bytes
     "b": 1,
@@ -33,6 +33,7 @@ _BYTES = {  # a unit is required: a bare "80" (meant as GB) would plan for 80 by
     "mib": 2**20,
     "gib": 2**30,
 }
+HF_SEQ_CAP = 4096  # plan a Hugging Face model at its own context, up to this many tokens
 _RATES = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
 _RATES |= {"bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "tbps": 1e12 / 8}
 
@@ -71,7 +72,12 @@ def add_plan_parser(sub: Any) -> None:
     model.add_argument("--model", help="hf:PATH/config.json, hf:FOLDER or hf:tiny-llama (read, not built)")
     for flag in ("--layers", "--hidden", "--heads", "--vocab", "--ffn", "--kv-heads"):
         model.add_argument(flag, type=int, help="sizes by hand (--ffn: 4 x hidden; --kv-heads: --heads)")
-    p.add_argument("--seq-len", type=int, default=base.model.seq_len, help=f"(default {base.model.seq_len})")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"tokens per sequence (default: a Hugging Face model's context up to {HF_SEQ_CAP}; else, and "
+        f"for --check, the training default {base.model.seq_len})",
+    )
     p.add_argument("--global-batch", type=int, default=base.data.global_batch, help="sequences per step")
     p.add_argument(
         "--precision", default=base.precision, help=f"fp32 | bf16 | fp16 (default {base.precision})"
@@ -93,8 +99,13 @@ def add_plan_parser(sub: Any) -> None:
     )
     p.add_argument("--nproc", type=int, default=2, help="--check: local ranks (default 2)")
     p.add_argument("--steps", type=int, default=5, help="--check: timed steps per layout (default 5)")
+    p.add_argument("--pp", help="pipeline degrees to search, e.g. 1,2 (default: every one the devices take)")
+    p.add_argument("--tp", help=f"tensor degrees to search, e.g. 1,2 (default: every one up to {MAX_TP})")
     p.add_argument(
         "--no-tp", action="store_true", help="--check: leave out the tp=2 layouts (run by default when even)"
+    )
+    p.add_argument(
+        "--no-pp", action="store_true", help="--check: leave out the pp=2 layouts (run by default when even)"
     )
     p.add_argument(
         "--comm-profile",
@@ -120,7 +131,7 @@ def model_from_args(args: argparse.Namespace) -> ModelShape:
             + (f" (got {' and '.join(given)})" if given else "")
         )
     if args.preset:
-        return preset_shape(args.preset, args.seq_len)
+        return preset_shape(args.preset, args.seq_len or TrainConfig().model.seq_len)
     if args.model:
         if not args.model.startswith("hf:"):
             raise ConfigError(
@@ -136,8 +147,35 @@ def model_from_args(args: argparse.Namespace) -> ModelShape:
         vocab=args.vocab,
         d_ff=args.ffn or 0,
         n_kv_head=args.kv_heads or 0,
-        positions=args.seq_len,
+        positions=args.seq_len or TrainConfig().model.seq_len,
     )
+
+
+def seq_len_for(args: argparse.Namespace, model: ModelShape) -> int:
+    """``--seq-len``, else a Hugging Face model's own context (capped at ``HF_SEQ_CAP``: a plan for
+    an 8B model at the training default's 64 tokens would be a plan for no one), else the default."""
+    if args.seq_len:
+        return int(args.seq_len)
+    if args.model and not args.check and model.context:
+        return min(model.context, HF_SEQ_CAP)
+    return TrainConfig().model.seq_len
+
+
+def degrees(text: str | None, flag: str, searched: list[int]) -> list[int]:
+    """``--pp``/``--tp`` as a list of degrees, each one the search would try; default all of them."""
+    if not text:
+        return searched
+    try:
+        asked = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give degrees separated by commas, e.g. {flag} 1,2") from None
+    wrong = [d for d in asked if d not in searched]
+    if wrong:
+        raise ConfigError(
+            f"{flag} {', '.join(map(str, wrong))}: not a degree this model and machine take; "
+            f"choose from {', '.join(map(str, searched))}"
+        )
+    return asked
 
 
 def machine_from_args(args: argparse.Namespace) -> Machine:
@@ -172,7 +210,7 @@ def _strategies(args: argparse.Namespace) -> list[str]:
 
 def plan_command(args: argparse.Namespace) -> int:
     model = model_from_args(args)
-    training = Training(args.global_batch, args.seq_len, args.precision, args.optimizer)
+    training = Training(args.global_batch, seq_len_for(args, model), args.precision, args.optimizer)
     strategies = _strategies(args)
     if args.check:
         return check_command(args, model, training, strategies)
@@ -181,10 +219,15 @@ def plan_command(args: argparse.Namespace) -> int:
         overhead_bytes=parse_bytes(args.overhead, "--overhead") if args.overhead else 0.0,
         **({"flops_per_s": args.flops, "source": "--flops"} if args.flops is not None else {}),
     )
-    # tensor parallelism over 2 devices where they allow it (Megatron's all-reduces are in the time)
-    tp_degrees = (1, 2) if machine.devices % 2 == 0 else (1,)
+    pp_searched, tp_searched = search_degrees(model, machine.devices)
     layouts = enumerate_layouts(
-        model, training, machine.devices, strategies, tp_degrees=tp_degrees, bucket_mb=args.bucket_mb
+        model,
+        training,
+        machine.devices,
+        strategies,
+        pp_degrees=degrees(args.pp, "--pp", pp_searched),
+        tp_degrees=degrees(args.tp, "--tp", tp_searched),
+        bucket_mb=args.bucket_mb,
     )
     result = plan(model, training, machine, calibration, layouts=layouts)
     out = {
@@ -193,6 +236,8 @@ def plan_command(args: argparse.Namespace) -> int:
         "machine": {"devices": machine.devices, "device_memory_bytes": machine.device_memory,
                     "link_bytes_per_s": machine.link_bytes_per_s},
         "calibration": calibration.source,
+        "training": {"global_batch": training.global_batch, "seq_len": training.seq_len,
+                     "precision": training.precision, "optimizer": training.optimizer},
         "ranked": [{"rank": i + 1, **c.as_dict()} for i, c in enumerate(result.ranked)],
         "dropped": [c.as_dict() for c in result.dropped],
         "why": result.why,
@@ -205,6 +250,11 @@ def _render(result: dict[str, Any], top: int) -> None:
     machine = result["machine"]
     memory = machine["device_memory_bytes"] / GB
     print(f"{result['model']}; {machine['devices']} devices x {memory:.1f} GB")
+    work = result["training"]
+    print(
+        f"workload: {work['global_batch']} sequences x {work['seq_len']} tokens per step, "
+        f"{work['precision']}, {work['optimizer']} (--global-batch, --seq-len, --precision, --optimizer)"
+    )
     print(f"calibration: {result['calibration']}")
     print(f"{'#':>3}  {'layout':<36} {'step ms':>10} {'memory GB':>10}")
     for row in result["ranked"][:top]:
@@ -235,14 +285,14 @@ def check_command(
         raise ConfigError(f"--check needs --nproc >= 1 and --steps >= 2; got {args.nproc}, {args.steps}")
     layouts = [
         replace(layout, bucket_mb=args.bucket_mb)
-        for layout in check_layouts(model, strategies, args.nproc, tp=not args.no_tp)
+        for layout in check_layouts(model, strategies, args.nproc, tp=not args.no_tp, pp=not args.no_pp)
     ]
     with tempfile.TemporaryDirectory(prefix="shardwise-plan-check-") as run_dir:
 
         def config_for(layout: Layout, i: int) -> TrainConfig:
             overrides = {
                 "model.kind": "gpt" if args.preset else args.model, "model.preset": args.preset or "small",
-                "model.seq_len": str(args.seq_len), "precision": args.precision,
+                "model.seq_len": str(training.seq_len), "precision": args.precision,
                 "optim.name": args.optimizer, "data.global_batch": str(args.global_batch),
                 "ddp.bucket_mb": str(args.bucket_mb), "zero.bucket_mb": str(args.bucket_mb),
                 "steps": str(args.steps), "eval_every": "0", "run_dir": f"{run_dir}/{i}",

@@ -20,7 +20,10 @@ ZeRO-2 holds up to three fp32 buckets of ``bucket_mb`` in backward (one collecti
 ZeRO-3 holds the root unit (embeddings, final norm, head) gathered all step, one or two gathered blocks
 in backward (two with prefetch) with one fp32 flat gradient buffer of a block, and the root's gradients
 at the end. Mixed-precision DDP also keeps autocast's low-precision copy of every weight from forward
-to backward.
+to backward. Over several micro-batches (``_accumulated_grads``) stage 2 holds full gradients under
+``no_sync`` until the last one reduces them, stage 3 on a pipeline adds each unit's gradient into a full
+flat buffer (one reduce-scatter a step), and stage 3 in the plain loop keeps its shard all step; a
+pipeline reduces after its last backward, so ZeRO's reduce buffers come at the step.
 
 **Phases.** Not everything is alive at once: the peak is the largest of three phases: the end of
 forward (every activation, the logits peak at the loss), backward (activations, the buffers gradients
@@ -56,6 +59,7 @@ process without a strategy) is added as one constant, never fitted on the layout
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -392,13 +396,15 @@ def _comm_buffers(model: ModelShape, training: Training, layout: Layout) -> Part
         # every bucket is cast to fp32 for its reduction as it completes, and all are held to the end
         # of backward, as the activations go: together at the step
         out["reduce_buffers"] = (psi * mb, ("step",))
+    # a pipeline reduces once, in finish_grads after its last backward: the buffers come at the step
+    reducing = ("step",) if layout.pp > 1 else ("backward",)
     if stage == 2:  # one bucket collecting, two reducing (a bucket's parameters are in no other)
-        out["reduce_buffers"] = (min(3 * layout.bucket_mb * 2**20, psi * mb), ("backward",))
+        out["reduce_buffers"] = (min(3 * layout.bucket_mb * 2**20, psi * mb), reducing)
     if stage == 3:
         units = 2 if layout.prefetch else 1
         out["gathered_root"] = (root * cb, ALWAYS)
         out["gathered_blocks"] = (units * block * cb, ("backward",))  # forward frees each as it goes
-        out["reduce_buffers"] = (block * mb, ("backward",))
+        out["reduce_buffers"] = (block * mb, reducing)
         # the root's gradients stay as .grad until its last (the embedding's) arrives, then go flat
         out["root_grads"] = (root * (cb + mb), ("step",))
     return out
@@ -411,12 +417,21 @@ def micro_batches_in_flight(layout: Layout) -> float:
     splits it off), over the rank's virtual stages. 1 without a pipeline."""
     if layout.pp == 1:
         return 1.0
+    return _peak_held(layout.schedule, layout.pp, layout.virtual_stages, layout.micro_batches) / (
+        layout.virtual_stages
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _peak_held(schedule: str, pp: int, virtual: int, micro_batches: int) -> int:
+    """The validator's peak of (stage, micro-batch) pairs a rank holds (cached: a search asks the
+    same schedule once per strategy, offload and checkpointing)."""
     from shardwise.pipeline.schedules import build, stage_placement
     from shardwise.pipeline.validate import validate
 
-    pp, v, m = layout.pp, layout.virtual_stages, layout.micro_batches
-    report = validate(build(layout.schedule, pp, v, m), stage_placement(layout.schedule, pp, v), m)
-    return max(report.peak_held.values()) / v
+    plan = build(schedule, pp, virtual, micro_batches)
+    report = validate(plan, stage_placement(schedule, pp, virtual), micro_batches)
+    return max(report.peak_held.values())
 
 
 def _activations(model: ModelShape, training: Training, layout: Layout, micro_batch: int) -> Parts:
@@ -438,6 +453,21 @@ def _activations(model: ModelShape, training: Training, layout: Layout, micro_ba
     else:
         out["activations"] = (in_flight * blocks * acts.full + head, ("forward", "backward"))
     return out
+
+
+def _accumulated_grads(psi: float, training: Training, layout: Layout, states: ModelStates) -> Parts:
+    """Stages 2-3 over several micro-batches: what holds the gradients between them. Stage 2 under
+    ``no_sync`` keeps full gradients until the last micro-batch reduces them; stage 3 on a pipeline
+    adds each unit's gradient into a full flat buffer (one reduce-scatter a step, FSDP's ``no_sync``);
+    stage 3 in the plain loop reduce-scatters every micro-batch into the shard, which then lives all
+    step. None with one micro-batch (the shard appears at the end of backward)."""
+    stage = zero_stage(layout.strategy)
+    if stage < 2 or layout.micro_batches == 1:
+        return {}
+    if stage == 3 and layout.pp == 1:
+        return {"grads": (states.grads, ALWAYS)}
+    dtype = training.compute_bytes if stage == 2 and training.mixed else training.master_bytes
+    return {"accumulated_grads": (psi * dtype, ("forward", "backward"))}
 
 
 def estimate_memory(
@@ -467,6 +497,7 @@ def estimate_memory(
     if stage == 1 and training.mixed:  # the full bf16 gradients stay; the fp32 slice comes at the end
         full = training.compute_bytes * psi
         parts["grads"], parts["grad_shard"] = (full, ALWAYS), (states.grads - full, ("step",))
+    parts.update(_accumulated_grads(psi, training, layout, states))
     host: dict[str, float] = {}
     if layout.offload == "cpu":
         host = {"master_params": states.master, "optimizer_state": states.optimizer_state}

@@ -38,12 +38,13 @@ class ModelShape:
     bias: bool = True  # linear layers carry biases (GPT); Llama has none
     layer_norm: bool = True  # LayerNorm (weight and bias); False: RMSNorm (weight only)
     name: str = "custom"
+    context: int = 0  # the longest sequence the config names (max_position_embeddings); 0: not said
 
     def __post_init__(self) -> None:
         for field_name in ("n_layer", "d_model", "n_head", "vocab"):
             if getattr(self, field_name) < 1:
                 raise ConfigError(f"model {field_name} must be >= 1, got {getattr(self, field_name)}")
-        for field_name in ("d_ff", "n_kv_head", "positions"):
+        for field_name in ("d_ff", "n_kv_head", "positions", "context"):
             if getattr(self, field_name) < 0:
                 raise ConfigError(f"model {field_name} must be >= 0, got {getattr(self, field_name)}")
         if self.d_model % self.n_head:
@@ -149,6 +150,7 @@ def hf_shape(kind: str) -> ModelShape:
             positions=_get(config, path, "n_positions", "max_position_embeddings"),
             tie_weights=bool(config.get("tie_word_embeddings", True)),
             name=path.parent.name if path.name == "config.json" else path.stem,
+            context=_get(config, path, "n_positions", "max_position_embeddings"),
         )
     if "head_dim" in config and config["head_dim"] * _get(config, path, "num_attention_heads") != config.get(
         "hidden_size"
@@ -170,4 +172,5 @@ def hf_shape(kind: str) -> ModelShape:
         bias=bool(config.get("attention_bias", False)),
         layer_norm=False,
         name=path.parent.name if path.name == "config.json" else path.stem,
+        context=int(config.get("max_position_embeddings") or 0),
     )

@@ -2,19 +2,22 @@
 
 No communication; pure functions over :mod:`~shardwise.planner.memory` and
 :mod:`~shardwise.planner.time`. For ``devices`` devices, every mesh dp x pp x tp that multiplies to
-them (pp and tp from the degrees asked for: 1 until pipeline and tensor parallelism are planned), every
-strategy, offload (ZeRO only), activation checkpointing, and every micro-batch count that divides a
-rank's share of the global batch. A layout whose peak bytes per device exceed the device's memory is
-dropped with the figures that say why (its total against the memory, and its three largest parts); the
-others are ranked by predicted step time (ties: less memory first), and the winner is explained against
-the runner-up and the best layout of every other strategy: ZeRO trades memory for communication
-(Rajbhandari et al. 2020), checkpointing memory for a second forward (Chen et al. 2016; Korthikanti et
-al. 2023), micro-batches memory for exposed communication.
+them (``search_degrees``: tp up to 8, one node's worth, dividing the heads; pp up to the blocks), every
+strategy, offload (ZeRO only), activation checkpointing, every micro-batch count that divides a rank's
+share of the global batch, and with pp > 1 the schedules of ``PIPELINE_SCHEDULES`` (1F1B, and the
+interleaved one at two stages per rank where the blocks allow). A layout whose peak bytes per device
+exceed the device's memory is dropped with the figures that say why (its total against the memory, and
+its three largest parts); the others are ranked by predicted step time (ties: less memory first), and
+the winner is explained against the runner-up and the best layout of every other strategy and mesh
+shape: ZeRO trades memory for communication (Rajbhandari et al. 2020), checkpointing memory for a
+second forward (Chen et al. 2016; Korthikanti et al. 2023), micro-batches memory for exposed
+communication, tensor parallelism memory for exposed activation all-reduces (Shoeybi et al. 2019),
+pipelines memory for a bubble (Narayanan et al. 2021).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +29,10 @@ from shardwise.planner.model import ModelShape
 from shardwise.planner.time import StepTime, step_time
 
 SEARCHED = ("ddp", "zero1", "zero2", "zero3")
+# (schedule, stages per rank) searched when pp > 1; the zero-bubble ones are left out: their weight
+# gradient walks the graph again here (README, "Pipeline speed"), which the simulator's costs omit
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2))
+MAX_TP = 8  # tensor parallelism's all-reduces are on every block's critical path: within one node
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,8 @@ class Candidate:
             "pp": self.layout.pp,
             "tp": self.layout.tp,
             "micro_batches": self.layout.micro_batches,
+            "schedule": self.layout.schedule if self.layout.pp > 1 else None,
+            "virtual_stages": self.layout.virtual_stages,
             "activation_checkpointing": self.layout.activation_checkpointing,
             "offload": self.layout.offload,
             "fits": self.fits,
@@ -97,6 +106,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def search_degrees(model: ModelShape, devices: int) -> tuple[list[int], list[int]]:
+    """(pp degrees, tp degrees) worth searching on ``devices``: the divisors of the devices, pp no
+    more than the model's blocks, tp no more than ``MAX_TP`` and dividing the query and key-value heads."""
+    pp = [d for d in divisors(devices) if d <= model.n_layer]
+    tp = [d for d in divisors(devices) if d <= MAX_TP and model.n_head % d == 0 and model.kv_heads % d == 0]
+    return pp, tp
+
+
 def enumerate_layouts(
     model: ModelShape,
     training: Training,
@@ -107,30 +124,50 @@ def enumerate_layouts(
     checkpointing: Sequence[bool] = (False, True),
     offload: Sequence[str] = ("none", "cpu"),
     bucket_mb: float = 25.0,
+    schedules: Sequence[tuple[str, int]] = PIPELINE_SCHEDULES,
 ) -> list[Layout]:
-    """Every layout to consider; meshes the model cannot take (tp not dividing the heads, more stages
-    than blocks, a batch that does not divide) are left out, and so is activation checkpointing with
-    tp > 1 (the library refuses it: not built yet)."""
+    """Every layout to consider; meshes the model cannot take (tp not dividing the heads, more
+    pipeline stages than blocks, a batch that does not divide) are left out, and so are schedules
+    the micro-batch count does not suit (``Layout`` refuses them)."""
     layouts = []
     for dp, pp, tp in mesh_shapes(devices, pp_degrees, tp_degrees):
         if model.n_head % tp or model.kv_heads % tp or pp > model.n_layer or training.global_batch % dp:
             continue
+        staged = [(name, v) for name, v in schedules if pp * v <= model.n_layer] if pp > 1 else [("1f1b", 1)]
         for strategy in strategies:
             for where in offload if strategy.startswith("zero") else ("none",):
-                for ckpt in checkpointing if tp == 1 else (False,):  # tp + checkpointing: not built
+                for ckpt in checkpointing:
                     for m in divisors(training.global_batch // dp):
-                        layouts.append(Layout(strategy, dp, pp, tp, False, m, ckpt, where, bucket_mb))
+                        for schedule, v in staged:
+                            if pp > 1 and not _schedule_takes(schedule, pp, v, m):
+                                continue
+                            layouts.append(
+                                Layout(strategy, dp, pp, tp, False, m, ckpt, where, bucket_mb,
+                                       schedule=schedule, virtual_stages=v)
+                            )  # fmt: skip
     return layouts
 
 
-def _gb(nbytes: float) -> str:
+def _schedule_takes(schedule: str, pp: int, virtual: int, micro_batches: int) -> bool:
+    from shardwise.pipeline.schedules import ScheduleConfigError, check
+
+    try:
+        check(schedule, pp, virtual, micro_batches)
+    except ScheduleConfigError:
+        return False
+    return True
+
+
+def _gb(nbytes: float, digits: int | None = None) -> str:
     """Gigabytes (1e9 bytes), with two decimals below 10 GB so that near misses stay visible."""
-    return f"{nbytes / GB:.2f} GB" if nbytes < 10 * GB else f"{nbytes / GB:.1f} GB"
+    digits = digits if digits is not None else (2 if nbytes < 10 * GB else 1)
+    return f"{nbytes / GB:.{digits}f} GB"
 
 
 def _drop_reason(memory: MemoryEstimate, limit: float) -> str:
     parts = ", ".join(f"{name} {_gb(value)}" for name, value in memory.largest(3))
-    return f"needs {_gb(memory.total)} per device > {_gb(limit)} ({parts})"
+    near = 3 if memory.total < 1.01 * limit else None  # within 1%: enough digits to see it is over
+    return f"needs {_gb(memory.total, near)} per device > {_gb(limit, near)} ({parts})"
 
 
 def _cost(time: StepTime, memory: MemoryEstimate, limit: float) -> str:
@@ -189,16 +226,27 @@ def explain(ranked: Sequence[Candidate], dropped: Sequence[Candidate], machine: 
         lines.append(f"Compute hides {best.time.hidden_fraction:.0%} of its communication.")
     if len(ranked) > 1 and ranked[1].time is not None:
         lines.append(f"The runner-up, {ranked[1].layout.name()}, {_behind(best, ranked[1])}.")
-    for strategy in dict.fromkeys(c.layout.strategy for c in (*ranked, *dropped)):
-        if strategy == best.layout.strategy:
-            continue
-        fit = [c for c in ranked if c.layout.strategy == strategy]
-        if fit and fit[0].time is not None:
-            lines.append(f"The best {strategy} layout, {fit[0].layout.name()}, {_behind(best, fit[0])}.")
-        else:
-            least = min((c for c in dropped if c.layout.strategy == strategy), key=lambda c: c.memory.total)
-            lines.append(f"No {strategy} layout fits: even {least.layout.name()} {least.reason}.")
+    groups: list[tuple[str, Callable[[Layout], str]]] = [
+        ("", lambda layout: layout.strategy),
+        (" mesh", _mesh),
+    ]
+    for noun, key in groups:
+        for value in dict.fromkeys(key(c.layout) for c in (*ranked, *dropped)):
+            if value == key(best.layout):
+                continue
+            fit = [c for c in ranked if key(c.layout) == value]
+            if fit and fit[0].time is not None:
+                lines.append(
+                    f"The best {value}{noun} layout, {fit[0].layout.name()}, {_behind(best, fit[0])}."
+                )
+            else:
+                least = min((c for c in dropped if key(c.layout) == value), key=lambda c: c.memory.total)
+                lines.append(f"No {value}{noun} layout fits: even {least.layout.name()} {least.reason}.")
     return " ".join(lines)
+
+
+def _mesh(layout: Layout) -> str:
+    return f"dp{layout.dp}-pp{layout.pp}-tp{layout.tp}"
 
 
 def _behind(best: Candidate, other: Candidate) -> str:

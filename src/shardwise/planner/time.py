@@ -40,6 +40,7 @@ the host, and gradient and parameter shards cross the host link.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -250,13 +251,22 @@ def pipeline_bubble_s(layout: Layout, forward: float, backward: float) -> float:
     rank's), less the rank's own compute. 1F1B and GPipe give (pp - 1) / m of it."""
     if layout.pp == 1:
         return 0.0
+    pp, v, m = layout.pp, layout.virtual_stages, layout.micro_batches
+    makespan = _makespan(layout.schedule, pp, v, m, forward / (m * v), backward / (m * v))
+    return max(0.0, makespan - (forward + backward))
+
+
+@functools.lru_cache(maxsize=4096)
+def _makespan(
+    schedule: str, pp: int, virtual: int, micro_batches: int, forward: float, backward: float
+) -> float:
+    """The simulator's makespan of ``schedule`` with every stage's forward and backward the same
+    (cached: a search asks it again for every strategy and offload of one compute)."""
     from shardwise.pipeline.schedules import build, stage_placement
     from shardwise.pipeline.simulate import Costs, simulate
 
-    pp, v, m = layout.pp, layout.virtual_stages, layout.micro_batches
-    costs = Costs.uniform(forward / (m * v), backward / (m * v))
-    timeline = simulate(build(layout.schedule, pp, v, m), stage_placement(layout.schedule, pp, v), costs)
-    return max(0.0, timeline.makespan - (forward + backward))
+    plan = build(schedule, pp, virtual, micro_batches)
+    return simulate(plan, stage_placement(schedule, pp, virtual), Costs.uniform(forward, backward)).makespan
 
 
 def _exposed(times: list[float], window: float) -> float:
