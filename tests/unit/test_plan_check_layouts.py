@@ -3,6 +3,8 @@ measured time is declared meaningless (more ranks than cores). Nothing is launch
 
 from __future__ import annotations
 
+import pytest
+
 from shardwise.bench.plan_check import check_layouts, layout_overrides, time_note
 from shardwise.config import load_config
 from shardwise.planner.model import preset_shape
@@ -80,3 +82,19 @@ def test_a_rows_prediction_never_depends_on_its_own_timings() -> None:
     assert rows[0]["time_ratio"] == rows[0]["predicted_step_s"] / 1.0
     faster = compare(base, Training(16, 64), layout, config, runs[0], Calibration(flops_per_s=4e10))
     assert faster["predicted_step_s"] < rows[0]["predicted_step_s"]
+
+
+def test_more_ranks_than_cores_gives_memory_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No probes and no timed steps were run (``check_worker(timed=False)``): the row has no times."""
+    from shardwise.bench import plan_check
+    from shardwise.planner.calibration import Calibration
+    from shardwise.planner.memory import Layout, Training
+
+    monkeypatch.setattr(plan_check.os, "cpu_count", lambda: 2)
+    base, layout = preset_shape("base", 64), Layout("zero2", dp=4)
+    config = load_config(None, {"model.kind": "gpt", "model.preset": "base", **layout_overrides(layout)})
+    run = {"peak_bytes": 1e8, "step_s": [], "comm_s": [], "bytes_sent": 5.0}
+    row = plan_check.compare(base, Training(16, 64), layout, config, run, Calibration())
+    assert row["time_note"] == "time not meaningful: 4 ranks on 2 cores"
+    assert row["predicted_step_s"] is row["measured_step_s"] is row["time_ratio"] is None
+    assert row["memory_ratio"] == row["predicted_bytes"] / 1e8 and row["measured_comm_s"] is None

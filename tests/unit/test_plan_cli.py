@@ -125,3 +125,32 @@ def test_the_search_can_be_held_to_given_degrees(capsys: pytest.CaptureFixture[s
     )
     assert main(["plan", "--model", f"hf:{FIXTURE}", *MACHINE, "--pp", "two"]) == 2
     assert "--pp 'two': give degrees separated by commas" in capsys.readouterr().err
+
+
+def test_the_first_layout_comes_with_the_train_command_that_runs_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The command's flags parse into a config of the same mesh, strategy, schedule and batch."""
+    import shlex
+
+    from shardwise.cli import build_parser, config_from_args
+    from shardwise.parallelism import check
+
+    assert main(["plan", "--model", f"hf:{FIXTURE}", *MACHINE, "--precision", "bf16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    first, command = result["ranked"][0], result["run_first"]
+    argv = [*shlex.split(command)[1:], "--model", f"hf:{FIXTURE}"]
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    parallel = config.parallel
+    assert args.nproc == first["dp"] * first["pp"] * first["tp"] and config.strategy == first["strategy"]
+    assert (parallel.pp, parallel.tp, config.data.micro_batches) == (
+        first["pp"],
+        first["tp"],
+        first["micro_batches"],
+    )
+    assert parallel.activation_checkpointing == first["activation_checkpointing"]
+    assert config.data.global_batch == 16 and config.model.seq_len == 4096 and config.precision == "bf16"
+    if first["pp"] > 1:
+        assert parallel.schedule == first["schedule"]
+    check(config)  # the layout is one the library runs, not only one the planner imagines

@@ -21,6 +21,7 @@ time is its share of a core, not the layout's: such a row gives memory alone and
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -142,39 +143,40 @@ def calibration_from(samples: list[list[float]]) -> tuple[Calibration, dict[str,
     return calibration, spread
 
 
-def check_worker(config: TrainConfig, model: ModelShape, steps: int) -> dict[str, Any]:
+def check_worker(config: TrainConfig, model: ModelShape, steps: int, timed: bool = True) -> dict[str, Any]:
     """On one rank: first the calibration's probes (``measure_rates``: samples of the machine's rates
     now, pooled over the whole check, never used for this layout alone); then peak tensor bytes over
     ``MEMORY_STEPS`` steps under ``TensorBytes`` (a dispatch mode counting live floating-point
     storages: tensor bytes, not RSS); then, built again without the counter, ``steps`` timed steps
     (each the slowest rank's, as ``Trainer.step`` reports it) with the bytes each rank sent and the
-    time it was blocked on communication."""
+    time it was blocked on communication. Not ``timed`` (more ranks than cores: a time would say
+    nothing): no probes and no timed steps, the memory alone, and the bytes the counted steps sent."""
     import torch.distributed as dist
 
     from shardwise.train.loop import Trainer
 
     init_distributed(config.timeout_s)
     try:
-        rates = measure_rates(config, model, CALIBRATION_REPEATS)
+        rates = measure_rates(config, model, CALIBRATION_REPEATS) if timed else []
         with TensorBytes() as counted:
             trainer = Trainer.build(config)
-            for step in range(MEMORY_STEPS):
-                trainer.step(step)
+            records = [trainer.step(step) for step in range(MEMORY_STEPS)]
         trainer.engine.close()
         del trainer
-        trainer = Trainer.build(config)
-        records = [trainer.step(step) for step in range(steps)]
-        trainer.engine.close()
+        if timed:
+            trainer = Trainer.build(config)
+            records = [trainer.step(step) for step in range(steps)]
+            trainer.engine.close()
         mine = torch.tensor([counted.peak], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
-        timed = records[1:] if len(records) > 1 else records  # the first step warms up
+        kept = records[1:] if len(records) > 1 else records  # the first step warms up
         return {
             "rates": rates,
             "peak_bytes": max(float(t[0]) for t in everyone),
-            "step_s": [r.step_s for r in timed],
-            "comm_s": [r.comm_s for r in timed],
-            "bytes_sent": max(float(b) for b in timed[-1].bytes_sent),
+            "step_s": [r.step_s for r in kept] if timed else [],
+            "comm_s": [r.comm_s for r in kept] if timed else [],
+            "bytes_sent": max(float(b) for b in kept[-1].bytes_sent),
         }
     finally:
         dist.destroy_process_group()
@@ -249,9 +251,11 @@ def run_check(
     for i, layout in enumerate(layouts):
         load = os.getloadavg()[0]
         config = config_for(layout, i)
-        measured = launch_local(check_worker, (config, model, steps), layout.devices)[0]
+        timed = not time_note(layout.devices, os.cpu_count() or 1)
+        measured = launch_local(check_worker, (config, model, steps, timed), layout.devices)[0]
         runs.append((layout, config, load, measured))
-    calibration, spread = calibration_from([s for *_, measured in runs for s in measured["rates"]])
+    samples = [s for *_, measured in runs for s in measured["rates"]]
+    calibration, spread = calibration_from(samples) if samples else (Calibration(), {"repeats": 0})
     rows = [
         {**compare(model, training, layout, config, measured, calibration), "load_average": load}
         for layout, config, load, measured in runs
@@ -278,7 +282,8 @@ def compare(
     memory = estimate_memory(model, training, layout, calibration)
     time_ = step_time(model, training, layout, profile, calibration, "native", gloo=True)
     note = time_note(layout.devices, os.cpu_count() or 1)
-    best, median = min(measured["step_s"]), statistics.median(measured["step_s"])
+    steps = measured["step_s"] or [math.nan]  # none timed: more ranks than cores
+    best, median = min(steps), statistics.median(steps)
     return {
         "layout": layout.name(),
         "strategy": layout.strategy,
@@ -291,9 +296,9 @@ def compare(
         "predicted_bytes": memory.total,
         "measured_bytes": measured["peak_bytes"],
         "memory_ratio": memory.total / measured["peak_bytes"],
-        "predicted_step_s": time_.total_s,
-        "measured_step_s": best,
-        "measured_step_s_median": median,
+        "predicted_step_s": None if note else time_.total_s,  # no calibration was measured
+        "measured_step_s": None if note else best,
+        "measured_step_s_median": None if note else median,
         "measured_steps_s": measured["step_s"],  # every timed step, for whoever doubts the statistic
         "time_ratio": None if note else time_.total_s / best,
         "time_ratio_median": None if note else time_.total_s / median,
@@ -307,7 +312,7 @@ def compare(
         },
         "predicted_sent_bytes": time_.sent_bytes,
         "measured_sent_bytes": measured["bytes_sent"],
-        "measured_comm_s": min(measured["comm_s"]),
+        "measured_comm_s": min(measured["comm_s"]) if measured["comm_s"] else None,
         "flops_per_s": calibration.flops_per_s,
         "checkpointed_flops_per_s": calibration.checkpointed_flops_per_s,
         "memory_bytes_per_s": calibration.memory_bytes_per_s,

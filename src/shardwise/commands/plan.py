@@ -241,9 +241,24 @@ def plan_command(args: argparse.Namespace) -> int:
         "ranked": [{"rank": i + 1, **c.as_dict()} for i, c in enumerate(result.ranked)],
         "dropped": [c.as_dict() for c in result.dropped],
         "why": result.why,
+        "run_first": train_command(result.best.layout, training) if result.best else None,
     }  # fmt: skip
     emit(out, args.json, lambda r: _render(r, args.top))
     return 0
+
+
+def train_command(layout: Layout, training: Training) -> str:
+    """The ``shardwise train`` flags that run ``layout`` (the model and data flags are the user's)."""
+    flags = [f"--nproc {layout.devices}", f"--strategy {layout.strategy}"]
+    flags += [f"--pp {layout.pp}"] if layout.pp > 1 else []
+    flags += [f"--tp {layout.tp}"] if layout.tp > 1 else []
+    flags += [f"--schedule {layout.schedule}"] if layout.pp > 1 else []
+    flags += [f"--micro-batches {layout.micro_batches}"] if layout.micro_batches > 1 else []
+    flags += ["--activation-checkpointing"] if layout.activation_checkpointing else []
+    flags += [f"--offload {layout.offload}"] if layout.offload != "none" else []
+    flags += [f"--global-batch {training.global_batch}", f"--seq-len {training.seq_len}"]
+    flags += [f"--precision {training.precision}"] if training.precision != "fp32" else []
+    return "shardwise train " + " ".join(flags)
 
 
 def _render(result: dict[str, Any], top: int) -> None:
@@ -267,6 +282,8 @@ def _render(result: dict[str, Any], top: int) -> None:
     for row in sorted(result["dropped"], key=lambda r: r["memory_bytes"])[:3]:
         print(f"     {row['layout']}: {row['reason']}")
     print(result["why"])
+    if result["run_first"]:
+        print(f"to run the first (with your model's flags): {result['run_first']}")
 
 
 def check_command(
@@ -321,8 +338,8 @@ def _render_check(result: dict[str, Any]) -> None:
             row["predicted_bytes"] / 1e6,
             row["measured_bytes"] / 1e6,
             row["memory_ratio"],
-            row["predicted_step_s"] * 1e3,
-            row["measured_step_s"] * 1e3,
+            row["predicted_step_s"] * 1e3 if row["predicted_step_s"] is not None else None,
+            row["measured_step_s"] * 1e3 if row["measured_step_s"] is not None else None,
             row["time_ratio"],
         )
         text = " ".join(f"{c:>8.2f}" if c is not None else f"{'-':>8}" for c in cells)

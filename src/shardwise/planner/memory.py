@@ -14,7 +14,8 @@ memory. Rajbhandari et al. (SC 2020, "ZeRO", section 5) count the same states wi
 an fp16 parameter shard (``zero_paper_bytes``: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N for K = 12).
 
 **Communication buffers**: DDP's gradients *are* its buckets (views), so nothing extra (and on a dp
-group of one there are no buckets: gradients exist from backward to the update); ZeRO-1 under
+group of one there are no buckets: each gradient appears as backward frees the activations it needed,
+so with one micro-batch the two do not add up); ZeRO-1 under
 mixed precision casts every bucket to fp32 for the reduction (4Ψ, all held at the end of backward);
 ZeRO-2 holds up to three fp32 buckets of ``bucket_mb`` in backward (one collecting, two reducing);
 ZeRO-3 holds the root unit (embeddings, final norm, head) gathered all step, one or two gathered blocks
@@ -23,7 +24,9 @@ at the end. Mixed-precision DDP also keeps autocast's low-precision copy of ever
 to backward. Over several micro-batches (``_accumulated_grads``) stage 2 holds full gradients under
 ``no_sync`` until the last one reduces them, stage 3 on a pipeline adds each unit's gradient into a full
 flat buffer (one reduce-scatter a step), and stage 3 in the plain loop keeps its shard all step; a
-pipeline reduces after its last backward, so ZeRO's reduce buffers come at the step.
+pipeline reduces after its last backward, so ZeRO's reduce buffers come at the step. Adam on the CPU
+steps one tensor at a time and makes two temporaries of it (``_optimizer_temporaries``: a parameter
+for DDP, a bucket's or unit's shard for ZeRO).
 
 **Phases.** Not everything is alive at once: the peak is the largest of three phases: the end of
 forward (every activation, the logits peak at the loss), backward (activations, the buffers gradients
@@ -46,8 +49,9 @@ Hugging Face's RMSNorm (Llama) keeps its normalised input too: h more per norm. 
 saved bytes of our GPT and of a Llama with a dispatch mode and finds these counts within 1%. Under
 tensor parallelism the head-split and MLP tensors divide by t, and with sequence parallelism everything
 does. With activation checkpointing a block keeps only its input, and backward rebuilds one block at a
-time. Outside the blocks: the final norm's and the head's inputs, and the logits peak at the loss (the
-logits, their fp32 log-softmax, and the gradients of each). With pipeline parallelism (Narayanan et al.,
+time (its activations and, as backward walks it, their gradients). Outside the blocks: the final
+norm's and the head's inputs, and the logits peak at the loss (the logits, their fp32 log-softmax, and
+the gradients of each). With pipeline parallelism (Narayanan et al.,
 SC 2021), a stage holds ceil(L/pp) blocks, and the micro-batches in flight come from the pipeline's own
 validator (``pipeline.validate``: the most (stage, micro-batch) pairs a rank holds until their backward,
 its weight gradient too for the zero-bubble schedules; the worst rank), each pair 1/v of a rank's blocks
@@ -449,7 +453,8 @@ def _activations(model: ModelShape, training: Training, layout: Layout, micro_ba
     out: Parts = {"logits": (logits, ("forward",))}
     if layout.activation_checkpointing:  # inputs kept; backward rebuilds one block at a time
         out["activations"] = (in_flight * blocks * acts.checkpointed + head, ("forward", "backward"))
-        out["recomputed_block"] = (acts.full, ("backward",))
+        # the rebuilt block's activations and, as backward walks it, their gradients
+        out["recomputed_block"] = (2 * acts.full, ("backward",))
     else:
         out["activations"] = (in_flight * blocks * acts.full + head, ("forward", "backward"))
     return out
@@ -470,6 +475,27 @@ def _accumulated_grads(psi: float, training: Training, layout: Layout, states: M
     return {"accumulated_grads": (psi * dtype, ("forward", "backward"))}
 
 
+def _optimizer_temporaries(model: ModelShape, training: Training, layout: Layout) -> float:
+    """Adam on the CPU steps one tensor at a time (torch's single-tensor path) and builds its
+    denominator from two temporaries of that tensor's size (the second moment's square root, then
+    its quotient by the bias correction): two copies of the largest tensor stepped. That is a
+    parameter for DDP; a bucket's shard for ZeRO-1/2 (a group of about ``bucket_mb``, one parameter
+    at least); a unit's shard for ZeRO-3 (a block, or the root). SGD makes none. (On a GPU torch's
+    multi-tensor path makes them for a whole group at once: not modelled.)"""
+    if training.optimizer not in ("adam", "adamw"):
+        return 0.0
+    psi, block, root = _stage_psi(model, layout)
+    h, tp = model.d_model, layout.tp
+    largest = max(model.vocab * h, h * model.ff, 3 * h * h) / tp
+    stage = zero_stage(layout.strategy)
+    if stage in (1, 2):
+        bucket = layout.bucket_mb * 2**20 / training.master_bytes
+        largest = min(max(bucket, largest), psi) / layout.dp
+    elif stage == 3:
+        largest = max(block, root) / layout.dp
+    return 2 * training.master_bytes * largest
+
+
 def estimate_memory(
     model: ModelShape, training: Training, layout: Layout, calibration: Calibration | None = None
 ) -> MemoryEstimate:
@@ -487,7 +513,9 @@ def estimate_memory(
     if stage >= 2:
         grad_phases = ("step",)
     elif layout.strategy == "ddp" and layout.dp == 1:
-        grad_phases = ("backward", "step")
+        # one micro-batch: each gradient appears as backward frees the activations it needed, so
+        # the two peak apart; accumulating (or on a pipeline) they meet
+        grad_phases = ("step",) if layout.micro_batches == 1 else ("backward", "step")
     parts: Parts = {
         "params": (states.params, ALWAYS),
         "master_params": (states.master, ALWAYS),
@@ -498,6 +526,8 @@ def estimate_memory(
         full = training.compute_bytes * psi
         parts["grads"], parts["grad_shard"] = (full, ALWAYS), (states.grads - full, ("step",))
     parts.update(_accumulated_grads(psi, training, layout, states))
+    if layout.offload == "none" and layout.strategy != "ps":
+        parts["optimizer_temporaries"] = (_optimizer_temporaries(model, training, layout), ("step",))
     host: dict[str, float] = {}
     if layout.offload == "cpu":
         host = {"master_params": states.master, "optimizer_state": states.optimizer_state}

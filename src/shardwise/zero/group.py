@@ -34,6 +34,7 @@ from torch import nn
 
 from shardwise.checkpoint.pretrained import PretrainedWeights, materialize
 from shardwise.collectives.api import Comm, Work
+from shardwise.collectives.p2p import Done
 from shardwise.compression import CodecState, CompressedComm, Segment
 from shardwise.engine.precision import Precision
 from shardwise.zero.flat_param import FlatLayout, layout_of
@@ -224,6 +225,9 @@ class FlatGroup:
         if self.compressor is not None and self.codec_state is not None:  # decoded whole; we keep a slice
             reduction = self.compressor.reduce(full, self.codec_state, async_op=True)
             self._pending.append(_Pending(reduction, None, full))
+            return
+        if self.comm.world_size == 1:  # a group of one: the sum is the gradient itself, in place
+            self._pending.append(_Pending(Done(), None, full))
             return
         if self._by_gloo_workaround("reduce_scatter", full.numel() * full.element_size()):
             work = self.comm.all_reduce(full, op="sum", async_op=True, algorithm="native")
