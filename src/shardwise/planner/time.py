@@ -25,9 +25,10 @@ precision, ``cb`` the compute dtype's bytes):
 - the parameter server: each worker pushes its gradient and pulls the weights, every server receiving
   from all workers in turn (its link is the bottleneck);
 - tensor parallelism (Megatron, Shoeybi et al. 2019): 2 all-reduces of the activations per block in
-  forward and 2 in backward (and the recomputed forward's 2 again under checkpointing), exposed, and
+  forward and 2 in backward (and the recomputed forward's first again under checkpointing), exposed, and
   one each for the vocabulary-cut embedding (its output) and head (its input's gradient); pipeline
-  parallelism: point-to-point sends between stages and the bubble of its schedule, from the pipeline's
+  parallelism: point-to-point sends between stages (and a tied embedding's gradient summed between the
+  first and last stage) and the bubble of its schedule, from the pipeline's
   own simulator ((pp - 1) / m of the compute for 1F1B, Narayanan et al. 2021).
 
 **Overlap.** Bucketed reductions run while backward goes on, so only what outlasts backward is
@@ -162,14 +163,20 @@ def _model_parallel(model: ModelShape, training: Training, layout: Layout) -> li
     activation = tokens * model.d_model * training.compute_bytes
     blocks, m, out = math.ceil(model.n_layer / layout.pp), layout.micro_batches, []
     if layout.tp > 1:
-        forward_count = blocks * m * (4 if layout.activation_checkpointing else 2)  # recompute: again
+        # the recomputed forward stops once every saved tensor is back (torch's non-reentrant
+        # checkpoint): the MLP's output is saved by no one, so only the attention's all-reduce recurs
+        forward_count = blocks * m * (3 if layout.activation_checkpointing else 2)
         out.append(Collective("all_reduce", activation, layout.tp, "exposed", forward_count + 2 * blocks * m))
         # the vocab-cut embedding's output in forward, the head's input gradient in backward: a pipeline
         # stage holds one of the two at most (the first stage the embedding, the last the head)
         ends = 2 if layout.pp == 1 else 1
         out.append(Collective("all_reduce", activation, layout.tp, "exposed", ends * m))
-    if layout.pp > 1:  # an activation forward and its gradient back, per micro-batch and boundary
-        out.append(Collective("send", activation / layout.tp, 2, "exposed", 2 * m))
+    if layout.pp > 1:  # per micro-batch, an activation to the next stage and a gradient to the one before:
+        # an end stage sends one of the two, a middle one both
+        out.append(Collective("send", activation / layout.tp, 2, "exposed", (1 if layout.pp == 2 else 2) * m))
+        if model.tie_weights:  # the first stage's embedding and the last's head are one weight: summed
+            tied = model.vocab * model.d_model / layout.tp * training.param_bytes
+            out.append(Collective("all_reduce", tied, 2, "step"))
     return out
 
 
