@@ -28,12 +28,13 @@ pipeline reduces after its last backward, so ZeRO's reduce buffers come at the s
 steps one tensor at a time and makes two temporaries of it (``_optimizer_temporaries``: a parameter
 for DDP, a bucket's or unit's shard for ZeRO).
 
-**Phases.** Not everything is alive at once: the peak is the largest of three phases: the end of
-forward (every activation, the logits peak at the loss), backward (activations, the buffers gradients
-fill) and the step (ZeRO-2/3's gradient shards and stage 1's fp32 slice, which arrive as the
-activations go). Measured on 2 ranks with a dispatch mode (tensor bytes, not RSS), the built-in GPT
-presets peak within 0.97-1.09 of this for DDP and ZeRO-1/2/3 (predicted / measured: small fp32 and bf16
-0.97-1.02, base fp32 0.98-1.09, large fp32 0.98-1.00; global batch 8, seq 64).
+**Phases.** Not everything is alive at once: the peak is the largest of four phases: the build (every
+rank makes the whole model, then keeps its part: ``_build_bytes``), the end of forward (every
+activation, the logits peak at the loss), backward (activations, the buffers gradients fill) and the
+step (ZeRO-2/3's gradient shards and stage 1's fp32 slice, which arrive as the activations go).
+Measured with a dispatch mode (tensor bytes, not RSS) by ``shardwise plan --preset large --check``, the
+large GPT peaks within 0.94-1.09 of this on 2 ranks and 0.98-1.07 on 4, for DDP and ZeRO-1/2/3 with and
+without checkpointing, on dp, tp 2 and a 2-stage 1F1B (``benchmarks/results/plan_check-large*.json``).
 
 **Activations** per block and micro-batch of b sequences of s tokens, width h, a heads, tp degree t.
 Korthikanti et al. (MLSys 2023, "Reducing Activation Recomputation in Large Transformer Models")
@@ -322,8 +323,8 @@ def logits_peak_bytes(tokens: int, vocab: int, compute_bytes: int, loss_bytes: i
 # -- the estimate -----------------------------------------------------------------------------------
 
 
-PHASES = ("forward", "backward", "step")  # the end of forward (at the loss), backward, the update
-ALWAYS = PHASES
+ALWAYS = ("forward", "backward", "step")  # the end of forward (at the loss), backward, the update
+PHASES = ("build", *ALWAYS)  # build: every rank makes the whole model, then keeps its part
 
 
 @dataclass(frozen=True)
@@ -475,6 +476,18 @@ def _accumulated_grads(psi: float, training: Training, layout: Layout, states: M
     return {"accumulated_grads": (psi * dtype, ("forward", "backward"))}
 
 
+def _build_bytes(model: ModelShape, training: Training, layout: Layout) -> float:
+    """The build's peak: each rank makes the whole model (in the parameters' dtype) and, before the
+    whole is dropped, the copy it keeps: its tensor-parallel shard, ZeRO-1/2's flat buffer or DDP's
+    buckets (its stage's parameters), or ZeRO-3's shard plus the unit being flattened. A model built
+    on the meta device (``model.init_from``) never holds the whole: not modelled."""
+    psi, block, root = _stage_psi(model, layout)
+    kept = psi
+    if zero_stage(layout.strategy) == 3 and layout.tp == 1:
+        kept = psi / layout.dp + max(block, root)
+    return training.param_bytes * (model.params + kept)
+
+
 def _optimizer_temporaries(model: ModelShape, training: Training, layout: Layout) -> float:
     """Adam on the CPU steps one tensor at a time (torch's single-tensor path) and builds its
     denominator from two temporaries of that tensor's size (the second moment's square root, then
@@ -539,6 +552,7 @@ def estimate_memory(
         parts["master_params"] = parts["optimizer_state"] = (0.0, ALWAYS)
     parts.update(_comm_buffers(model, training, layout))
     parts.update(_activations(model, training, layout, micro_batch))
+    parts["model_build"] = (_build_bytes(model, training, layout), ("build",))
     parts["overhead"] = (calibration.overhead_bytes, ALWAYS)
     device = {name: value for name, (value, _) in parts.items()}
     phases = {name: when for name, (_, when) in parts.items()}
