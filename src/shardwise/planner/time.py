@@ -21,7 +21,8 @@ precision, ``cb`` the compute dtype's bytes):
 - ZeRO-1/2: a reduce-scatter of each fp32 bucket in backward, and an all-gather of each updated bucket
   (cb bytes a value) overlapping the optimizer step of the next;
 - ZeRO-3: every micro-batch all-gathers each block in forward and again in backward (cb·Ψ each) and
-  reduce-scatters its gradients (4Ψ); the root unit (embeddings, head) is gathered once per step;
+  reduce-scatters its gradients (4Ψ; on a pipeline once a step, from a full buffer per unit); the root
+  unit (embeddings, head) is gathered once per step;
 - the parameter server: each worker pushes its gradient and pulls the weights, every server receiving
   from all workers in turn (its link is the bottleneck);
 - tensor parallelism (Megatron, Shoeybi et al. 2019): 2 all-reduces of the activations per block in
@@ -148,8 +149,10 @@ def collectives(model: ModelShape, training: Training, layout: Layout) -> list[C
         out.append(Collective("all_gather", root * cb, n, "forward"))
         out.append(Collective("all_gather", block * cb, n, "forward", blocks * m))
         out.append(Collective("all_gather", block * cb, n, "backward", blocks * m))
-        out.append(Collective("reduce_scatter", block * mb, n, "backward", blocks * m))
-        out.append(Collective("reduce_scatter", root * mb, n, "backward", m))
+        # a pipeline adds each unit's gradients into a full buffer and reduces once a step
+        reductions = 1 if layout.pp > 1 else m
+        out.append(Collective("reduce_scatter", block * mb, n, "backward", blocks * reductions))
+        out.append(Collective("reduce_scatter", root * mb, n, "backward", reductions))
     elif layout.strategy == "ps":  # each server takes every worker's push, then sends every pull
         share = psi * training.param_bytes / layout.ps_servers
         out.append(Collective("send", share, 2, "step", 2 * n))
