@@ -28,10 +28,12 @@ pipeline reduces after its last backward, so ZeRO's reduce buffers come at the s
 steps one tensor at a time and makes two temporaries of it (``_optimizer_temporaries``: a parameter
 for DDP, a bucket's or unit's shard for ZeRO).
 
-**Phases.** Not everything is alive at once: the peak is the largest of four phases: the build (every
+**Phases.** Not everything is alive at once: the peak is the largest of five phases: the build (every
 rank makes the whole model, then keeps its part: ``_build_bytes``), the end of forward (every
-activation, the logits peak at the loss), backward (activations, the buffers gradients fill) and the
-step (ZeRO-2/3's gradient shards and stage 1's fp32 slice, which arrive as the activations go).
+activation, the logits peak at the loss), backward (activations, the buffers gradients fill), the step's
+reductions (ZeRO-2/3's gradient shards and stage 1's fp32 slice, which arrive as the activations go,
+and the buffers they came through) and the update (the optimizer's temporaries, once those buffers
+are freed).
 Measured with a dispatch mode (tensor bytes, not RSS) by ``shardwise plan --preset large --check``, the
 large GPT peaks within 0.94-1.09 of this on 2 ranks and 0.98-1.07 on 4, for DDP and ZeRO-1/2/3 with and
 without checkpointing, on dp, tp 2 and a 2-stage 1F1B (``benchmarks/results/plan_check-large*.json``).
@@ -50,7 +52,7 @@ Hugging Face's RMSNorm (Llama) keeps its normalised input too: h more per norm. 
 saved bytes of our GPT and of a Llama with a dispatch mode and finds these counts within 1%. Under
 tensor parallelism the head-split and MLP tensors divide by t, and with sequence parallelism everything
 does. With activation checkpointing a block keeps only its input, and backward rebuilds one block at a
-time (its activations and, as backward walks it, their gradients). Outside the blocks: the final
+time. Outside the blocks: the final
 norm's and the head's inputs, and the logits peak at the loss (the logits, their fp32 log-softmax, and
 the gradients of each). With pipeline parallelism (Narayanan et al.,
 SC 2021), a stage holds ceil(L/pp) blocks, and the micro-batches in flight come from the pipeline's own
@@ -323,8 +325,10 @@ def logits_peak_bytes(tokens: int, vocab: int, compute_bytes: int, loss_bytes: i
 # -- the estimate -----------------------------------------------------------------------------------
 
 
-ALWAYS = ("forward", "backward", "step")  # the end of forward (at the loss), backward, the update
+# the end of forward (at the loss), backward, the step's reductions, the optimizer's update
+ALWAYS = ("forward", "backward", "step", "update")
 PHASES = ("build", *ALWAYS)  # build: every rank makes the whole model, then keeps its part
+STEP = ("step", "update")  # from the end of backward through the update
 
 
 @dataclass(frozen=True)
@@ -454,8 +458,8 @@ def _activations(model: ModelShape, training: Training, layout: Layout, micro_ba
     out: Parts = {"logits": (logits, ("forward",))}
     if layout.activation_checkpointing:  # inputs kept; backward rebuilds one block at a time
         out["activations"] = (in_flight * blocks * acts.checkpointed + head, ("forward", "backward"))
-        # the rebuilt block's activations and, as backward walks it, their gradients
-        out["recomputed_block"] = (2 * acts.full, ("backward",))
+        # the rebuilt block: its activations, alive again
+        out["recomputed_block"] = (acts.full, ("backward",))
     else:
         out["activations"] = (in_flight * blocks * acts.full + head, ("forward", "backward"))
     return out
@@ -524,11 +528,11 @@ def estimate_memory(
     # DDP over a dp group of one keeps no buckets: autograd's gradients, from backward to the update
     grad_phases: tuple[str, ...] = ALWAYS
     if stage >= 2:
-        grad_phases = ("step",)
+        grad_phases = STEP
     elif layout.strategy == "ddp" and layout.dp == 1:
         # one micro-batch: each gradient appears as backward frees the activations it needed, so
         # the two peak apart; accumulating (or on a pipeline) they meet
-        grad_phases = ("step",) if layout.micro_batches == 1 else ("backward", "step")
+        grad_phases = STEP if layout.micro_batches == 1 else ("backward", *STEP)
     parts: Parts = {
         "params": (states.params, ALWAYS),
         "master_params": (states.master, ALWAYS),
@@ -537,10 +541,10 @@ def estimate_memory(
     }  # a parameter server's workers keep no optimizer: its servers do (ps_server_bytes)
     if stage == 1 and training.mixed:  # the full bf16 gradients stay; the fp32 slice comes at the end
         full = training.compute_bytes * psi
-        parts["grads"], parts["grad_shard"] = (full, ALWAYS), (states.grads - full, ("step",))
+        parts["grads"], parts["grad_shard"] = (full, ALWAYS), (states.grads - full, STEP)
     parts.update(_accumulated_grads(psi, training, layout, states))
     if layout.offload == "none" and layout.strategy != "ps":
-        parts["optimizer_temporaries"] = (_optimizer_temporaries(model, training, layout), ("step",))
+        parts["optimizer_temporaries"] = (_optimizer_temporaries(model, training, layout), ("update",))
     host: dict[str, float] = {}
     if layout.offload == "cpu":
         host = {"master_params": states.master, "optimizer_state": states.optimizer_state}
