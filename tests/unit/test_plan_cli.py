@@ -219,3 +219,21 @@ def test_the_first_layout_comes_with_the_train_command_that_runs_it(
     if first["pp"] > 1:
         assert parallel.schedule == first["schedule"]
     check(config)  # the layout is one the library runs, not only one the planner imagines
+
+
+def test_a_value_that_starts_with_a_dash_reaches_the_commands_own_check(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """argparse takes ``-80GB`` or ``-1e-3`` for a flag ("expected one argument"); joined to the flag
+    before it, the value is checked by the command, which says what is wrong with it."""
+    from shardwise.cli import join_dashed_values
+
+    assert join_dashed_values(["plan", "--device-memory", "-80GB", "--top", "-1"]) == [
+        "plan", "--device-memory=-80GB", "--top=-1",
+    ]  # fmt: skip
+    unchanged = [["--", "-1"], ["--set", "-x=1"], ["--link=1Gbit", "-2"], ["plot", "-1"], ["-h"]]
+    for argv in unchanged:
+        assert join_dashed_values(argv) == argv
+    assert main(["train", "--preset", "tiny", "--lr", "-1e-3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["shardwise train: error: optim.lr must be a finite number > 0, got -0.001"]
