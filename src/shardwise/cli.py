@@ -7,6 +7,7 @@ any other key. A config that does not add up is reported in one line, without a 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -243,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         procstart.start_early()  # the ranks' imports run beside the parser's (see procstart)
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args = parser.parse_args(join_dashed_values(sys.argv[1:] if argv is None else list(argv)))
         if args.command is None:
             parser.print_help()
             return 0
@@ -257,6 +258,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return signals.exit_code(exc)
     finally:
         signals.restore(previous)
+
+
+_DASHED_VALUE = re.compile(r"-\.?\d")  # "-80GB", "-1e-3", "-.5": no flag of ours starts so
+
+
+def join_dashed_values(argv: list[str]) -> list[str]:
+    """``--flag -80GB`` as ``--flag=-80GB``. argparse takes a value that starts with a dash and is not a
+    plain number (``-80GB``, ``-1e-3``) for a flag and says only "expected one argument"; joined, the
+    value reaches the command's own check, which says what is wrong with it."""
+    out: list[str] = []
+    for arg in argv:
+        flag = out[-1] if out else ""
+        if _DASHED_VALUE.match(arg) and flag.startswith("--") and flag != "--" and "=" not in flag:
+            out[-1] = f"{flag}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def _starts_ranks(argv: list[str]) -> bool:

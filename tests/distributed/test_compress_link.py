@@ -56,6 +56,8 @@ def test_a_tiny_run_over_the_link_reports_time_to_target(tmp_path) -> None:
     result = json.loads((tmp_path / "link.json").read_text())
     assert json.loads(done.stdout.strip().splitlines()[-1]) == result
     assert result["link"]["rate"] == "1gbit" and result["link"]["measured_gbit_s"]["shaped"] <= 1.05
+    assert result["link"]["tc_rate"] == "1000000000bit" and result["link"]["bytes_per_s"] == 1.25e8
+    assert all("rate 1Gbit" in q for q in result["link"]["qdisc"].values())  # tc read our bits as bits
     assert {"unshaped", "shaped"} <= set(result["probe"])
     assert result["job"]["global_batch"] == 4 and result["job"]["max_steps"] == 60
     assert {"load_start", "load_end", "target_heldout_loss", "best", "goal_met"} <= set(result)

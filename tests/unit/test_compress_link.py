@@ -95,3 +95,16 @@ def test_a_setting_that_would_be_ignored_is_refused(argv: list[str], says: str, 
     assert cli.main(["bench", "compress", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and "\n" not in err
+
+
+def test_the_link_rate_is_read_as_plan_reads_it_and_handed_to_tc_in_bits() -> None:
+    """Case decides (``b`` bits, ``B`` bytes), as for ``plan --link``; tc gets bits, the one unit it
+    reads as we do (tc's own ``gbps`` is gigabytes per second, ours a gigabit)."""
+    from shardwise.bench.compress_link import tc_rate
+
+    for one_gbit in ("1gbit", "1Gbit", "1Gb/s", "1gbps", "125MB/s", "125MBps"):
+        assert tc_rate(one_gbit) == "1000000000bit", one_gbit
+    assert tc_rate("200mbit") == "200000000bit"
+    for wrong in ("1g", "-1gbit", "fast"):
+        with pytest.raises(ConfigError, match="--link"):
+            tc_rate(wrong)

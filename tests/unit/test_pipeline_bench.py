@@ -140,11 +140,26 @@ def test_zero_bubble_theory() -> None:
     [
         (["--schedules", "1f1b,nope"], "unknown schedule 'nope' in --schedules: choose from gpipe, 1f1b"),
         (["--nproc", "1"], "--nproc must be >= 2, got 1"),
+        # these used to fail inside the first launch, a RuntimeError wrapping the rank's error
+        (["--micro-batches", "0"], "data.micro_batches must be an integer >= 1, got 0"),
+        (
+            ["--nproc", "4", "--preset", "tiny", "--schedules", "interleaved"],
+            "the gpt preset 'tiny' has 2 blocks, fewer than pp(4) x virtual_stages(2) = 8 stages",
+        ),
+        (["--schedules", "1f1b,gpipe", "--global-batch", "0"], "data.global_batch must be an integer >= 1"),
+        (["--steps", "1"], "needs --steps > 1 (the first is warm-up), --rounds >= 1 and --timeout > 0"),
+        (["--timeout", "0"], "got 4, 2, 0"),
     ],
 )
-def test_bad_bench_input_is_one_line(flags: list[str], message: str, capsys: Any) -> None:
+def test_bad_bench_input_is_one_line_before_any_launch(
+    flags: list[str], message: str, capsys: Any, monkeypatch: Any
+) -> None:
     from shardwise.cli import main
 
+    def no_launch(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a rank was launched for a bad input")
+
+    monkeypatch.setattr(bench, "launch", no_launch)
     assert main(["bench", "pipeline", *flags]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise bench: error: ") and message in err[0], err

@@ -352,3 +352,35 @@ def test_printer(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: zbv holds two stages per rank") and "\n" not in err
     assert main(["1f1b", "x"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["1f1b", "4", "1", "-1"], "error: MICROBATCHES must be an integer >= 1, got '-1'"),
+        (["1f1b", "4", "1", "0"], "error: MICROBATCHES must be an integer >= 1, got '0'"),
+        (["1f1b", "x", "1", "8"], "error: PP must be an integer >= 1, got 'x'"),
+        (["1f1b", "4", "0", "8"], "error: VIRTUAL must be an integer >= 1, got '0'"),
+        (["nope", "4", "1", "8"], "error: unknown schedule 'nope'"),
+        (["1f1b", "4", "1"], "PP VIRTUAL MICROBATCHES (got 3 arguments, not 4)"),
+    ],
+)
+def test_the_printer_says_what_is_wrong_with_an_argument(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardwise.pipeline.schedules import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_the_printer_names_what_its_peak_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    """Interleaved 4 x 2 at 8 micro-batches: rank 0 holds 11 (stage, micro-batch) activations at
+    most, more than the 8 micro-batches, each a half of its layers; not "micro-batches in flight"."""
+    from shardwise.pipeline.schedules import main
+
+    assert main(["interleaved", "4", "2", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "most (stage, micro-batch) activations held per rank, F to B/I: {0: 11, 1: 9, 2: 7, 3: 5}" in out
+    assert "(each 1/2 of the rank's layers)" in out and "micro-batches in flight" not in out

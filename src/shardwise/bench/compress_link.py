@@ -47,6 +47,7 @@ from shardwise.bench.netns import (
     two_hosts,
 )
 from shardwise.config import load_config
+from shardwise.planner.units import describe_rate, parse_rate
 
 LINK_BATCH = 4  # global batch: at 16 the small GPT's compute, not the 1 Gbit/s link, bounds a step
 HELD_OUT_SEQUENCES = 256  # the held-out set of bench compress (16 batches of 16), at any batch
@@ -227,8 +228,14 @@ def _reach(entry: dict[str, Any], target: float, base_s: float | None) -> None:
     entry["time_ratio"] = hit.train_s / base if hit and base else None
 
 
+def tc_rate(rate: str) -> str:
+    """``rate`` as ``planner.units`` reads it (case decides: ``1Gbit``, ``1Gb/s`` and ``125MB/s`` are one
+    rate), handed to tc in bits per second, the one unit tc and we read alike (tc's ``gbps`` is bytes)."""
+    return f"{round(parse_rate(rate, '--link') * 8)}bit"
+
+
 def run_link_bench(
-    rate: str = "1gbit",
+    rate: str = "1Gbit",
     steps: int = LINK_STEPS,
     preset: str = "small",
     labels: list[str] | None = None,
@@ -238,8 +245,9 @@ def run_link_bench(
     run_dir: str = "runs/bench-compress-link",
     seed: int = 0,
 ) -> dict[str, Any]:
-    """The uncompressed run, then each row of ``ROWS`` named in ``labels``, over a link of ``rate``,
-    all from seed ``seed``."""
+    """The uncompressed run, then each row of ``ROWS`` named in ``labels``, over a link of ``rate``
+    (``tc_rate``), all from seed ``seed``."""
+    shaped = tc_rate(rate)
     chosen = [r for r in select_rows(labels or DEFAULT_ROWS) if r.label != "none"]
     job = LinkJob(steps, preset, global_batch, eval_every, step_factor, Path(run_dir).resolve(), seed)
     for extra in [{}, *(r.overrides for r in chosen)]:  # a bad job stops here, in one line, not in a rank
@@ -249,9 +257,11 @@ def run_link_bench(
     with two_hosts() as hosts:
         unshaped_gbit = measure_gbit_s(hosts, 256)
         probe = {"unshaped": _probe(hosts, job, BASE_PORT, "unshaped")}
-        shape(hosts, rate)
+        shape(hosts, shaped)
         result["link"] = {
             "rate": rate,
+            "bytes_per_s": parse_rate(rate, "--link"),
+            "tc_rate": shaped,
             "shaper": "tc tbf on both veth ends (each direction)",
             "qdisc": qdiscs(hosts),
             "measured_gbit_s": {"unshaped": unshaped_gbit, "shaped": measure_gbit_s(hosts, 64)},
@@ -292,7 +302,9 @@ def _verdict(base: dict[str, Any], table: list[dict[str, Any]], target: float) -
 def render_link(result: dict[str, Any]) -> None:
     job, link, probe = result["job"], result["link"], result["probe"]
     print(
-        f"compression over a {link['rate']} link ({link['measured_gbit_s']['shaped']:.2f} Gbit/s measured), "
+        f"compression over a {link['rate']} link"
+        + (f", read as {describe_rate(link['bytes_per_s'])}" if "bytes_per_s" in link else "")
+        + f" ({link['measured_gbit_s']['shaped']:.2f} Gbit/s measured), "
         f"2 hosts x 1 rank, {job['preset']} GPT, global batch {job['global_batch']}, {job['steps']} steps "
         f"(others up to {job['max_steps']}), seed {job.get('seed', 0)}; "
         f"load {result['load_start']['loadavg'][0]:.2f} -> "

@@ -363,6 +363,26 @@ def _steps_by_rank(launches: Launches) -> list[dict[int, list[Span]]]:
     return out
 
 
+def check_bench(
+    names: Sequence[str], nproc: int, microbatches: int, preset: str, global_batch: int, steps: int,
+    rounds: int, timeout_s: float,
+) -> list[TrainConfig]:  # fmt: skip
+    """Each schedule's job checked as ``shardwise train`` checks one (``preflight``: values, the
+    schedule against the micro-batches, the preset's blocks against the stages) before any rank
+    starts, so a bad input is one line here, not a rank's error wrapped in a failed launch."""
+    from shardwise.preflight import preflight
+
+    if steps <= WARMUP_STEPS or rounds < 1 or not timeout_s > 0:
+        raise ConfigError(
+            f"bench pipeline needs --steps > {WARMUP_STEPS} (the first is warm-up), --rounds >= 1 and "
+            f"--timeout > 0; got {steps}, {rounds}, {timeout_s:g}"
+        )
+    return [
+        preflight(bench_config(name, nproc, microbatches, preset, global_batch, steps), nproc, False)
+        for name in names
+    ]
+
+
 def run_pipeline_bench(
     nproc: int = 2,
     microbatches: int = 4,
@@ -384,9 +404,9 @@ def run_pipeline_bench(
         raise ConfigError(
             f"unknown schedule {unknown[0]!r} in --schedules: choose from {', '.join(SCHEDULES)}"
         )
+    configs = check_bench(names, nproc, microbatches, preset, global_batch, steps, rounds, timeout_s)
     rows = []
-    for name in names:
-        config = bench_config(name, nproc, microbatches, preset, global_batch, steps)
+    for name, config in zip(names, configs, strict=True):
         costs = profile_costs(config, nproc, repeats=3, timeout_s=timeout_s)
         torch_class = TORCH_PEER.get(name, SCHEDULES[name].torch_class)
         sides: dict[str, list[Any] | str] = {"ours": [], "torch": []}

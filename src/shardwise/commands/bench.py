@@ -73,8 +73,9 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
         "--link",
         metavar="RATE",
         help="instead: two hosts (network namespaces, one rank each) over a veth pair shaped to RATE "
-        "(tc syntax, e.g. 1gbit): the training time each row needs to reach the uncompressed "
-        "run's held-out loss; one seed; needs root and iproute2",
+        "(e.g. 1Gbit = 1Gb/s = 125MB/s; case decides the unit, b or bit: bits, B: bytes, as `plan --link` "
+        "reads it; unlike tc, where gbps means bytes: tc is handed the rate in bits): the training time "
+        "each row needs to reach the uncompressed run's held-out loss; one seed; needs root and iproute2",
     )
     compress.add_argument("--global-batch", type=int, help="with --link: the global batch (default 4)")
     compress.add_argument("--eval-every", type=int, default=10, help="with --link: steps between evaluations")
@@ -222,7 +223,9 @@ def _compress_link(args: argparse.Namespace) -> int:
 
     from shardwise.bench.compress_link import LINK_BATCH, LINK_STEPS, render_link, run_link_bench
     from shardwise.bench.netns import netns_unavailable
+    from shardwise.planner.units import parse_rate
 
+    parse_rate(args.link, "--link")  # a rate it cannot read is refused before anything is set up
     problem = netns_unavailable()
     if problem is None and args.seeds not in (None, 1):
         problem = "--link runs one seed (--seeds 1; choose it with --seed)"

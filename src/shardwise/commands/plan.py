@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -22,40 +20,12 @@ from shardwise.planner.calibration import Calibration, Machine
 from shardwise.planner.memory import GB, Layout, Training
 from shardwise.planner.model import ModelShape, hf_shape, preset_shape
 from shardwise.planner.search import MAX_TP, SEARCHED, enumerate_layouts, plan, search_degrees
+from shardwise.planner.units import describe_rate, parse_bytes, parse_rate
 
-_BYTES = {  # a unit is required: a bare "80" (meant as GB) would plan for 80 bytes
-    "b": 1,
-    "kb": 1e3,
-    "mb": 1e6,
-    "gb": 1e9,
-    "tb": 1e12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-}
 HF_SEQ_CAP = 4096  # plan a Hugging Face model at its own context, up to this many tokens
-_RATES = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
-_RATES |= {"bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "tbps": 1e12 / 8}
-
-
-def _amount(text: str, units: dict[str, float], flag: str, example: str) -> float:
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9+-]+)?)\s*([a-z]*)\s*", text.lower().removesuffix("/s"))
-    if not match or match.group(2) not in units:
-        raise ConfigError(f"{flag} {text!r}: give a number with a unit, e.g. {example}")
-    value = float(match.group(1)) * units[match.group(2)]
-    if not 0 < value < math.inf:
-        raise ConfigError(f"{flag} must be a finite amount > 0, got {text!r}")
-    return value
-
-
-def parse_bytes(text: str, flag: str = "--device-memory") -> float:
-    """``80GB`` (1e9 bytes), ``80GiB`` (2**30) or ``512B``: a unit always."""
-    return _amount(text, _BYTES, flag, "80GB or 80GiB")
-
-
-def parse_rate(text: str) -> float:
-    """A link in bytes per second: ``400Gbit`` or ``400Gbps`` (bits per second), ``50GB/s`` (bytes)."""
-    return _amount(text, {**_BYTES, **_RATES}, "--link", "400Gbit or 50GB/s")
+# flags that count something: refused below their least value in one line (0 used to mean "not given")
+COUNTS = {"--layers": 1, "--hidden": 1, "--heads": 1, "--vocab": 1, "--ffn": 1, "--kv-heads": 1}
+COUNTS |= {"--seq-len": 1, "--top": 0}
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -86,11 +56,18 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--strategies", default=",".join(SEARCHED), help="comma-separated subset to search")
     p.add_argument("--bucket-mb", type=float, default=base.ddp.bucket_mb)
     p.add_argument("--devices", type=int, help="target machine: number of devices")
-    p.add_argument("--device-memory", help="target machine: memory per device, e.g. 80GB")
-    p.add_argument("--link", help="target machine: per-device link, e.g. 400Gbit or 50GB/s")
+    p.add_argument(
+        "--device-memory", help="target machine: memory per device in bytes (B), e.g. 80GB or 80GiB"
+    )
+    p.add_argument(
+        "--link",
+        help="target machine: per-device link; case decides the unit, b or bit: bits, B: bytes "
+        "(400Gbit = 400Gb/s = 400Gbps = 50GB/s = 50GBps), as `bench compress --link` reads it (unlike tc, "
+        "where gbps means bytes)",
+    )
     p.add_argument("--link-latency-us", type=float, default=10.0, help="per message step (default 10)")
     p.add_argument("--flops", type=float, help="achieved FLOP/s per device (default: an unmeasured 400e12)")
-    p.add_argument("--overhead", help="framework bytes per process, e.g. 1GB (default 0)")
+    p.add_argument("--overhead", help="framework bytes (B) per process, e.g. 1GB (default 0)")
     p.add_argument("--top", type=int, default=10, help="table rows to print (default 10)")
     p.add_argument(
         "--check",
@@ -119,7 +96,7 @@ def add_plan_parser(sub: Any) -> None:
 
 
 def model_from_args(args: argparse.Namespace) -> ModelShape:
-    by_hand = [args.layers, args.hidden, args.heads, args.vocab]
+    by_hand = [v is not None for v in (args.layers, args.hidden, args.heads, args.vocab)]
     given = [
         name
         for name, on in (("--preset", args.preset), ("--model", args.model), ("--layers...", any(by_hand)))
@@ -208,15 +185,25 @@ def _strategies(args: argparse.Namespace) -> list[str]:
     return strategies
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    """Each counting flag (``COUNTS``) at or above its least value, or one line naming it."""
+    for flag, least in COUNTS.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} must be an integer >= {least}, got {value}")
+
+
 def plan_command(args: argparse.Namespace) -> int:
+    check_counts(args)
     model = model_from_args(args)
     training = Training(args.global_batch, seq_len_for(args, model), args.precision, args.optimizer)
     strategies = _strategies(args)
     if args.check:
         return check_command(args, model, training, strategies)
     machine = machine_from_args(args)
+    overhead = 0.0 if args.overhead is None else parse_bytes(args.overhead, "--overhead", zero_ok=True)
     calibration = Calibration(
-        overhead_bytes=parse_bytes(args.overhead, "--overhead") if args.overhead else 0.0,
+        overhead_bytes=overhead,
         **({"flops_per_s": args.flops, "source": "--flops"} if args.flops is not None else {}),
     )
     pp_searched, tp_searched = search_degrees(model, machine.devices)
@@ -234,7 +221,8 @@ def plan_command(args: argparse.Namespace) -> int:
         "model": model.describe(),
         "params": model.params,
         "machine": {"devices": machine.devices, "device_memory_bytes": machine.device_memory,
-                    "link_bytes_per_s": machine.link_bytes_per_s},
+                    "link_bytes_per_s": machine.link_bytes_per_s, "link_latency_s": machine.link_latency_s,
+                    "overhead_bytes": calibration.overhead_bytes},
         "calibration": calibration.source,
         "training": {"global_batch": training.global_batch, "seq_len": training.seq_len,
                      "precision": training.precision, "optimizer": training.optimizer},
@@ -263,18 +251,28 @@ def train_command(layout: Layout, training: Training) -> str:
 
 def _render(result: dict[str, Any], top: int) -> None:
     machine = result["machine"]
-    memory = machine["device_memory_bytes"] / GB
-    print(f"{result['model']}; {machine['devices']} devices x {memory:.1f} GB")
+    overhead = machine.get("overhead_bytes") or 0.0
+    print(
+        f"{result['model']}; {machine['devices']} devices x {_gb(machine['device_memory_bytes'])}, "
+        f"link {describe_rate(machine['link_bytes_per_s'])} at {machine['link_latency_s'] * 1e6:g} us"
+        + (f", {_gb(overhead)} overhead per process" if overhead else "")
+        + " (--devices, --device-memory, --link, --link-latency-us"
+        + (", --overhead)" if overhead else ")")
+    )
     work = result["training"]
     print(
         f"workload: {work['global_batch']} sequences x {work['seq_len']} tokens per step, "
         f"{work['precision']}, {work['optimizer']} (--global-batch, --seq-len, --precision, --optimizer)"
     )
     print(f"calibration: {result['calibration']}")
-    print(f"{'#':>3}  {'layout':<36} {'step ms':>10} {'memory GB':>10}")
+    print(f"{'#':>3}  {'layout':<36} {'step ms':>10} {'memory GB':>10}  its largest part (GB) and phase")
     for row in result["ranked"][:top]:
         step_ms, memory_gb = row["step_time_s"] * 1e3, row["memory_bytes"] / GB
-        print(f"{row['rank']:>3}  {row['layout']:<36} {step_ms:>10.1f} {memory_gb:>10.1f}")
+        name, largest = row["memory_largest"]
+        print(
+            f"{row['rank']:>3}  {row['layout']:<36} {step_ms:>10.1f} {memory_gb:>10.2f}  "
+            f"{name} {largest / GB:.2f} ({row['memory_peak_phase']})"
+        )
     if len(result["ranked"]) > top:
         print(f"     ... {len(result['ranked']) - top} more that fit (--top N, or --json)")
     if result["dropped"]:
@@ -284,6 +282,10 @@ def _render(result: dict[str, Any], top: int) -> None:
     print(result["why"])
     if result["run_first"]:
         print(f"to run the first (with your model's flags): {result['run_first']}")
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.1f} GB" if nbytes >= 10 * GB else f"{nbytes / GB:.2f} GB"
 
 
 def check_command(

@@ -127,13 +127,13 @@ def plot_timeline(run_dir: Path, out: Path | None = None, last_steps: int = 3) -
     recorded pipeline actions, each action is drawn by kind with its name, the bubble (idle over total
     between the first and the last action) in the title, and when the run folder also holds
     ``simulated.json`` (``bench pipeline --trace``) the simulator's timeline is a second panel below."""
-    plt = _pyplot()
     path = run_dir / "trace.json"
     if not path.exists():
         raise PlotError(f"{path} does not exist: train with --trace to record one")
     panels = [("measured", _events(path))]
     if (run_dir / SIMULATED).exists():
         panels.append(("simulated", _events(run_dir / SIMULATED)))
+    plt = _pyplot()
     ranks = sorted({e["pid"] for _, events in panels for e in events})
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(11, len(panels) * (1.2 + 0.9 * len(ranks))), squeeze=False
@@ -160,7 +160,52 @@ def plot_timeline(run_dir: Path, out: Path | None = None, last_steps: int = 3) -
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
-    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    """The complete spans (``"ph": "X"``) of a Chrome trace at ``path``, each checked for what the
+    drawing reads, or a one-line ``PlotError`` saying what is wrong with the file."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PlotError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise PlotError(f"{path} is empty: nothing to draw; train with --trace to write a trace")
+    try:
+        document = json.loads(data)
+    except ValueError as exc:  # not JSON, not UTF-8, empty, or cut short
+        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise PlotError(
+            f"{path} is not JSON ({str(exc).split(':')[0]}{where}): empty, cut short or not a trace; "
+            "train with --trace to write one"
+        ) from None
+    events = document.get("traceEvents") if isinstance(document, dict) else document  # or a bare array
+    if not isinstance(events, list):
+        raise PlotError(
+            f'{path} is not a trace: "traceEvents" should be a list of events, got {type(events).__name__}'
+        )
+    spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+    if not spans:
+        raise PlotError(f"{path} holds no spans (events with \"ph\": \"X\"): nothing to draw")
+    for i, event in enumerate(spans):
+        if problem := _span_problem(event):
+            raise PlotError(f"{path}: span {i} ({json.dumps(event)[:80]}) {problem}")
+    return spans
+
+
+def _span_problem(event: dict[str, Any]) -> str | None:
+    """What a span lacks for the drawing (None: nothing)."""
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+    if not isinstance(event.get("pid"), int) or isinstance(event.get("pid"), bool):
+        return "has no integer pid (the rank)"
+    if not number(event.get("ts")) or not number(event.get("dur")) or event["dur"] < 0:
+        return "needs numbers ts and dur >= 0 (microseconds)"
+    if not isinstance(event.get("name", ""), str) or not isinstance(event.get("args", {}), dict):
+        return "needs a string name and an args object"
+    kind = event.get("args", {}).get("kind")
+    if kind is not None and kind not in KIND_COLORS:
+        return f"has a pipeline action of kind {kind!r}; kinds are {', '.join(KIND_COLORS)}"
+    return None
 
 
 def _is_action(event: dict[str, Any]) -> bool:
@@ -175,7 +220,8 @@ def _actions_panel(
     from shardwise.observe.trace import idle_fraction
 
     step_window = _window(events, last_steps)
-    actions = [e for e in events if _is_action(e) and step_window[0] <= e["ts"] <= step_window[1]]
+    every = [e for e in events if _is_action(e)]
+    actions = [e for e in every if step_window[0] <= e["ts"] <= step_window[1]] or every
     start = min(e["ts"] for e in actions)
     end = max(e["ts"] + e["dur"] for e in actions)
     for lane, rank in enumerate(ranks):

@@ -324,22 +324,34 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     usage = f"usage: python -m shardwise.pipeline.schedules {{{','.join(SCHEDULES)}}} PP VIRTUAL MICROBATCHES"
-    if len(args) != 4 or not all(a.isdigit() for a in args[1:]):
-        print(usage, file=sys.stderr)
+    if len(args) != 4:
+        print(f"{usage} (got {len(args)} arguments, not 4)", file=sys.stderr)
         return 2
-    name, (pp, virtual, microbatches) = args[0], (int(a) for a in args[1:])
     try:
-        schedule = build(name, pp, virtual, microbatches)
-        where = stage_placement(name, pp, virtual)
+        names = ("PP", "VIRTUAL", "MICROBATCHES")
+        pp, virtual, microbatches = (_count(n, a) for n, a in zip(names, args[1:], strict=True))
+        schedule = build(args[0], pp, virtual, microbatches)
+        where = stage_placement(args[0], pp, virtual)
         report = validate(schedule, where, microbatches)
     except (ScheduleConfigError, ScheduleError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_schedule(schedule))
-    print(f"peak micro-batches in flight per rank: {report.peak_in_flight} (until W: {report.peak_held})")
+    # a pair is one stage's activations for one micro-batch: with v stages a rank, 1/v of its layers
+    print(
+        f"most (stage, micro-batch) activations held per rank, F to B/I: {report.peak_in_flight}; "
+        f"F to W: {report.peak_held}" + (f" (each 1/{virtual} of the rank's layers)" if virtual > 1 else "")
+    )
     costs = Costs.uniform(forward=1.0, backward=2.0)
     print(format_timeline(simulate(schedule, where, costs)))
     return 0
+
+
+def _count(name: str, text: str) -> int:
+    """``text`` as an integer >= 1 for the argument ``name``, or a one-line ``ScheduleConfigError``."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ScheduleConfigError(f"{name} must be an integer >= 1, got {text!r}")
+    return int(text)
 
 
 if __name__ == "__main__":

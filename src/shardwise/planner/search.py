@@ -24,7 +24,7 @@ from typing import Any
 from shardwise.collectives.cost import CostProfile
 from shardwise.config import ConfigError
 from shardwise.planner.calibration import Calibration, Machine
-from shardwise.planner.memory import GB, Layout, MemoryEstimate, Training, estimate_memory
+from shardwise.planner.memory import GB, Layout, MemoryEstimate, Training, estimate_memory, zero_stage
 from shardwise.planner.model import ModelShape
 from shardwise.planner.time import StepTime, step_time
 
@@ -63,6 +63,8 @@ class Candidate:
             "fits": self.fits,
             "memory_bytes": self.memory.total,
             "memory_by_component": dict(self.memory.device),
+            "memory_peak_phase": self.memory.peak_phase,
+            "memory_largest": list(self.memory.largest(1)[0]) if self.memory.total > 0 else ["none", 0.0],
             "host_bytes": self.memory.host_total,
             "reason": self.reason,
         }
@@ -207,8 +209,15 @@ def plan(
             continue
         time = step_time(model, training, layout, profile, calibration, algorithm)
         ranked.append(Candidate(layout, memory, time, _cost(time, memory, machine.device_memory)))
-    ranked.sort(key=lambda c: (c.time.total_s if c.time else 0.0, c.memory.total))
+    ranked.sort(key=_rank_key)
     return Plan(ranked, dropped, explain(ranked, dropped, machine))
+
+
+def _rank_key(candidate: Candidate) -> tuple[float, float, int]:
+    """Faster first; a tie: less memory first, then the simpler strategy (``SEARCHED``'s order: on a
+    dp group of one, DDP and ZeRO-1/2 do the same work, and DDP keeps the least machinery)."""
+    simpler = SEARCHED.index(candidate.layout.strategy) if candidate.layout.strategy in SEARCHED else 0
+    return candidate.time.total_s if candidate.time else 0.0, candidate.memory.total, simpler
 
 
 def explain(ranked: Sequence[Candidate], dropped: Sequence[Candidate], machine: Machine) -> str:
@@ -253,6 +262,14 @@ def _behind(best: Candidate, other: Candidate) -> str:
     """How far ``other`` is behind ``best``, and what makes the difference."""
     assert best.time is not None and other.time is not None
     gap = other.time.total_s / best.time.total_s - 1
+    if gap < 5e-4 and other.memory.total == best.memory.total:  # a tie: the simpler strategy ranks first
+        same = best.layout.dp == other.layout.dp == 1 and best.layout.strategy != other.layout.strategy
+        return f"is as fast and needs as much, {_gb(best.memory.total)}" + (
+            f" ({other.layout.strategy} shards nothing over a dp group of one: it does "
+            f"{best.layout.strategy}'s work, and the simpler strategy ranks first)"
+            if same and zero_stage(other.layout.strategy) in (1, 2)
+            else ""
+        )
     if gap < 5e-4:  # a tie on time: the ranking took the layout that needs less memory
         return f"is as fast and needs {_gb(other.memory.total)} against {_gb(best.memory.total)}"
     shown = f"{gap:.1%}" if gap >= 0.01 else f"{gap:.2%}"

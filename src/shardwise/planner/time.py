@@ -29,7 +29,7 @@ precision, ``cb`` the compute dtype's bytes):
   forward and 2 in backward (and the recomputed forward's first again under checkpointing), exposed, and
   one each for the vocabulary-cut embedding (its output) and head (its input's gradient); pipeline
   parallelism: point-to-point sends between stages (and a tied embedding's gradient summed between the
-  first and last stage) and the bubble of its schedule, from the pipeline's
+  first and last stage before the dp exchange, exposed) and the bubble of its schedule, from the pipeline's
   own simulator ((pp - 1) / m of the compute for 1F1B, Narayanan et al. 2021).
 
 **Overlap.** Bucketed reductions run while backward goes on, so only what outlasts backward is
@@ -178,8 +178,11 @@ def _model_parallel(model: ModelShape, training: Training, layout: Layout) -> li
         # an end stage sends one of the two, a middle one both
         out.append(Collective("send", activation / layout.tp, 2, "exposed", (1 if layout.pp == 2 else 2) * m))
         if model.tie_weights:  # the first stage's embedding and the last's head are one weight: summed
+            # between the two before the dp exchange (``pipeline.runtime``), so nothing hides it: under
+            # ZeRO-1/2 too (as a "step" collective it hid behind their update, and a dp group of one,
+            # where ZeRO-1/2 do DDP's work, ranked them above DDP)
             tied = model.vocab * model.d_model / layout.tp * training.param_bytes
-            out.append(Collective("all_reduce", tied, 2, "step"))
+            out.append(Collective("all_reduce", tied, 2, "exposed"))
     return out
 
 
