@@ -39,6 +39,7 @@ from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_op
 from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.mesh import Mesh
 from shardwise.models import PRESETS, build_model
+from shardwise.models.family import GPT, HF_GPT2, HF_LLAMA, family_of
 from shardwise.models.meta import meta_parameters
 from shardwise.pipeline.engine import attach_pipeline
 from shardwise.pipeline.runtime import PipelineRunner
@@ -195,18 +196,26 @@ def apply_tensor_parallel(
 
 def plan_for(model: nn.Module) -> Plan:
     """The tensor-parallel plan of a model we have one for (the built-in GPT, Hugging Face GPT-2 and
-    Llama); any other model is refused in one line."""
-    kind = type(model).__name__
+    Llama, or a subclass that keeps their forward); any other model is refused in one line. tp runs
+    the model's own forward, but hands it what the plan cuts (the logits by vocabulary; hidden states
+    by sequence under sequence parallelism): a forward of one's own was not written for that, so a
+    subclass overriding it is refused by name (``models/family.py``), as a loss of one's own is."""
+    family = family_of(
+        model,
+        why="tensor parallelism hands the forward logits cut by vocabulary (a tp-th of them), which "
+        "yours was not written for",
+        fix="set parallel.tp = 1",
+    )
     config: Any = getattr(model, "config", None)
-    if kind == "GPT":
+    if family == GPT:
         return gpt_plan(config.n_head)
-    if kind == "GPT2LMHeadModel":
+    if family == HF_GPT2:
         return hf_gpt2_plan(config.n_head)
-    if kind == "LlamaForCausalLM":
+    if family == HF_LLAMA:
         return hf_llama_plan(config.num_attention_heads, config.num_key_value_heads)
     raise ConfigError(
-        f"tensor parallelism needs a plan for the model, and there is none for {kind}: the built-in GPT, "
-        "Hugging Face GPT-2 and Llama have one; set parallel.tp = 1"
+        f"tensor parallelism needs a plan for the model, and there is none for {type(model).__name__}: "
+        "the built-in GPT, Hugging Face GPT-2 and Llama have one; set parallel.tp = 1"
     )
 
 
