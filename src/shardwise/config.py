@@ -20,8 +20,9 @@ import stat
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,36 @@ def _ranks(trainers: int, servers: int) -> str:
     if servers:
         return f"{trainers} ranks that train ({trainers + servers} ranks - {servers} servers)"
     return f"{trainers} rank" if trainers == 1 else f"{trainers} ranks"
+
+
+def split_counts(global_batch: int, weights: Sequence[float], world_size: int | None = None) -> list[int]:
+    """Per-rank sample counts that sum to ``global_batch``, proportional to ``weights``.
+
+    Largest-remainder rounding (exact, with fractions): every rank gets the floor of its quota, and
+    the samples left over go to the largest remainders, ties to the lower rank. Empty ``weights``
+    means an equal split over ``world_size`` ranks (the remainder goes to the first ranks).
+    """
+    if not weights:
+        if world_size is None or world_size < 1:
+            raise ConfigError(f"an equal split needs world_size >= 1, got {world_size}")
+        weights = [1.0] * world_size
+    elif world_size is not None and len(weights) != world_size:
+        raise ConfigError(f"{len(weights)} weights given for {world_size} ranks")
+    if global_batch < 0:
+        raise ConfigError(f"global_batch must be >= 0, got {global_batch}")
+    if any(not math.isfinite(w) or w < 0 for w in weights):
+        raise ConfigError(f"weights must be finite and >= 0, got {list(weights)}")
+    total = sum(Fraction(w) for w in weights)
+    if total == 0:
+        raise ConfigError(f"weights sum to {float(total)}; at least one rank needs a positive weight")
+    quotas = [global_batch * Fraction(w) / total for w in weights]
+    counts = [math.floor(q) for q in quotas]
+    left = global_batch - sum(counts)
+    # Largest remainder first; sorted() stays stable with reverse=True, so ties keep rank order.
+    by_remainder = sorted(range(len(quotas)), key=lambda r: quotas[r] - counts[r], reverse=True)
+    for rank in by_remainder[:left]:
+        counts[rank] += 1
+    return counts
 
 
 @dataclass(frozen=True)
@@ -496,6 +527,32 @@ class TrainConfig:
                 f"data.global_batch({data.global_batch}) is smaller than the {dp} data-parallel ranks: "
                 f"every rank needs at least one sequence"
             )
+        self._check_micro_batches(dp)
+
+    def _check_micro_batches(self, dp: int) -> None:
+        """No more micro-batches than the rank with the most rows has rows a step: past that every
+        further one is empty on every rank, and each costs a pass and its schedule's actions (10^8 of
+        them never finish building). A rank with fewer rows, or none, runs empty ones, as now."""
+        data = self.data
+        counts = split_counts(data.global_batch, data.weights or [1.0] * dp)
+        most = max(counts)
+        if data.micro_batches <= most:
+            return
+        if data.weights:
+            rank = counts.index(most)
+            share = Fraction(data.weights[rank]) / sum(Fraction(w) for w in data.weights)
+            arithmetic = (
+                f"data.global_batch({data.global_batch}) x the share of dp rank {rank} "
+                f"({float(share):.4g} of data.weights {list(data.weights)}) = {most} rows"
+            )
+        else:
+            arithmetic = f"data.global_batch({data.global_batch}) / dp({dp}) = {most} rows"
+            arithmetic += " (rounded up)" if data.global_batch % dp else ""
+        raise ConfigError(
+            f"data.micro_batches({data.micro_batches}) is more than the rows a rank has a step: "
+            f"{arithmetic} on the rank with the most, so at most {most} micro-batches of a row each; "
+            f"lower data.micro_batches to at most {most} or raise data.global_batch"
+        )
 
     def _check_corpus(self) -> None:
         """A window of seq_len + 1 tokens must fit the built-in GPT's context and the held-out share of
@@ -732,7 +789,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if origin is tuple:
             (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
             if isinstance(value, str):
-                value = [v for v in value.split(",") if v.strip()]
+                value = _comma_items(name, value)
             if not isinstance(value, (list, tuple)):
                 raise TypeError(value)
             return tuple(_coerce(name, v, item) for v in value)
@@ -754,6 +811,20 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         raise  # an item of a tuple, already named
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{name} expects {_expected(hint)}, got {value!r}") from None
+
+
+def _comma_items(name: str, value: str) -> list[str]:
+    """The items of a comma-separated CLI list ("" is none); an empty item is refused, not dropped,
+    since ``--pp-split ,,`` meant something and the default is not it."""
+    if not value.strip():
+        return []
+    items = [v.strip() for v in value.split(",")]
+    if "" in items:
+        raise ConfigError(
+            f"{name} has an empty item in {value!r} (item {items.index('') + 1} of {len(items)}); "
+            "give comma-separated values with none empty, or '' for none"
+        )
+    return items
 
 
 def _expected(hint: Any) -> str:

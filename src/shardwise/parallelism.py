@@ -31,7 +31,7 @@ from torch import nn
 
 from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
-from shardwise.config import ConfigError, TrainConfig
+from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, as_loss
@@ -62,6 +62,7 @@ class NotBuiltError(ConfigError):
 # the data-parallel engines a pipeline stage runs under
 PIPELINE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 PIPELINE_REFUSED = ("ps", "diloco")
+DEFAULT_SCHEDULE = ParallelConfig().schedule  # what a config without a pipeline holds
 
 
 def check(config: TrainConfig) -> None:
@@ -129,6 +130,11 @@ def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
     the real model, so ``apply_pipeline`` skips it)."""
     parallel = config.parallel
     if parallel.pp == 1:
+        if parallel.schedule != DEFAULT_SCHEDULE:
+            raise ConfigError(
+                f"parallel.schedule = {parallel.schedule!r} orders a pipeline's micro-batches, but there is "
+                "no pipeline: set parallel.pp > 1 (--pp) or leave the schedule unset"
+            )
         if parallel.virtual_stages not in (0, 1):
             raise ConfigError(
                 f"parallel.virtual_stages = {parallel.virtual_stages} needs a pipeline: set parallel.pp > 1 "
