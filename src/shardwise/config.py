@@ -587,6 +587,32 @@ class TrainConfig:
             )
 
 
+def describe_layout(config: TrainConfig, dims: ParallelDims) -> str:
+    """The layout in words, as ``train``'s summary and ``verify``'s header print it: the mesh
+    (``dp4 x pp2 x tp1``), then what else shapes a step where it is on: hybrid sharding (shard groups
+    and their replicas), sequence parallelism, the pipeline's schedule (stages per rank, named split),
+    the micro-batches, activation checkpointing."""
+    parallel = config.parallel
+    parts = [dims.label]
+    if parallel.dp_replicate > 1:
+        shard, replicas = dims.dp // parallel.dp_replicate, parallel.dp_replicate
+        parts.append(f"hybrid sharding: {config.strategy} over {shard} ranks x {replicas} replicas")
+    if parallel.sequence_parallel:
+        parts.append("sequence parallel")
+    if dims.pp > 1:
+        parts.append(f"{parallel.schedule} schedule")
+        if parallel.stages_per_rank > 1:
+            parts.append(f"{parallel.stages_per_rank} stages per rank")
+        if parallel.pp_split:
+            parts.append(f"split at {','.join(parallel.pp_split)}")
+    if dims.pp > 1 or config.data.micro_batches > 1:
+        micro = config.data.micro_batches
+        parts.append(f"{micro} micro-batch{'es' if micro > 1 else ''}")
+    if parallel.activation_checkpointing:
+        parts.append("activation checkpointing")
+    return ", ".join(parts)
+
+
 # Which strategies read each setting (a table's name: every key in it); ``validate`` refuses a setting
 # that differs from its default under any other strategy, which would otherwise train as if it were
 # not there. ``zero.precision`` is absent on purpose: the deprecated spelling of ``precision``.

@@ -312,3 +312,34 @@ def test_comma_lists_refuse_empty_items_and_read_an_empty_string_as_none() -> No
     for value in (",", "blocks.1,", ",,"):
         with pytest.raises(ConfigError, match=r"^parallel.pp_split has an empty item in"):
             load_config(None, {"parallel.pp_split": value})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "described"),
+    [
+        ({}, 2, "dp2 x pp1 x tp1"),
+        ({"data.micro_batches": "2"}, 2, "dp2 x pp1 x tp1, 2 micro-batches"),
+        (
+            {"strategy": "zero3", "parallel.dp_replicate": "2"},
+            4,
+            "dp4 x pp1 x tp1, hybrid sharding: zero3 over 2 ranks x 2 replicas",
+        ),
+        (
+            {"parallel.pp": "2", "parallel.schedule": "interleaved", "parallel.pp_split": "a,b,c"},
+            4,
+            "dp2 x pp2 x tp1, interleaved schedule, 2 stages per rank, split at a,b,c, 1 micro-batch",
+        ),
+        (
+            {"parallel.tp": "2", "parallel.sequence_parallel": "1", "parallel.activation_checkpointing": "1"},
+            2,
+            "dp1 x pp1 x tp2, sequence parallel, activation checkpointing",
+        ),
+    ],
+)
+def test_the_layout_in_words_names_what_shapes_a_step(
+    overrides: dict[str, str], world: int, described: str
+) -> None:
+    from shardwise.config import describe_layout
+
+    config = load_config(None, overrides).validate(world)
+    assert describe_layout(config, config.dims(world)) == described
