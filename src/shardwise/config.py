@@ -290,7 +290,8 @@ def split_counts(global_batch: int, weights: Sequence[float], world_size: int | 
 class DataConfig:
     # sequences per optimizer step, summed over all data-parallel ranks
     global_batch: int = checked(16, Range(ge=1))
-    # gradient accumulation: each rank's share is split this many ways
+    # gradient accumulation: each rank's share is split this many ways (at most the rows of the rank
+    # with the most: data.global_batch x its share)
     micro_batches: int = checked(1, Range(ge=1))
     # per-rank share of the global batch; empty = equal
     weights: tuple[float, ...] = checked((), Range(ge=0))
