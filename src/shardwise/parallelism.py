@@ -31,10 +31,10 @@ from torch import nn
 
 from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
-from shardwise.config import ConfigError, TrainConfig
+from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
 from shardwise.engine.base import Engine
-from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, as_loss
+from shardwise.engine.loss import AutoLoss, CausalLMLoss, Loss, TokenLoss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
 from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.mesh import Mesh
@@ -63,6 +63,7 @@ class NotBuiltError(ConfigError):
 # the data-parallel engines a pipeline stage runs under
 PIPELINE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 PIPELINE_REFUSED = ("ps", "diloco")
+DEFAULT_SCHEDULE = ParallelConfig().schedule  # what a config without a pipeline holds
 
 
 def check(config: TrainConfig) -> None:
@@ -130,6 +131,11 @@ def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
     the real model, so ``apply_pipeline`` skips it)."""
     parallel = config.parallel
     if parallel.pp == 1:
+        if parallel.schedule != DEFAULT_SCHEDULE:
+            raise ConfigError(
+                f"parallel.schedule = {parallel.schedule!r} orders a pipeline's micro-batches, but there is "
+                "no pipeline: set parallel.pp > 1 (--pp) or leave the schedule unset"
+            )
         if parallel.virtual_stages not in (0, 1):
             raise ConfigError(
                 f"parallel.virtual_stages = {parallel.virtual_stages} needs a pipeline: set parallel.pp > 1 "
@@ -220,15 +226,19 @@ def plan_for(model: nn.Module) -> Plan:
 
 
 def tensor_parallel_loss(loss: Loss, comm: Comm) -> Loss:
-    """The built-in losses over vocab-cut logits (no rank gathers the full logits); a user's own loss
-    would see a tp-th of the vocabulary, so it is refused."""
+    """The built-in losses over vocab-cut logits (no rank gathers the full logits), the default one
+    (``AutoLoss``) included; a user's own loss would see a tp-th of the vocabulary, so it is refused."""
     if type(loss) is TokenLoss:
         return VocabParallelTokenLoss(comm, loss.positions)
     if type(loss) is CausalLMLoss:
         return VocabParallelCausalLMLoss(comm, loss.ignore_index)
+    if type(loss) is AutoLoss:
+        causal = VocabParallelCausalLMLoss(comm, loss.ignore_index)
+        return loss.over(causal=causal, tokens=VocabParallelTokenLoss(comm))
     raise ConfigError(
         f"with tensor parallelism the logits are cut by vocabulary, so a loss of your own "
-        f"({type(loss).__name__}) would see a tp-th of them; use the built-in loss, or set parallel.tp = 1"
+        f"({type(loss).__name__}) would see a tp-th of them; leave loss unset (the default), pass "
+        "sw.CausalLMLoss() or sw.TokenLoss(), or set parallel.tp = 1"
     )
 
 
