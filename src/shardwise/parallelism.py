@@ -124,11 +124,12 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
         )
 
 
-def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
+def _check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
     """The schedule fits pp, virtual stages and micro-batches (the arithmetic in the message); the
-    strategies that cannot run on a pipeline stage are refused; ``named_split``: the names of
-    ``parallel.pp_split`` checked against the model built on meta (the ranks' split checks them on
-    the real model, so ``apply_pipeline`` skips it)."""
+    strategies that cannot run on a pipeline stage are refused; ``config_model``: the blocks (the
+    names of ``parallel.pp_split``, or enough blocks for the stages) checked against the model the
+    config describes, built on meta. ``apply_pipeline`` skips that: the ranks' split checks the model
+    it is given, which may be the user's own rather than the config's."""
     parallel = config.parallel
     if parallel.pp == 1:
         if parallel.schedule != DEFAULT_SCHEDULE:
@@ -170,10 +171,11 @@ def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
         check_schedule(parallel.schedule, parallel.pp, parallel.stages_per_rank, config.data.micro_batches)
     except ScheduleConfigError as exc:
         raise ConfigError(str(exc)) from None
-    if parallel.pp_split:
-        if named_split:  # the names against the model's own blocks (built on meta: no values drawn)
-            model = build_model(config.model, meta=True)
-            plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
+    if not config_model:
+        return
+    if parallel.pp_split:  # the names against the model's own blocks (built on meta: no values drawn)
+        model = build_model(config.model, meta=True)
+        plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
     elif config.model.kind == "gpt":
         blocks = PRESETS["gpt"].get(config.model.preset, {}).get("n_layer", 0)
         stages = parallel.pp * parallel.stages_per_rank
@@ -245,7 +247,7 @@ def tensor_parallel_loss(loss: Loss, comm: Comm) -> Loss:
 def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> PipelineRunner | None:
     """Step 2: keep this rank's pipeline stages over the ``pp`` axis (``pipeline.split``); returns the
     runtime that runs them (the engine's step runner), or None without a pipeline."""
-    _check_pipeline(config, named_split=False)
+    _check_pipeline(config, config_model=False)
     parallel = config.parallel
     if parallel.pp == 1 or not mesh.in_mesh:
         return None
