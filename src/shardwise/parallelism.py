@@ -1,6 +1,8 @@
 """``parallelize(model, mesh, config)``: every configured kind of parallelism, applied from outside.
 
-The steps run in one fixed order (torchtitan's ``parallelize``), each on its own mesh axis:
+The steps run in one fixed order (torchtitan's ``parallelize``), each on its own mesh axis, after the
+model is moved to this rank's device (``config.device`` in the joined group: its GPU or the CPU;
+parameters still on meta are materialised there by whoever reads them):
 
 1. tensor parallelism over ``tp``: parameters become local shards;
 2. the pipeline split over ``pp``: this rank keeps its stage(s), parameter names preserved;
@@ -33,6 +35,7 @@ from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
+from shardwise.device import joined_device, place_model
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
@@ -319,7 +322,7 @@ def _initial_weights(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Itera
             )
         yield None
         return
-    with PretrainedWeights.open(path, model) as weights:
+    with PretrainedWeights.open(path, model, joined_device(config.device)) as weights:
         note = weights.cast_note()
         if note and mesh.rank == 0:
             print(f"shardwise: {note}", file=sys.stderr, flush=True)
@@ -348,6 +351,7 @@ def parallelize(
             "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
             "to train; leave some unfrozen"
         )
+    place_model(model, joined_device(config.device))  # built on the host under the seed, moved first
     layout = apply_tensor_parallel(model, mesh, config)
     runner = apply_pipeline(model, mesh, config)
     apply_activation_checkpointing(model, config, layout.tracker if layout is not None else None)

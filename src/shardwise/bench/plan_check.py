@@ -155,7 +155,7 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int, timed: bool
 
     from shardwise.train.loop import Trainer
 
-    init_distributed(config.timeout_s)
+    init_distributed(config.timeout_s, config.device)
     try:
         rates = measure_rates(config, model, CALIBRATION_REPEATS) if timed else []
         with TensorBytes() as counted:

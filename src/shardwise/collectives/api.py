@@ -15,6 +15,12 @@ without a variant of its own for an op runs the one in ``explicit.ALGORITHM_FOR`
 ``avg`` is a sum followed by a division (floor division for integer tensors). bf16 and fp16 are reduced
 in their own dtype, so their sums may differ from the backend's by rounding.
 
+On a GPU (``device_type = "cuda"``, a ``cpu:gloo,cuda:nccl`` group): the explicit algorithms are refused
+(``check_algorithm``: they tell messages apart by tag, which NCCL ignores, pairing a peer's sends and
+receives in order) and ``auto`` means native. NCCL's ``wait()`` only makes the current stream wait, so
+the time a call blocks is measured there, with CUDA events around the wait, settled when the stats are
+read (once a step); and the call stays known to the hang watchdog until its work completes.
+
 Message tags: a caller's own ``send``/``recv`` use tags below ``p2p.TAG_BASE``; each ``Comm`` built on a
 process group takes the next tag slot of that group (``tag_slot``), and its algorithms' messages carry
 tags inside it, so two ``Comm``s on one group (the world and a data-parallel axis as wide as the world,
@@ -29,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -71,6 +77,21 @@ class CommStats:
     blocked_s: float = 0.0  # time spent inside synchronous calls and waits
     ops: dict[str, int] = field(default_factory=dict)  # calls that communicated, by op ("all_reduce", ...)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # CUDA: (before, after) events around each wait on the stream, added to blocked_s when read
+    _events: list[tuple[Any, Any]] = field(default_factory=list, repr=False, compare=False)
+
+    def add_stream_wait(self, before: Any, after: Any) -> None:
+        """A wait on a GPU stream, between two recorded CUDA events (timed when the stats are read)."""
+        with self._lock:
+            self._events.append((before, after))
+
+    def _settle(self) -> None:
+        """Turn the recorded stream waits into seconds (waits for the last one: once per read)."""
+        with self._lock:
+            events, self._events = self._events, []
+        if events:
+            events[-1][1].synchronize()
+            self.add(blocked_s=sum(a.elapsed_time(b) for a, b in events) / 1000.0)
 
     def add(self, sent: int = 0, received: int = 0, blocked_s: float = 0.0) -> None:
         """Count from any thread (the communication thread counts its messages here too)."""
@@ -83,9 +104,11 @@ class CommStats:
                 self.blocked_s += blocked_s
 
     def snapshot(self) -> CommStats:
+        self._settle()
         return CommStats(self.calls, self.bytes_sent, self.bytes_received, self.blocked_s, dict(self.ops))
 
     def since(self, earlier: CommStats) -> CommStats:
+        self._settle()
         return CommStats(
             self.calls - earlier.calls,
             self.bytes_sent - earlier.bytes_sent,
@@ -108,6 +131,16 @@ def next_tag_slot(group: dist.ProcessGroup | None) -> int:
     count = _SLOTS.get(key, 0)
     _SLOTS[key] = count + 1
     return count % MAX_SLOTS
+
+
+def check_algorithm(algorithm: str, device_type: str) -> None:
+    """The explicit algorithms run on tagged point-to-point messages; NCCL ignores tags (it pairs a
+    peer's sends and receives in order), so on CUDA they are refused in one line."""
+    if device_type == "cuda" and algorithm in EXPLICIT:
+        raise ConfigError(
+            f"comm.algorithm = {algorithm} runs on tagged send/recv, which NCCL does not keep apart: on "
+            "cuda use native (or auto, which is native there), or run with --device cpu"
+        )
 
 
 def _caller_tag(tag: int) -> int:
@@ -177,11 +210,14 @@ class Comm:
         algorithm: str = "native",
         profile: cost.CostProfile | None = None,
         name: str = "",
+        device_type: str = "cpu",
     ) -> None:
         self.group = group
         self.name = name or "world"  # the mesh axis, for messages
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.device_type = device_type  # where its heavy tensors live: cuda means NCCL (module doc)
+        check_algorithm(algorithm, device_type)
         self.algorithm = self._check(algorithm)
         self.profile = profile or cost.CostProfile()
         self.stats = CommStats()
@@ -191,10 +227,12 @@ class Comm:
         self.seq = 0  # calls issued on this group: the watchdog's and the trace's numbering
 
     @classmethod
-    def from_config(cls, group: dist.ProcessGroup | None, config: CommSettings, name: str = "") -> Comm:
+    def from_config(
+        cls, group: dist.ProcessGroup | None, config: CommSettings, name: str = "", device_type: str = "cpu"
+    ) -> Comm:
         """A ``Comm`` from a ``CommConfig``: its algorithm, and for "auto" the profile named there, else
         the one ``shardwise bench comm`` saved on this machine, else the built-in constants."""
-        return cls(group, config.algorithm, load_profile(config.profile), name)
+        return cls(group, config.algorithm, load_profile(config.profile), name, device_type)
 
     @staticmethod
     def _check(algorithm: str) -> str:
@@ -205,6 +243,9 @@ class Comm:
     def resolve(self, op: str, nbytes: int, algorithm: str | None = None) -> str:
         """The algorithm a call of ``op`` on ``nbytes`` runs: "native" or an explicit one."""
         name = self._check(algorithm or self.algorithm)
+        if self.device_type == "cuda":
+            check_algorithm(name, "cuda")  # named per call: refused here too
+            return "native"  # auto: the cost model's profile is gloo's; NCCL runs its own algorithms
         if name == "auto":
             return cost.choose(op, nbytes, self.world_size, self.profile)
         return name
@@ -220,11 +261,16 @@ class Comm:
         return MONITOR.issue(self.name, op, self.seq, label, peer)
 
     def _finish(
-        self, work: dist.Work | None, async_op: bool, after: Callable[[], None] | None, call: Call
+        self,
+        work: dist.Work | None,
+        async_op: bool,
+        after: Callable[[], None] | None,
+        call: Call,
+        tensor: torch.Tensor,
     ) -> Work:
         if work is None:
             return Done()
-        watched = _Watched(_Then(work, after) if after else work, self.stats, call)
+        watched = _Watched(_Then(work, after) if after else work, self.stats, call, tensor.is_cuda, work)
         if async_op:
             return watched
         watched.wait()
@@ -267,7 +313,7 @@ class Comm:
         self._count(2 * (n - 1) / n * size, 2 * (n - 1) / n * size)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
         after = (lambda: divide(tensor, n)) if op == "avg" else None
-        return self._finish(work, async_op, after, call)
+        return self._finish(work, async_op, after, call, tensor)
 
     def broadcast(
         self,
@@ -288,7 +334,7 @@ class Comm:
             return self._explicit(lambda: explicit.broadcast(tensor, self._p2p, src, name), async_op, call)
         self._count(size if self.rank == src else 0, 0 if self.rank == src else size)
         work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
-        return self._finish(work, async_op, None, call)
+        return self._finish(work, async_op, None, call, tensor)
 
     def reduce(
         self,
@@ -312,7 +358,7 @@ class Comm:
         target = tensor if self.rank == dst else tensor.clone()
         work = dist.reduce(target, dst=self.global_rank(dst), op=_OPS[op], group=self.group, async_op=True)
         after = (lambda: divide(tensor, n)) if op == "avg" and self.rank == dst else None
-        return self._finish(work, async_op, after, call)
+        return self._finish(work, async_op, after, call, tensor)
 
     def all_gather(
         self,
@@ -334,7 +380,7 @@ class Comm:
             return self._explicit(lambda: explicit.all_gather(output, shard, self._p2p, name), async_op, call)
         self._count((n - 1) * size, (n - 1) * size)
         work = dist.all_gather_single(output, shard, group=self.group, async_op=True)
-        return self._finish(work, async_op, None, call)
+        return self._finish(work, async_op, None, call, output)
 
     def reduce_scatter(
         self,
@@ -360,7 +406,7 @@ class Comm:
         self._count((n - 1) * size, (n - 1) * size)
         work = dist.reduce_scatter_single(shard, full, op=_OPS[op], group=self.group, async_op=True)
         after = (lambda: divide(shard, n)) if op == "avg" else None
-        return self._finish(work, async_op, after, call)
+        return self._finish(work, async_op, after, call, shard)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()
@@ -372,15 +418,15 @@ class Comm:
         """Non-blocking send; bytes are counted when posted. ``wait()`` raises if the peer is gone."""
         self._count(_nbytes(tensor), 0)
         call = self._issue("send", peer=dst)
-        work = dist.isend(tensor, self.global_rank(dst), group=self.group, tag=_caller_tag(tag))
-        return _Watched(_required(work), self.stats, call)
+        work = _required(dist.isend(tensor, self.global_rank(dst), group=self.group, tag=_caller_tag(tag)))
+        return _Watched(work, self.stats, call, tensor.is_cuda, work)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         """Non-blocking receive from group rank ``src``; bytes are counted when posted."""
         self._count(0, _nbytes(tensor))
         call = self._issue("recv", peer=src)
-        work = dist.irecv(tensor, self.global_rank(src), group=self.group, tag=_caller_tag(tag))
-        return _Watched(_required(work), self.stats, call)
+        work = _required(dist.irecv(tensor, self.global_rank(src), group=self.group, tag=_caller_tag(tag)))
+        return _Watched(work, self.stats, call, tensor.is_cuda, work)
 
     def barrier(self, label: str = "") -> None:
         if self.world_size > 1:
@@ -397,19 +443,38 @@ def _required(work: dist.Work | None) -> Work:
 
 class _Watched:
     """Waiting on ``work``: the time is charged to the layer's blocked time, and the monitor knows
-    which call this rank waits in (the hang watchdog's and the trace's source)."""
+    which call this rank waits in (the hang watchdog's and the trace's source).
 
-    def __init__(self, work: Work, stats: CommStats, call: Call) -> None:
+    ``cuda``: the call's tensors are on a GPU, where ``wait()`` returns at once having made the current
+    stream wait (NCCL): the time is the stream's, between CUDA events around the wait, and the monitor
+    keeps the call in flight until ``backend_work`` reports it completed."""
+
+    def __init__(
+        self, work: Work, stats: CommStats, call: Call, cuda: bool = False, backend_work: Any = None
+    ) -> None:
         self._work, self._stats, self._call = work, stats, call
+        self._cuda, self._backend_work = cuda, backend_work
 
     def wait(self) -> object:
         start = time.perf_counter()
         MONITOR.wait_start(self._call)
+        before = _stream_event() if self._cuda else None
         try:
             return self._work.wait()
         finally:
-            self._stats.add(blocked_s=time.perf_counter() - start)
+            if before is not None:
+                self._stats.add_stream_wait(before, _stream_event())
+                MONITOR.in_flight(self._call, self._backend_work)
+            else:
+                self._stats.add(blocked_s=time.perf_counter() - start)
             MONITOR.wait_end(self._call)
+
+
+def _stream_event() -> Any:
+    """A timing event recorded now on the current CUDA stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 class _Inline:

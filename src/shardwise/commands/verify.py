@@ -125,7 +125,7 @@ def verify_worker(config: TrainConfig) -> dict[str, Any] | None:
     """What every rank runs under the launcher."""
     import torch.distributed as dist
 
-    init_distributed(config.timeout_s)
+    init_distributed(config.timeout_s, config.device)
     try:
         return collect_run(config)
     finally:

@@ -76,7 +76,7 @@ class PipelineRunner:
         plan = transfers(self.comm.rank, self.schedule(m), self.placement)
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
         pending = self._post_receives(plan, micro_batches, empty, engine)
-        state = _StepState(pending)
+        state = _StepState(pending, engine.device)
         state.m = m
         with engine.no_sync():
             for action, recvs, sends in plan:
@@ -103,7 +103,7 @@ class PipelineRunner:
                 continue
             for t in recvs:
                 shape = self._hidden_shape(batches[t.microbatch])
-                buffer = torch.empty(shape, dtype=dtype)
+                buffer = torch.empty(shape, dtype=dtype, device=engine.device)  # the stage's device
                 pending[t.key] = (buffer, self.comm.irecv(buffer, t.peer, message_tag(t, len(batches))))
         return pending
 
@@ -237,7 +237,7 @@ class PipelineRunner:
     def evaluate(self, engine: Engine, batches: Sequence[Any]) -> tuple[float, int]:
         """The summed loss and the items it counts over ``batches``, forward only, stage after stage
         (the same on every pp rank: the last stage's sum is all-reduced over the pp axis)."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=engine.device)
         items = 0
         self._refresh_tied(engine)  # the update since the step began changed the first stage's weight
         with torch.no_grad():
@@ -250,7 +250,7 @@ class PipelineRunner:
     def _evaluate_one(self, engine: Engine, batch: Any) -> torch.Tensor:
         hidden: torch.Tensor | None = None
         sends: list[Work] = []
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         me = self.comm.rank
         for s in range(self.last_stage + 1):
             if self.placement[s] != me:
@@ -261,7 +261,7 @@ class PipelineRunner:
             elif self.placement[s - 1] == me and hidden is not None:
                 x = hidden
             else:
-                x = torch.empty(self._hidden_shape(batch), dtype=_dtype(engine))
+                x = torch.empty(self._hidden_shape(batch), dtype=_dtype(engine), device=engine.device)
                 self.comm.recv(x, self.placement[s - 1], s)
             with _autocast(engine), engine.pipeline_stage(self.split.params[s]):
                 hidden = stage(x)
@@ -304,7 +304,9 @@ class PipelineRunner:
 class _StepState:
     """What one step keeps between actions: inputs and outputs by (stage, mb), messages, the loss."""
 
-    def __init__(self, pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]]) -> None:
+    def __init__(
+        self, pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]], device: torch.device
+    ) -> None:
         self.pending = pending
         self.m = 0
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -312,7 +314,7 @@ class _StepState:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.seeds: dict[tuple[int, int], torch.Tensor] = {}
         self.sends: list[Work] = []
-        self.share = torch.zeros((), dtype=torch.float64)
+        self.share = torch.zeros((), dtype=torch.float64, device=device)
 
     def forget(self, key: tuple[int, int]) -> None:
         """Free a stage's activations for a micro-batch once its backward is done."""

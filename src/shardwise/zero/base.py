@@ -24,7 +24,7 @@ from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
-from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, all_finite, sq_sum
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
@@ -128,12 +128,12 @@ class ZeroBase(Engine):
         """Unscale fp16 gradient shards; True (on every rank) when any is inf or NaN."""
         if not self.scaler.enabled:
             return False
-        flag = torch.zeros(1, device=self.groups[0].master.device)
-        for g in self.groups:
-            if g.grad_shard is not None:
-                g.grad_shard.div_(self.scaler.scale)
-                if not torch.isfinite(g.grad_shard).all():
-                    flag.fill_(1.0)
+        shards = [g.grad_shard for g in self.groups if g.grad_shard is not None]
+        device = shards[0].device if shards else self.device
+        flag = torch.zeros(1, device=device)  # on the shards' device: stacked there, read once
+        if shards:
+            torch._foreach_div_(shards, self.scaler.scale)
+            flag.copy_((~all_finite(shards)).to(flag.dtype).reshape(1))
         self.comm.all_reduce(flag, op="max")
         found = bool(flag.item())
         self.scaler.update(found)
@@ -167,14 +167,17 @@ class ZeroBase(Engine):
     def nonfinite_grad(self) -> str | None:
         """This rank's gradient shards (what it holds after ``finish_grads``); of the parameters with a
         NaN or inf in this rank's range, the first in ``named_parameters`` order."""
-        bad: set[str] = set()
-        for group in self.groups:
-            shard = group.grad_shard
-            if shard is None or bool(torch.isfinite(shard).all()):
-                continue
-            for piece in group.layout.pieces(self.comm.rank):
-                if not bool(torch.isfinite(shard[piece.shard_start : piece.shard_end]).all()):
-                    bad.add(piece.name)
+        pieces = [
+            (piece.name, group.grad_shard[piece.shard_start : piece.shard_end])
+            for group in self.groups
+            if group.grad_shard is not None
+            for piece in group.layout.pieces(self.comm.rank)
+        ]
+        if not pieces:
+            return None
+        # one flag per piece, stacked on the device and read once
+        finite = torch.stack([torch.isfinite(t).all() for _, t in pieces]).tolist()
+        bad = {name for (name, _), ok in zip(pieces, finite, strict=True) if not ok}
         return next((name for name, _ in self.trainable if name in bad), None)
 
 

@@ -102,7 +102,7 @@ class FlatGroup:
         (each parameter's overlap with it, ``layout.pieces``) and kept as the master. The full buffer
         exists for an instant, so that the parameters can view it, and is freed before any read: a
         rank holds its shards plus at most one unit. The first ``gather`` fills it."""
-        device = torch.device("cpu") if self.params[0].is_meta else self.params[0].device
+        device = weights.device if self.params[0].is_meta else self.params[0].device
         self.full = torch.empty(self.layout.padded_numel, dtype=self.precision.compute, device=device)
         for p in self.params:  # real now, still without data: _bind_views gives each its view
             if p.is_meta:

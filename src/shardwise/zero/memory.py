@@ -91,7 +91,7 @@ def memory_report(engine: ZeroBase) -> dict[str, float]:
     live = model_state_bytes(engine)
     psi = sum(p.numel() for _, p in engine.trainable)
     mixed = engine.precision.compute != engine.precision.master
-    param_bytes = torch.empty((), dtype=engine.precision.master).element_size()
+    param_bytes = engine.precision.master.itemsize
     first_state: dict[str, object] = next((s for opt in engine.optimizers for s in opt.state.values()), {})
     states_per_param = sum(1 for t in first_state.values() if torch.is_tensor(t) and t.dim() > 0)
     frozen = sum(p.numel() * p.element_size() for p in engine.model.parameters() if not p.requires_grad)

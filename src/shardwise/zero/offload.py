@@ -22,6 +22,7 @@ import torch
 from torch.optim import Optimizer
 
 from shardwise.config import ZeroConfig
+from shardwise.device import HOST
 from shardwise.zero.group import FlatGroup
 
 
@@ -79,7 +80,7 @@ class DiskOffload:
                 path = self.dir / f"group{i}.{key}.bin"
                 tensor.detach().cpu().contiguous().numpy().tofile(path)
                 self._files[i][key] = path
-            self._set(i, key, torch.empty(0, dtype=tensor.dtype))
+            self._set(i, key, torch.empty(0, dtype=tensor.dtype, device=HOST))  # in the file now
         if not self._files[i]:
             raise RuntimeError(f"group {i} had nothing to offload")
         assert master.numel() == 0
