@@ -34,6 +34,7 @@ import torch
 from shardwise.collectives.api import load_profile
 from shardwise.collectives.cost import CostProfile
 from shardwise.config import TrainConfig
+from shardwise.device import HOST
 from shardwise.launcher import init_distributed, launch_local
 from shardwise.planner.calibration import Calibration
 from shardwise.planner.memory import Layout, Training, estimate_memory
@@ -76,7 +77,7 @@ def _model_probe(config: TrainConfig, model: ModelShape, batch: int, checkpointe
         found = resolve_units(net, config.zero.unit)
         for block in found.blocks if found else []:
             checkpoint_forward(block)
-    tokens = torch.randint(0, model.vocab, (batch, config.model.seq_len + 1))
+    tokens = torch.randint(0, model.vocab, (batch, config.model.seq_len + 1), device=HOST)  # CPU probes
     mixed = config.precision != "fp32"
 
     def run() -> None:
@@ -92,7 +93,7 @@ def _probes(config: TrainConfig, model: ModelShape, batch: int) -> list[Probe]:
     """The calibration's probes, in the order of ``Calibration``'s rates: the model's training compute,
     the same with activation checkpointing, and an in-place add over 16M floats (reads two, writes one)
     for memory bandwidth."""
-    x, y = torch.zeros(1 << 24), torch.ones(1 << 24)
+    x, y = torch.zeros(1 << 24, device=HOST), torch.ones(1 << 24, device=HOST)
     return [
         _model_probe(config, model, batch, checkpointed=False),
         _model_probe(config, model, batch, checkpointed=True),
@@ -113,7 +114,7 @@ def measure_rates(config: TrainConfig, model: ModelShape, repeats: int) -> list[
     probes = _probes(config, model, batch)
     for probe in probes:  # warm-up: first-touch allocation, lazy initialisation
         probe.run()
-    mine = torch.zeros(repeats, len(probes), dtype=torch.float64)
+    mine = torch.zeros(repeats, len(probes), dtype=torch.float64, device=HOST)
     for i in range(repeats):
         for j, probe in enumerate(probes):
             dist.barrier()
@@ -167,7 +168,7 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int, timed: bool
             trainer = Trainer.build(config)
             records = [trainer.step(step) for step in range(steps)]
             trainer.engine.close()
-        mine = torch.tensor([counted.peak], dtype=torch.float64)
+        mine = torch.tensor([counted.peak], dtype=torch.float64, device=HOST)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         kept = records[1:] if len(records) > 1 else records  # the first step warms up
