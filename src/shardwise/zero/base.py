@@ -29,7 +29,7 @@ from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
 from shardwise.zero.memory import memory_report
-from shardwise.zero.offload import CpuOffload, NoOffload, Offload, build_offload
+from shardwise.zero.offload import CpuOffload, HostStaging, NoOffload, Offload, build_offload
 from shardwise.zero.state import gathered_state, load_zero_state, zero_state_pieces
 from shardwise.zero.unused import group_usage, isolated, plan_passes, share, stepped
 
@@ -81,6 +81,7 @@ class ZeroBase(Engine):
         if config.offload == "cpu":  # before any optimizer exists, so its state is made in host memory
             CpuOffload(self.groups)
         self.offload: Offload = NoOffload()  # disk offload needs the optimizers: see attach_optimizers
+        self.staging = HostStaging(len(self.groups))  # gradient shards to a master on the host
         self._memory: dict[str, float] = {}
 
     def use_compression(self, compressor: CompressedComm) -> None:
@@ -193,7 +194,7 @@ class ZeroBase(Engine):
         with self.offload.resident(index):
             shard, master = group.grad_shard, group.master
             passes = plan_passes(usage, optimizer.state.get(master, {}))
-            grad = torch.zeros_like(master) if shard is None else shard.to(master.device)
+            grad = torch.zeros_like(master) if shard is None else self.staging.take(index, shard, master)
             master.grad = grad if passes else None  # nothing used anywhere: torch skips the group
             try:
                 for one in passes[:-1]:
@@ -205,6 +206,13 @@ class ZeroBase(Engine):
                 master.grad = None
             stepped(usage)
             self.after_group_step(index)
+
+    def run_optimizers(self, lr_scale: float = 1.0) -> None:
+        """Every group's gradient shard on its way to a master in host memory at once (offload), then
+        the updates in turn, each waiting for its own copy (``zero.offload.HostStaging``)."""
+        # a master on disk is an empty host tensor between updates: its dtype and device are all read
+        self.staging.start([g.grad_shard for g in self.groups], [g.master for g in self.groups])
+        super().run_optimizers(lr_scale)
 
     def after_update(self) -> None:
         for group in self.groups:
