@@ -11,6 +11,11 @@ joins gloo alone. Which side a collective takes is the device of its tensor, so 
 library makes names its device: its parameters' or batch's, or ``HOST`` where host bookkeeping is
 meant (``shardwise.testing.devices`` checks it).
 
+A test bed, for a machine with one GPU (NCCL ranks cannot share a GPU): ``SHARDWISE_CUDA_BACKEND=gloo``
+puts every local rank on the GPUs in turn (``LOCAL_RANK`` modulo the count) and joins gloo alone, which
+carries CUDA tensors; ``Comm`` passes them through host memory for the operations gloo runs on the host
+only. ``shardwise bench gpu`` uses it for the 2- and 4-rank runs that share one GPU.
+
 NCCL's collectives return at once and run on the GPU's stream, so ``wait()`` no longer blocks the host:
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is set (``nccl_environment``) so that a collective that outlives the
 process group's timeout aborts the communicator and ends the rank, and the hang watchdog finds the
@@ -36,6 +41,7 @@ from shardwise.config import ConfigError
 DEVICES = ("auto", "cpu", "cuda")
 HOST = torch.device("cpu")  # where host bookkeeping tensors live (collectives on them run over gloo)
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # the process group of a CUDA rank: each device its backend
+CUDA_BACKEND_ENV = "SHARDWISE_CUDA_BACKEND"  # nccl (the default) | gloo: ranks sharing a GPU (module doc)
 # NCCL's own watchdog aborts a collective past the process group's timeout and ends the rank (torch's
 # default since 2.2 is 3: abort, skip the cleanup that could hang); set here only where unset
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
@@ -55,6 +61,14 @@ def device_type(setting: str) -> str:
     return setting
 
 
+def cuda_backend() -> str:
+    """What carries CUDA tensors between ranks: ``nccl``, or ``gloo`` (the shared-GPU test bed)."""
+    backend = os.environ.get(CUDA_BACKEND_ENV, "nccl") or "nccl"
+    if backend not in ("nccl", "gloo"):
+        raise ConfigError(f"{CUDA_BACKEND_ENV} must be nccl or gloo, got {backend!r}")
+    return backend
+
+
 def local_rank() -> int:
     """This rank's index on its machine (``LOCAL_RANK``, which torchrun and the elastic agent set)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
@@ -63,7 +77,8 @@ def local_rank() -> int:
 def rank_device(setting: str) -> torch.device:
     """The device of this rank: its local rank's GPU, or the CPU."""
     if device_type(setting) == "cuda":
-        return torch.device("cuda", local_rank())
+        shared = cuda_backend() == "gloo" and cuda_count() > 0  # the test bed: ranks share the GPUs
+        return torch.device("cuda", local_rank() % cuda_count() if shared else local_rank())
     return HOST
 
 
@@ -83,7 +98,7 @@ def check_device(setting: str, local_ranks: int) -> None:
             "use --device cpu or auto"
         )
     gpus = cuda_count()
-    if device_type(setting) == "cuda" and local_ranks > gpus:
+    if device_type(setting) == "cuda" and local_ranks > gpus and cuda_backend() == "nccl":
         raise ConfigError(
             f"{local_ranks} local ranks on cuda, but this machine has {gpus} GPU{'s' if gpus != 1 else ''}: "
             "NCCL ranks cannot share a GPU; start at most one rank per GPU (--nproc), or use --device cpu"
@@ -93,16 +108,16 @@ def check_device(setting: str, local_ranks: int) -> None:
 def process_group_args(setting: str) -> dict[str, Any]:
     """``init_process_group``'s backend (and ``device_id`` on CUDA) for a rank with ``setting``."""
     device = rank_device(setting)
-    if device.type == "cuda":
+    if device.type == "cuda" and cuda_backend() == "nccl":
         return {"backend": CUDA_BACKEND, "device_id": device}
-    return {"backend": "gloo"}
+    return {"backend": "gloo"}  # a CPU rank; or the shared-GPU test bed, where gloo carries CUDA too
 
 
 def prepare_rank(setting: str) -> torch.device:
     """Before the process group: set this rank's GPU (from ``LOCAL_RANK``) and NCCL's error handling."""
     device = rank_device(setting)
     if device.type == "cuda":
-        if device.index is not None and device.index >= cuda_count():
+        if device.index is not None and device.index >= cuda_count():  # (nccl: one GPU per rank)
             raise ConfigError(
                 f"LOCAL_RANK {device.index} has no GPU of its own: this machine has {cuda_count()}; start "
                 "at most one rank per GPU, or use --device cpu"
@@ -114,13 +129,15 @@ def prepare_rank(setting: str) -> torch.device:
 
 
 def group_device_type() -> str:
-    """``cuda`` when the joined default process group has a CUDA side (NCCL), else ``cpu``."""
+    """``cuda`` when the joined default process group carries CUDA tensors (``cpu:gloo,cuda:nccl``, or
+    gloo in the shared-GPU test bed), else ``cpu``."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return "cpu"
-    types = {d.type for d in dist.group.WORLD._device_types} if dist.group.WORLD is not None else set()
-    return "cuda" if "cuda" in types else "cpu"
+    backend = str(dist.get_backend())
+    shared = backend == "gloo" and cuda_backend() == "gloo" and cuda_count() > 0
+    return "cuda" if "cuda:" in backend or backend == "nccl" or shared else "cpu"
 
 
 def joined_device(setting: str) -> torch.device:

@@ -32,6 +32,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.delenv(devices.CUDA_BACKEND_ENV, raising=False)
     return chosen
 
 
@@ -73,6 +74,29 @@ def test_cpu_on_a_gpu_machine_joins_gloo_alone(
     monkeypatch.setenv("LOCAL_RANK", "0")
     launcher.init_distributed(timeout_s=5, device="cpu")
     assert joined[0]["backend"] == "gloo" and not two_gpus
+
+
+def test_the_shared_gpu_test_bed_joins_gloo_with_ranks_taking_the_gpus_in_turn(
+    two_gpus: list[Any], joined: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(devices.CUDA_BACKEND_ENV, "gloo")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    devices.check_device("cuda", 4)  # more ranks than GPUs: allowed here, gloo shares them
+    launcher.init_distributed(timeout_s=5, device="cuda")
+    assert joined[0]["backend"] == "gloo" and "device_id" not in joined[0]
+    assert two_gpus == [torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize(
+    ("backend", "carrier"), [("cpu:gloo,cuda:nccl", "nccl"), ("gloo", "gloo"), ("nccl", "nccl")]
+)
+def test_comm_knows_what_carries_cuda_tensors(
+    backend: str, carrier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardwise.collectives import api
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert api._cuda_backend(None) == carrier
 
 
 def test_auto_means_a_gpu_per_local_rank_and_nproc_follows(two_gpus: list[Any]) -> None:

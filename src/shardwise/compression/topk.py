@@ -73,11 +73,10 @@ class TopKCodec(MessageCodec):
 
     def prepare(self, grad: torch.Tensor, state: CodecState, comm: Comm) -> torch.Tensor:
         """DGC: clip this rank's bucket, then fold it into the velocity that is accumulated and sent."""
-        if self.clip_norm > 0:
+        if self.clip_norm > 0:  # decided on the gradient's device, in float64 (no read on the host)
             threshold = self.clip_norm / math.sqrt(comm.world_size)
-            norm = float(grad.norm())
-            if norm > threshold:
-                grad = grad * (threshold / (norm + 1e-6))
+            norm = grad.norm().double()
+            grad = grad * torch.where(norm > threshold, threshold / (norm + 1e-6), 1.0)
         if self.momentum <= 0:
             return grad
         velocity = state.extra.get("velocity")

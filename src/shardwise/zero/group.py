@@ -68,8 +68,10 @@ class FlatGroup:
         self._incoming: torch.Tensor | None = None  # stages 2-3: (padded_numel,) gradients taken so far
         self._pending: list[_Pending] = []
         self._gather_work: list[Work] | None = None
-        # the full buffer's device picks the backend (cpu:gloo,cuda:nccl): host tensors go over gloo
-        self._gloo = comm.world_size > 1 and self.full.device.type == "cpu"
+        # the full buffer's device picks the backend (cpu:gloo,cuda:nccl): host tensors go over gloo,
+        # and so do CUDA ones in the shared-GPU test bed (where gloo's all-reduce and broadcast take them)
+        on_gloo = self.full.device.type == "cpu" or comm.cuda_over_gloo
+        self._gloo = comm.world_size > 1 and on_gloo
         # offload replaces this with a context that maps the master shard in while it is read
         self.resident: Callable[[], AbstractContextManager[None]] = nullcontext
         self.compressor: CompressedComm | None = None  # see compress_with
