@@ -97,9 +97,16 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     ckpt.add_argument("--size-mb", type=float, default=64.0, help="total state, split over the ranks")
     ckpt.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians reported")
     ckpt.add_argument("--dir", help="where to write (default: a temporary folder)")
+    from shardwise.commands.bench_gpu import add_gpu_parser
+
+    add_gpu_parser(kinds, run)
 
 
 def bench_command(args: argparse.Namespace) -> int:
+    if args.kind == "gpu":
+        from shardwise.commands.bench_gpu import bench_gpu_command
+
+        return bench_gpu_command(args)
     if args.kind == "ddp":
         from shardwise.bench.ddp import render_ddp, run_ddp_bench
 
