@@ -151,6 +151,20 @@ def test_the_explicit_algorithms_are_refused_on_nccl() -> None:
     check_algorithm("auto", "cuda")
 
 
+def test_a_pipeline_over_nccl_is_refused_until_its_transfers_are_ordered(
+    two_gpus: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardwise.config import load_config
+    from shardwise.parallelism import NotBuiltError, check
+
+    config = load_config(None, {"parallel.pp": "2", "model.preset": "odd-deep"})
+    with pytest.raises(NotBuiltError, match=r"parallel.pp = 2\) over NCCL is not built yet"):
+        check(config)
+    check(load_config(None, {"parallel.pp": "2", "model.preset": "odd-deep", "device": "cpu"}))
+    monkeypatch.setenv(devices.CUDA_BACKEND_ENV, "gloo")  # the shared-GPU test bed: gloo, tags kept
+    check(config)
+
+
 # -- batches, memory --------------------------------------------------------------------------------
 def test_batches_already_on_the_device_are_not_copied() -> None:
     x, y = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)

@@ -235,7 +235,7 @@ class DDPEngine(Engine):
         return [p.grad for p in self.params if p.grad is not None]
 
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
-        return sq_sum(self._grad_tensors()), None  # every rank holds the whole, reduced gradient
+        return sq_sum(self._grad_tensors(), self.device), None  # every rank holds the whole, reduced gradient
 
     def prepare_update(self) -> bool:
         """fp16: unscale the reduced gradients; an inf or NaN skips the update and lowers the scale.

@@ -120,7 +120,7 @@ class DiLoCoEngine(Engine):
         return [[(self._names[id(p)], p) for p in self.params]]
 
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
-        return grad_sq_sum(self.params), None  # local: clipping must not communicate
+        return grad_sq_sum(self.params, self.device), None  # local: clipping must not communicate
 
     def after_update(self) -> None:
         self.model.zero_grad(set_to_none=True)

@@ -244,7 +244,7 @@ class ParamServerEngine(Engine):
             raise RuntimeError("the parameter server's gradient norm is taken on the servers, not workers")
         if len(self.servers) > 1 and self.server_comm is None:
             raise RuntimeError("with several parameter servers, build the engine with server_comm")
-        return grad_sq_sum(self.own), self.server_comm
+        return grad_sq_sum(self.own, self.device), self.server_comm
 
     def after_update(self) -> None:
         self._require_worker()

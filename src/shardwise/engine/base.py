@@ -160,19 +160,21 @@ def trainable(model: nn.Module) -> NamedTensors:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def grad_sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def grad_sq_sum(tensors: Sequence[torch.Tensor], device: torch.device = HOST) -> torch.Tensor:
     """Sum of squared gradient elements of ``tensors`` (missing gradients count zero), as float64."""
-    return sq_sum([t.grad for t in tensors if t.grad is not None])
+    return sq_sum([t.grad for t in tensors if t.grad is not None], device)
 
 
-def sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of the squares of every element of ``tensors``, as a float64 scalar.
+def sq_sum(tensors: Sequence[torch.Tensor], device: torch.device = HOST) -> torch.Tensor:
+    """Sum of the squares of every element of ``tensors``, as a float64 scalar on their device.
 
     Each tensor's norm is taken in its own dtype (no float64 copy of a large gradient), as
     ``torch.nn.utils.clip_grad_norm_`` does; only the per-tensor norms are squared in float64.
+    ``device``: where the zero of no tensors lives (the engine's, so that every rank's share is
+    summed over the same backend).
     """
     if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=HOST)
+        return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch._foreach_norm([t.detach() for t in tensors])
     return torch.stack(norms).double().pow(2).sum()  # on the tensors' device: read once, by the caller
 

@@ -147,7 +147,8 @@ class ZeroBase(Engine):
 
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         """Squares of this rank's gradient shards (padding is zero): each element lives in one shard."""
-        return sq_sum([g.grad_shard for g in self.groups if g.grad_shard is not None]), self.comm
+        shards = [g.grad_shard for g in self.groups if g.grad_shard is not None]
+        return sq_sum(shards, self.device), self.comm
 
     def scale_grads(self, factor: float) -> None:
         for group in self.groups:
