@@ -138,16 +138,8 @@ def first_nonfinite(named: Sequence[tuple[str, torch.Tensor | None]]) -> str | N
     present = [(name, t) for name, t in named if t is not None and t.numel()]
     if not present:
         return None
-    index = int(nonfinite_index([t for _, t in present]))
-    return present[index][0] if index < len(present) else None
-
-
-def nonfinite_index(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A 0-d int64 tensor on the tensors' device: the index of the first of ``tensors`` holding a NaN
-    or inf, ``len(tensors)`` when none does (not read here: the caller reads it, or reduces it first)."""
-    finite = torch.stack([torch.isfinite(t).all() for t in tensors])  # (n,) bool
-    found = torch.cat([~finite, finite.new_ones(1)])  # a sentinel true at n
-    return found.to(torch.uint8).argmax()
+    finite = torch.stack([torch.isfinite(t).all() for _, t in present]).tolist()
+    return next((name for (name, _), ok in zip(present, finite, strict=True) if not ok), None)
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
