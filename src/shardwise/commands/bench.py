@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from shardwise.commands.output import write_json as _write
 
 
 def _kind(kinds: Any, name: str, help: str, run: Callable[[argparse.Namespace], int], nproc: int) -> Any:
@@ -212,15 +212,6 @@ def _save_and_emit(
         _write(args.out, result)
     emit(result, args.json, render)
     return 0
-
-
-def _write(path: str, result: dict[str, Any]) -> None:
-    """``result`` as JSON at ``path``, replaced whole (a temporary file renamed), never half-written."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp")
-    temporary.write_text(json.dumps(result, indent=2))
-    temporary.replace(target)
 
 
 def _compress_link(args: argparse.Namespace) -> int:

@@ -70,8 +70,7 @@ def add_gpu_parser(kinds: Any, run: Any) -> None:
 
 
 def bench_gpu_command(args: argparse.Namespace) -> int:
-    from shardwise.commands.bench import _write
-    from shardwise.commands.output import emit
+    from shardwise.commands.output import emit, write_json
     from shardwise.config import ConfigError
 
     if not cuda_count():
@@ -93,7 +92,7 @@ def bench_gpu_command(args: argparse.Namespace) -> int:
         else:
             results[part] = overhead(args.preset, args.steps, args.rounds)
         results[part]["device"] = torch.cuda.get_device_name(0)
-        _write(str(Path(args.out_dir) / f"gpu-{part}.json"), results[part])
+        write_json(str(Path(args.out_dir) / f"gpu-{part}.json"), results[part])
     emit(results, args.json, _render)
     ok = all(r.get("ok", True) for r in results.values())
     return 0 if ok else 1
