@@ -1,6 +1,8 @@
 """``parallelize(model, mesh, config)``: every configured kind of parallelism, applied from outside.
 
-The steps run in one fixed order (torchtitan's ``parallelize``), each on its own mesh axis:
+The steps run in one fixed order (torchtitan's ``parallelize``), each on its own mesh axis, after the
+model is moved to this rank's device (``config.device`` in the joined group: its GPU or the CPU;
+parameters still on meta are materialised there by whoever reads them):
 
 1. tensor parallelism over ``tp``: parameters become local shards;
 2. the pipeline split over ``pp``: this rank keeps its stage(s), parameter names preserved;
@@ -33,6 +35,7 @@ from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
+from shardwise.device import cuda_backend, device_type, joined_device, place_model
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import AutoLoss, CausalLMLoss, Loss, TokenLoss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
@@ -71,6 +74,7 @@ def check(config: TrainConfig) -> None:
     _check_hybrid(config)
     _check_tensor_parallel(config)
     _check_pipeline(config)
+    _check_pipeline_on_nccl(config.parallel.pp, device_type(config.device))
 
 
 def _check_hybrid(config: TrainConfig) -> None:
@@ -186,6 +190,17 @@ def _check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
             )
 
 
+def _check_pipeline_on_nccl(pp: int, device: str) -> None:
+    """The pipeline tells its messages apart by tag and posts a step's receives up front; NCCL ignores
+    tags and pairs a peer's sends and receives in order, so on NCCL it is refused until each action's
+    transfers are posted together, in the same order on both peers (``batch_isend_irecv``)."""
+    if pp > 1 and device == "cuda" and cuda_backend() == "nccl":
+        raise NotBuiltError(
+            f"pipeline parallelism (parallel.pp = {pp}) over NCCL is not built yet (its transfers rely on "
+            "tags, which NCCL ignores); run it with --device cpu, or set parallel.pp = 1"
+        )
+
+
 def apply_tensor_parallel(
     model: nn.Module, mesh: Mesh, config: TrainConfig
 ) -> TensorParallelLayout | None:
@@ -252,6 +267,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Pipelin
     if parallel.pp == 1 or not mesh.in_mesh:
         return None
     comm = mesh.comm("pp")
+    _check_pipeline_on_nccl(parallel.pp, comm.device_type)
     name, pp, virtual = parallel.schedule, parallel.pp, parallel.stages_per_rank
     placement = stage_placement(name, pp, virtual)
     split = split_model(model, placement, comm.rank, parallel.pp_split)
@@ -340,7 +356,7 @@ def _initial_weights(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Itera
             )
         yield None
         return
-    with PretrainedWeights.open(path, model) as weights:
+    with PretrainedWeights.open(path, model, joined_device(config.device)) as weights:
         note = weights.cast_note()
         if note and mesh.rank == 0:
             print(f"shardwise: {note}", file=sys.stderr, flush=True)
@@ -369,6 +385,7 @@ def parallelize(
             "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
             "to train; leave some unfrozen"
         )
+    place_model(model, joined_device(config.device))  # built on the host under the seed, moved first
     layout = apply_tensor_parallel(model, mesh, config)
     runner = apply_pipeline(model, mesh, config)
     apply_activation_checkpointing(model, config, layout.tracker if layout is not None else None)
