@@ -44,7 +44,7 @@ from shardwise.mesh import Mesh
 from shardwise.models import PRESETS, build_model
 from shardwise.models.family import GPT, HF_GPT2, HF_LLAMA, family_of
 from shardwise.models.meta import meta_parameters
-from shardwise.pipeline.engine import attach_pipeline
+from shardwise.pipeline.axis import PipelineAxis
 from shardwise.pipeline.runtime import PipelineRunner
 from shardwise.pipeline.schedules import ScheduleConfigError, stage_placement
 from shardwise.pipeline.schedules import build as build_schedule
@@ -53,7 +53,7 @@ from shardwise.pipeline.split import plan_stages, split_model
 from shardwise.strategies import build_data_parallel
 from shardwise.tensor_parallel import Plan, TensorParallelLayout, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from shardwise.tensor_parallel import apply_tensor_parallel as apply_tp_plan
-from shardwise.tensor_parallel.engine import attach_rng_states, attach_tensor_parallel
+from shardwise.tensor_parallel.axis import TensorParallelAxis
 from shardwise.tensor_parallel.layers import VocabParallelCausalLMLoss, VocabParallelTokenLoss
 from shardwise.tensor_parallel.random import RNGStatesTracker
 from shardwise.zero.units import resolve_units
@@ -71,10 +71,20 @@ DEFAULT_SCHEDULE = ParallelConfig().schedule  # what a config without a pipeline
 
 def check(config: TrainConfig) -> None:
     """Refuse, in one line, what the config asks for and no step can do yet."""
+    _check_not_built(config)
     _check_hybrid(config)
     _check_tensor_parallel(config)
     _check_pipeline(config)
     _check_pipeline_on_nccl(config.parallel.pp, device_type(config.device))
+
+
+NOT_BUILT_AXES = {"cp": "context parallelism", "ep": "expert parallelism"}  # in the table, not built yet
+
+
+def _check_not_built(config: TrainConfig) -> None:
+    for axis, what in NOT_BUILT_AXES.items():
+        if (degree := getattr(config.parallel, axis)) > 1:
+            raise NotBuiltError(f"{what} (--{axis} {degree}) is not built yet; set parallel.{axis} = 1")
 
 
 def _check_hybrid(config: TrainConfig) -> None:
@@ -394,22 +404,19 @@ def parallelize(
         engine = build_data_parallel(config, model, mesh, share_gradients, weights)
     if left := meta_parameters(model):  # a strategy that did not read them: never train on no data
         raise RuntimeError(f"{config.strategy} left parameters on the meta device: {', '.join(left[:3])}")
-    engine.count_comm = mesh.comm("dp") if mesh.in_mesh else None  # the ranks that split each batch
+    engine.batch_comm = mesh.comm("batch") if mesh.in_mesh else None  # the ranks that split each batch
+    engine.trainers = mesh.trainers
     engine.clip_grad_norm = config.optim.clip_grad_norm
+    engine.on_nonfinite = config.on_nonfinite
     if engine.units_are_parameters:  # ZeRO took the precision at construction (compute copies)
         engine.use_precision(config.compute_precision)
     if loss is not None:
         engine.loss = as_loss(loss)
-    # what is global (the norm, full tensors, checkpoint pieces) widened over tp, then over pp
-    if layout is not None:  # every tp rank holds the whole loss: the first reports it
+    if layout is not None:  # the logits are cut by vocabulary over tp
         engine.loss = tensor_parallel_loss(engine.loss, layout.comm)
-        engine.loss_comm = mesh.trainers
-        attach_tensor_parallel(engine, layout)
-    if runner is not None:
-        engine.loss_comm = mesh.trainers  # only the last stage holds a loss share: sum over every stage
-        attach_pipeline(engine, runner)
-    if layout is not None:  # per rank, so last: the pipeline keeps only its stage's model pieces
-        attach_rng_states(engine, layout.tracker, mesh.rank)
+    # what is global (the norm, full tensors, checkpoint pieces) widened over tp, then over pp
+    tp = [TensorParallelAxis(layout, mesh.rank)] if layout is not None else []
+    engine.join([*tp, *([PipelineAxis(runner)] if runner is not None else [])])
     if scheduler is None and not is_constant(config.optim):
         scheduler = schedule_factory(config.optim, config.steps)
     return attach_optimizers(engine, factory or optimizer_factory(config.optim), scheduler)

@@ -28,7 +28,7 @@ from shardwise.data_parallel.param_server import ParamServerEngine
 from shardwise.engine.base import Engine, Role
 from shardwise.mesh import Mesh
 from shardwise.zero import build_zero_engine
-from shardwise.zero.hybrid import attach_hybrid
+from shardwise.zero.hybrid import HybridReplicas
 
 Weights = PretrainedWeights | None
 Builder = Callable[[TrainConfig, nn.Module, Mesh, bool, Weights], Engine]
@@ -57,7 +57,7 @@ def _zero(stage: int) -> Builder:
         role, compressor = Role.trainer(mesh.rank), _compressor(config, dp)
         engine = build_zero_engine(model, dp, stage, zero, role, weights, compressor)
         if hybrid:
-            attach_hybrid(engine, mesh.comm("dp_replicate"))
+            engine.axes.append(HybridReplicas(engine, mesh.comm("dp_replicate")))
         return engine
 
     return build

@@ -33,7 +33,7 @@ alike: each pp rank draws the same micro-batches (the samplers shard by dp rank;
 ``batches=`` stream must be the same on the pp ranks of one pipeline), so only activations and their
 gradients travel. The loss exists on the last stage only; that rank
 returns its share and every other rank 0, so the shares still sum, over all ranks that train, to the
-global mean (``Engine.loss_comm`` is the group they sum over). Communication: point-to-point between
+global mean (``Engine.trainers`` is the group they sum over). Communication: point-to-point between
 adjacent stages' ranks over the pp axis (Narayanan et al. 2021, arXiv:2104.04473; Qi et al. 2023,
 arXiv:2401.10241 for I and W).
 """
@@ -94,9 +94,7 @@ class PipelineRunner:
         self._reduce_tied()
         MONITOR.set_phase("gradient sync")
         engine.finish_grads()
-        if self.last_stage in self.split.stages:
-            return engine.step_loss(float(state.share))
-        return 0.0
+        return engine.step_loss(state.share)  # the last stage reports it (``PipelineAxis``)
 
     def _post_receives(
         self, plan: list[tuple[Action, list[Transfer], list[Transfer]]], given: Sequence[StageInputs],

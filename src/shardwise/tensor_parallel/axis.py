@@ -1,30 +1,29 @@
-"""A data-parallel engine over tensor-parallel shards, made to answer for the whole tensors.
+"""The tp axis joined to a data-parallel engine over tensor-parallel shards: the engine answers for
+whole tensors.
 
 After ``apply_tensor_parallel`` a rank's parameters are local shards (boxes of the global tensors, in
 the layout's records) or whole copies every tp rank holds (norms, row-layer biases). The engine over
-the dp axis (DDP, ZeRO-1/2/3) knows only the local tensors. ``attach_tensor_parallel`` widens, over
-the tp axis, what is global by contract (``engine/base.py``), as ``pipeline.engine.attach_pipeline``
-does over pp:
+the dp axis (DDP, ZeRO-1/2/3) knows only the local tensors. ``TensorParallelAxis`` (``engine/axis.py``)
+widens, over the tp axis, what is global by contract (``engine/base.py``):
 
-- ``grad_norm_sq``: the engine's share, less the replicated parameters' squares (``held_grads``) on
-  every tp rank but the first, summed over dp, then over tp: each element once over dp x tp;
-- ``full_parameters`` / ``full_gradients``: each sharded tensor assembled at its global shape on every
-  tp rank (its box written into zeros, one all-reduce over tp; boxes are disjoint, so the sum is exact);
-- ``state_pieces``: the engine spreads its tensors over its dp group; each sharded tensor (a parameter
-  and its optimizer state) is written as the boxes of its placements; replicated tensors, scalars and
-  buffers by the first tp rank only;
-- ``load_state``: the engine's requests for whole local tensors become box reads of the global ones;
-- ``step_loss``: every tp rank computes the same loss, so only the first reports it.
-- after ``finish_grads``: under sequence parallelism, one all-reduce over tp of the gradients of the
-  parameters replicated inside the sequence-cut region (Korthikanti et al., 2022).
+- after the gradient exchange: under sequence parallelism, one all-reduce over tp of the gradients of
+  the parameters replicated inside the sequence-cut region (Korthikanti et al., 2022);
+- the norm: a replicated parameter's squares (``held_grads``) taken out of every tp rank's share but
+  the first's, so each element counts once over tp;
+- full tensors: each sharded tensor assembled at its global shape on every tp rank (its box written
+  into zeros, one all-reduce over tp; boxes are disjoint, so the sum is exact);
+- checkpoints: the engine spreads its tensors over its dp group; each sharded tensor (a parameter and
+  its optimizer state) is written as the boxes of its placements; replicated tensors, scalars and
+  buffers by the first tp rank only; loading, the engine's requests for whole local tensors become box
+  reads of the global ones (``BoxReader``);
+- its own state: the RNG tracker's states (the split regions' dropout streams, ``tensor_parallel.random``)
+  go into checkpoints as ``rng/<state>/rank<r>``, per global rank beside torch's own generator
+  (``checkpoint.rng``), and are loaded back, as Megatron's checkpoints keep its tracker's states:
+  without them a resumed run would draw the split regions' masks from the seed again and part from the
+  uninterrupted run;
+- the loss: every tp rank computes the same loss, so only the first reports it.
 
-``attach_rng_states`` (after every other attachment, so no wrapper filters its pieces) puts the RNG
-tracker's states (the split regions' dropout streams, ``tensor_parallel.random``) into checkpoints as
-``rng/<state>/rank<r>``, per global rank beside torch's own generator (``checkpoint.rng``), and loads
-them back, as Megatron's checkpoints keep its tracker's states: without them a resumed run would draw
-the split regions' masks from the seed again and part from the uninterrupted run.
-
-Communication: per step one all-reduce of one number over tp (the norm), and the sequence-parallel sum;
+Communication: per step, the sequence-parallel sum; the norm's share joins the engine's one all-reduce;
 the full model (verify, the end of a run) costs one all-reduce per sharded tensor.
 """
 
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
@@ -40,69 +38,65 @@ from shardwise.checkpoint.boxes import Box, flat_segments, intersect
 from shardwise.checkpoint.manager import Piece
 from shardwise.checkpoint.rng import torch_rng_name
 from shardwise.collectives.api import Comm
+from shardwise.engine.axis import Axis
 from shardwise.engine.base import Engine, Span, StateReader, sq_sum
 from shardwise.tensor_parallel.plans import TensorParallelLayout
-from shardwise.tensor_parallel.random import RNGStatesTracker
 from shardwise.tensor_parallel.shards import Placement, ShardedParam
 
 
-def attach_tensor_parallel(engine: Engine, layout: TensorParallelLayout) -> None:
-    """Make ``engine`` (over one tp rank's shards) answer global questions over the tp axis too."""
-    tp = layout.comm
-    sharded = {n: s for n, s in layout.params.items() if not s.replicated}
-    local_norm, local_finish = engine.grad_norm_sq, engine.finish_grads
-    local_params, local_grads = engine.full_parameters, engine.full_gradients
-    local_pieces, local_load, local_loss = engine.state_pieces, engine.load_state, engine.step_loss
-    replicated = {n for n in layout.params if n not in sharded}
-    sequence_parallel = set(layout.sequence_parallel_params)
+class TensorParallelAxis(Axis):
+    """The tp axis of ``layout`` (what ``apply_tensor_parallel`` made of the model) on global rank
+    ``rank`` (which names its dropout streams in checkpoints)."""
 
-    def grad_norm_sq() -> tuple[torch.Tensor, Comm | None]:
-        share, comm = local_norm()
-        if tp.rank != 0:  # a replicated parameter counts once, on the first tp rank
-            share = share - sq_sum(engine.held_grads(replicated), share.device)
-        if comm is not None:
-            comm.all_reduce(share)
-        return share, tp
+    name = "tp"
 
-    def finish_grads() -> None:
-        local_finish()
-        if sequence_parallel:
-            sum_over(tp, engine.held_grads(sequence_parallel))
+    def __init__(self, layout: TensorParallelLayout, rank: int) -> None:
+        super().__init__(layout.comm)
+        self.sharded = {n: s for n, s in layout.params.items() if not s.replicated}
+        self.replicated = {n for n in layout.params if n not in self.sharded}
+        self.sequence_parallel = set(layout.sequence_parallel_params)
+        self.tracker = layout.tracker
+        self.rank = rank
 
-    overrides: dict[str, Callable[..., Any]] = {
-        "grad_norm_sq": grad_norm_sq,
-        "finish_grads": finish_grads,
-        "full_parameters": lambda: assemble_all(tp, sharded, local_params()),
-        "full_gradients": lambda: assemble_all(tp, sharded, local_grads()),
-        "state_pieces": lambda _rank, _size: tp_pieces(tp.rank, sharded, local_pieces(*_dp_place(engine))),
-        "load_state": lambda read: local_load(BoxReader(read, sharded)),
-        "step_loss": lambda share: local_loss(share) if tp.rank == 0 else 0.0,
-    }
-    engine.override(overrides)
+    def after_grads(self, engine: Engine) -> None:
+        if self.sequence_parallel:
+            sum_over(self.comm, engine.held_grads(self.sequence_parallel))
 
+    def norm_share(self, engine: Engine, share: torch.Tensor) -> torch.Tensor:
+        if self.comm.rank == 0:  # a replicated parameter counts once, on the first tp rank
+            return share
+        return share - sq_sum(engine.held_grads(self.replicated), share.device)
 
-def attach_rng_states(engine: Engine, tracker: RNGStatesTracker, rank: int) -> None:
-    """Make ``engine``'s checkpoints carry ``tracker``'s states as ``rng/<state>/rank<rank>`` (``rank``:
-    this rank in the whole job; every rank writes its own) and its loads restore them when present (a
-    checkpoint without them, from a run without tensor parallelism, leaves the tracker as seeded)."""
-    local_pieces, local_load = engine.state_pieces, engine.load_state
+    @property
+    def reports_loss(self) -> bool:
+        return self.comm.rank == 0
 
-    def state_pieces(writer_rank: int, writers: int) -> list[Piece]:
-        states = tracker.get_states()
-        return local_pieces(writer_rank, writers) + [
-            Piece.full(torch_rng_name(rank, name), state) for name, state in states.items()
-        ]
+    def assemble(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return assemble_all(self.comm, self.sharded, tensors)
 
-    def load_state(read: StateReader) -> None:
-        names = {torch_rng_name(rank, name): name for name in tracker.states}
+    def pieces(self, pieces: list[Piece]) -> list[Piece]:
+        return tp_pieces(self.comm.rank, self.sharded, pieces)
+
+    def reader(self, read: StateReader) -> StateReader:
+        return BoxReader(read, self.sharded)
+
+    def own_pieces(self) -> list[Piece]:
+        states = self.tracker.get_states()
+        return [Piece.full(torch_rng_name(self.rank, name), state) for name, state in states.items()]
+
+    def read_own(self, read: StateReader) -> Callable[[], None]:
+        """The tracker's states when the checkpoint has them (one from a run without tensor
+        parallelism leaves the tracker as seeded)."""
+        names = {torch_rng_name(self.rank, name): name for name in self.tracker.states}
         present = [key for key in names if key in read.shapes]
-        saved = read(dict.fromkeys(present)) if present else {}  # all read before anything changes
-        local_load(read)
-        states = tracker.get_states()
-        states.update({names[key]: tensor.to(torch.uint8) for key, tensor in saved.items()})
-        tracker.set_states(states)
+        saved = read(dict.fromkeys(present)) if present else {}
 
-    engine.override({"state_pieces": state_pieces, "load_state": load_state})
+        def put() -> None:
+            states = self.tracker.get_states()
+            states.update({names[key]: tensor.to(torch.uint8) for key, tensor in saved.items()})
+            self.tracker.set_states(states)
+
+        return put
 
 
 def sum_over(comm: Comm, tensors: list[torch.Tensor]) -> None:
@@ -116,13 +110,6 @@ def sum_over(comm: Comm, tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
-
-
-def _dp_place(engine: Engine) -> tuple[int, int]:
-    """This rank's place in its dp group: the engine spreads what it writes over that group only (each
-    tp rank of a dp rank holds other shards)."""
-    dp = engine.count_comm
-    return (dp.rank, dp.world_size) if dp is not None else (0, 1)
 
 
 def assemble_all(
