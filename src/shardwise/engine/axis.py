@@ -24,7 +24,9 @@ own, then tp, cp, ep, pp: the order ``parallelize`` applied them), one loop per 
   the first reports it; a pipeline's loss is on its last stage);
 - ``step_runner``: who runs the step's micro-batches, where the axis does (the pipeline's runtime).
 
-The base class is an axis of one rank: it adds nothing. Communication: each axis's own, stated in
+Before any of that, ``apply(model)`` is the axis's step in ``parallelize`` (tp, cp, ep, pp in that
+order): it cuts the model in place, and the axis is ``active`` where it holds part of it. The base
+class is an axis of one rank: it applies and adds nothing. Communication: each axis's own, stated in
 its module; none here.
 """
 
@@ -34,9 +36,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
+from shardwise.errors import NotBuiltError
 
 if TYPE_CHECKING:
     from shardwise.engine.base import Engine, StateReader
@@ -51,10 +55,18 @@ class Axis:
     """A mesh axis joined to an engine; see the module docstring for the protocol."""
 
     name = "axis"
+    comm: Comm  # this rank's group along the axis, once the axis holds part of the model
     step_runner: StepRunner | None = None  # the pipeline's runtime runs the micro-batches
 
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
+    @property
+    def active(self) -> bool:
+        """Whether the axis cuts the model on this rank (an axis of one rank, or a parameter server's,
+        does not: the engine never asks it)."""
+        return True
+
+    def apply(self, model: nn.Module) -> None:
+        """Cut ``model`` over this axis, in place (``parallelize``'s step for the axis)."""
+        return None
 
     # -- the step -----------------------------------------------------------------------------------
     def after_grads(self, engine: Engine) -> None:
@@ -97,3 +109,21 @@ class Axis:
         """Read the axis's own state from ``read`` now; the returned call puts it in place (after the
         engine loaded, so that a damaged file leaves everything as it was)."""
         return _nothing
+
+
+NOT_BUILT = {"cp": "context parallelism", "ep": "expert parallelism"}  # in the axis table, not built yet
+
+
+class NotBuiltAxis(Axis):
+    """An axis of the table that is not built yet (``NOT_BUILT``): refused in one line above degree 1,
+    nothing at 1."""
+
+    def __init__(self, name: str, degree: int) -> None:
+        if degree > 1:
+            what = NOT_BUILT[name]
+            raise NotBuiltError(f"{what} (--{name} {degree}) is not built yet; set parallel.{name} = 1")
+        self.name = name
+
+    @property
+    def active(self) -> bool:
+        return False

@@ -153,11 +153,12 @@ class Engine(ABC):
         self.local_count = 0.0  # the items of this rank's micro-batches this step (forward_backward)
 
     def join(self, axes: Sequence[Axis]) -> None:
-        """Take the model's further axes (tp, cp, ep, pp: ``parallelize``'s order) outside those the
-        strategy has of its own (hybrid replicas); an axis that runs the step's micro-batches (the
-        pipeline) becomes the step runner."""
-        self.axes = [*self.axes, *axes]
-        for axis in axes:
+        """Take the model's further axes (tp, cp, ep, pp: ``parallelize``'s order; those that cut the
+        model on this rank) outside those the strategy has of its own (hybrid replicas); an axis that
+        runs the step's micro-batches (the pipeline) becomes the step runner."""
+        joined = [axis for axis in axes if axis.active]  # an axis of one rank adds nothing
+        self.axes = [*self.axes, *joined]
+        for axis in joined:
             if axis.step_runner is not None:
                 self.runner = axis.step_runner
 

@@ -1,7 +1,9 @@
-"""The pp axis joined to a data-parallel engine on one pipeline stage: the engine answers for the
-whole model.
+"""The pp axis: this rank's pipeline stages kept (step 4 of ``parallelize``), then joined to the
+data-parallel engine on them, so that the engine answers for the whole model.
 
-After ``pipeline.split`` a rank's model holds only its stages' parameters, and its engine (DDP, ZeRO-1,
+``PipelineAxis.apply`` keeps this rank's stages (``pipeline.split``) and makes the runtime that runs
+them (``pipeline.runtime``); the config's refusals are ``check_pipeline``. After the split a rank's
+model holds only its stages' parameters, and its engine (DDP, ZeRO-1,
 -2 or -3 over the rank's dp group) knows only those. ``PipelineAxis`` (``engine/axis.py``) gives the
 engine the pipeline runtime as its step runner and widens, over the pp axis, what is global by
 contract (``engine/base.py``):
@@ -25,11 +27,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
+from shardwise.config import ParallelConfig, TrainConfig
+from shardwise.device import cuda_backend
 from shardwise.engine.axis import Axis
+from shardwise.errors import ConfigError, NotBuiltError
+from shardwise.mesh import Mesh
+from shardwise.models import build_model
+from shardwise.models.adapters import config_blocks
 from shardwise.pipeline.runtime import PipelineRunner
+from shardwise.pipeline.schedules import ScheduleConfigError, stage_placement
+from shardwise.pipeline.schedules import build as build_schedule
+from shardwise.pipeline.schedules import check as check_schedule
+from shardwise.pipeline.split import plan_stages, split_model
+
+# the data-parallel engines a pipeline stage runs under
+PIPELINE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+PIPELINE_REFUSED = ("ps", "diloco")
+DEFAULT_SCHEDULE = ParallelConfig().schedule  # what a config without a pipeline holds
 
 
 def gather_dicts(comm: Comm, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -43,15 +61,37 @@ def gather_dicts(comm: Comm, mine: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 class PipelineAxis(Axis):
-    """The pp axis of ``runner`` (this rank's stages and the runtime that runs them)."""
+    """The pp axis: ``apply`` keeps this rank's stages and makes the runtime that runs them."""
 
     name = "pp"
 
-    def __init__(self, runner: PipelineRunner) -> None:
-        super().__init__(runner.comm)
-        self.step_runner = runner
-        self.split = runner.split
-        self.holds_last = runner.last_stage in runner.split.stages
+    def __init__(self, mesh: Mesh, config: TrainConfig) -> None:
+        check_pipeline(config, config_model=False)  # the model checked is the one ``apply`` gets
+        self.mesh, self.parallel = mesh, config.parallel
+        self.runner: PipelineRunner | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.runner is not None
+
+    def apply(self, model: nn.Module) -> None:
+        """Step 4 of ``parallelize``: keep this rank's pipeline stages over pp (``pipeline.split``,
+        parameter names preserved) and make the runtime that runs them, the engine's step runner once
+        joined. Nothing at pp 1."""
+        parallel = self.parallel
+        if parallel.pp == 1 or not self.mesh.in_mesh:
+            return
+        comm = self.mesh.comm("pp")
+        check_pipeline_on_nccl(parallel.pp, comm.device_type)
+        name, pp, virtual = parallel.schedule, parallel.pp, parallel.stages_per_rank
+        placement = stage_placement(name, pp, virtual)
+        split = split_model(model, placement, comm.rank, parallel.pp_split)
+        runner = PipelineRunner(
+            split, comm, placement, lambda m: build_schedule(name, pp, virtual, m)[comm.rank]
+        )
+        self.runner = self.step_runner = runner
+        self.comm, self.split = comm, split
+        self.holds_last = runner.last_stage in split.stages
 
     @property
     def reports_loss(self) -> bool:
@@ -71,3 +111,76 @@ class PipelineAxis(Axis):
 
 def _stage_owned(name: str) -> bool:
     return name.startswith(("model/", "optim/"))
+
+
+def check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
+    """The schedule fits pp, virtual stages and micro-batches (the arithmetic in the message); the
+    strategies that cannot run on a pipeline stage are refused; ``config_model``: the blocks (the
+    names of ``parallel.pp_split``, or enough blocks for the stages) checked against the model the
+    config describes, built on meta. ``PipelineAxis`` skips that: the ranks' split checks the model
+    it is given, which may be the user's own rather than the config's."""
+    parallel = config.parallel
+    if parallel.pp == 1:
+        if parallel.schedule != DEFAULT_SCHEDULE:
+            raise ConfigError(
+                f"parallel.schedule = {parallel.schedule!r} orders a pipeline's micro-batches, but there is "
+                "no pipeline: set parallel.pp > 1 (--pp) or leave the schedule unset"
+            )
+        if parallel.virtual_stages not in (0, 1):
+            raise ConfigError(
+                f"parallel.virtual_stages = {parallel.virtual_stages} needs a pipeline: set parallel.pp > 1 "
+                "(--pp) or leave virtual_stages unset"
+            )
+        if parallel.pp_split:
+            raise ConfigError(
+                "parallel.pp_split names where pipeline stages start, but there is no pipeline: set "
+                "parallel.pp > 1 (--pp) or leave pp_split empty"
+            )
+        return
+    if config.strategy in PIPELINE_REFUSED:
+        raise NotBuiltError(
+            f"--strategy {config.strategy} does not run with pipeline parallelism "
+            f"(parallel.pp = {parallel.pp}); use {' or '.join(PIPELINE_STRATEGIES)} on the dp axis, "
+            "or set parallel.pp = 1"
+        )
+    unsupported = {
+        "precision = fp16 (each stage would decide an overflow alone)": (config.compute_precision == "fp16"),
+        "comm.compress (codec state is kept per dp rank, not per stage)": (
+            config.comm.compress not in ("", "none")
+        ),
+        "ddp.find_unused_parameters": config.ddp.find_unused_parameters,
+    }
+    for what, asked in unsupported.items():
+        if asked:
+            raise NotBuiltError(
+                f"{what} with pipeline parallelism (parallel.pp = {parallel.pp}) is not built yet; "
+                "drop it or set parallel.pp = 1"
+            )
+    try:
+        check_schedule(parallel.schedule, parallel.pp, parallel.stages_per_rank, config.data.micro_batches)
+    except ScheduleConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    if not config_model:
+        return
+    if parallel.pp_split:  # the names against the model's own blocks (built on meta: no values drawn)
+        model = build_model(config.model, meta=True)
+        plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
+    elif (blocks := config_blocks(config.model)) is not None:
+        stages = parallel.pp * parallel.stages_per_rank
+        if blocks < stages:
+            raise ConfigError(
+                f"the {config.model.kind} preset {config.model.preset!r} has {blocks} blocks, fewer than "
+                f"pp({parallel.pp}) x virtual_stages({parallel.stages_per_rank}) = {stages} stages; pick a "
+                "larger preset"
+            )
+
+
+def check_pipeline_on_nccl(pp: int, device: str) -> None:
+    """The pipeline tells its messages apart by tag and posts a step's receives up front; NCCL ignores
+    tags and pairs a peer's sends and receives in order, so on NCCL it is refused until each action's
+    transfers are posted together, in the same order on both peers (``batch_isend_irecv``)."""
+    if pp > 1 and device == "cuda" and cuda_backend() == "nccl":
+        raise NotBuiltError(
+            f"pipeline parallelism (parallel.pp = {pp}) over NCCL is not built yet (its transfers rely on "
+            "tags, which NCCL ignores); run it with --device cpu, or set parallel.pp = 1"
+        )

@@ -1,7 +1,9 @@
-"""The tp axis joined to a data-parallel engine over tensor-parallel shards: the engine answers for
-whole tensors.
+"""The tp axis: the model's layers cut over it (step 1 of ``parallelize``), then joined to the
+data-parallel engine over the shards, so that the engine answers for whole tensors.
 
-After ``apply_tensor_parallel`` a rank's parameters are local shards (boxes of the global tensors, in
+``TensorParallelAxis.apply`` cuts the model by its adapter's plan (``tensor_parallel.plans``); the
+config's refusals are ``check_tensor_parallel``; ``loss`` makes the engine's loss vocab-parallel.
+After that a rank's parameters are local shards (boxes of the global tensors, in
 the layout's records) or whole copies every tp rank holds (norms, row-layer biases). The engine over
 the dp axis (DDP, ZeRO-1/2/3) knows only the local tensors. ``TensorParallelAxis`` (``engine/axis.py``)
 widens, over the tp axis, what is global by contract (``engine/base.py``):
@@ -33,30 +35,70 @@ import math
 from collections.abc import Callable, Mapping
 
 import torch
+from torch import nn
 
 from shardwise.checkpoint.boxes import Box, flat_segments, intersect
 from shardwise.checkpoint.manager import Piece
 from shardwise.checkpoint.rng import torch_rng_name
 from shardwise.collectives.api import Comm
+from shardwise.config import TrainConfig
 from shardwise.engine.axis import Axis
 from shardwise.engine.base import Engine, Span, StateReader, sq_sum
-from shardwise.tensor_parallel.plans import TensorParallelLayout
+from shardwise.engine.loss import AutoLoss, CausalLMLoss, Loss, TokenLoss
+from shardwise.errors import ConfigError, NotBuiltError
+from shardwise.mesh import Mesh
+from shardwise.models.adapters import adapter_for
+from shardwise.tensor_parallel.layers import VocabParallelCausalLMLoss, VocabParallelTokenLoss
+from shardwise.tensor_parallel.plans import TensorParallelLayout, apply_tensor_parallel
+from shardwise.tensor_parallel.random import RNGStatesTracker
 from shardwise.tensor_parallel.shards import Placement, ShardedParam
+
+TENSOR_PARALLEL_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")  # data-parallel engines over tp shards
 
 
 class TensorParallelAxis(Axis):
-    """The tp axis of ``layout`` (what ``apply_tensor_parallel`` made of the model) on global rank
-    ``rank`` (which names its dropout streams in checkpoints)."""
+    """The tp axis: ``apply`` cuts the model's layers by its plan, then the engine asks it (above)."""
 
     name = "tp"
 
-    def __init__(self, layout: TensorParallelLayout, rank: int) -> None:
-        super().__init__(layout.comm)
+    def __init__(self, mesh: Mesh, config: TrainConfig) -> None:
+        check_tensor_parallel(config)
+        self.mesh, self.parallel, self.seed = mesh, config.parallel, config.seed
+        self.layout: TensorParallelLayout | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.layout is not None
+
+    @property
+    def tracker(self) -> RNGStatesTracker | None:
+        """The split regions' dropout streams (activation checkpointing replays them), if any."""
+        return self.layout.tracker if self.layout is not None else None
+
+    def apply(self, model: nn.Module) -> None:
+        """Step 1 of ``parallelize``: cut the model's layers over tp by its adapter's plan (a model
+        with none, or a subclass overriding its family's forward, is refused by name): parameters
+        become local shards, each knowing its global name, shape and box. Nothing at tp 1."""
+        if self.parallel.tp == 1 or not self.mesh.in_mesh:
+            return
+        plan = adapter_for(model).tp_plan()
+        try:
+            layout = apply_tensor_parallel(
+                model, self.mesh.comm("tp"), plan, sequence_parallel=self.parallel.sequence_parallel,
+                seed=self.seed,
+            )  # fmt: skip
+        except ValueError as exc:  # a width tp does not divide: the arithmetic, in one line
+            raise ConfigError(f"tensor parallelism: {exc}") from None
+        self.layout, self.comm, self.streams = layout, layout.comm, layout.tracker
         self.sharded = {n: s for n, s in layout.params.items() if not s.replicated}
         self.replicated = {n for n in layout.params if n not in self.sharded}
         self.sequence_parallel = set(layout.sequence_parallel_params)
-        self.tracker = layout.tracker
-        self.rank = rank
+        self.rank = self.mesh.rank  # global: it names this rank's dropout streams in checkpoints
+
+    def loss(self, loss: Loss) -> Loss:
+        """The engine's loss over this rank's vocab-cut logits (``tensor_parallel_loss``); as is
+        without tp."""
+        return tensor_parallel_loss(loss, self.comm) if self.active else loss
 
     def after_grads(self, engine: Engine) -> None:
         if self.sequence_parallel:
@@ -81,22 +123,70 @@ class TensorParallelAxis(Axis):
         return BoxReader(read, self.sharded)
 
     def own_pieces(self) -> list[Piece]:
-        states = self.tracker.get_states()
+        states = self.streams.get_states()
         return [Piece.full(torch_rng_name(self.rank, name), state) for name, state in states.items()]
 
     def read_own(self, read: StateReader) -> Callable[[], None]:
         """The tracker's states when the checkpoint has them (one from a run without tensor
         parallelism leaves the tracker as seeded)."""
-        names = {torch_rng_name(self.rank, name): name for name in self.tracker.states}
+        names = {torch_rng_name(self.rank, name): name for name in self.streams.states}
         present = [key for key in names if key in read.shapes]
         saved = read(dict.fromkeys(present)) if present else {}
 
         def put() -> None:
-            states = self.tracker.get_states()
+            states = self.streams.get_states()
             states.update({names[key]: tensor.to(torch.uint8) for key, tensor in saved.items()})
-            self.tracker.set_states(states)
+            self.streams.set_states(states)
 
         return put
+
+
+def tensor_parallel_loss(loss: Loss, comm: Comm) -> Loss:
+    """The built-in losses over vocab-cut logits (no rank gathers the full logits), the default one
+    (``AutoLoss``) included; a user's own loss would see a tp-th of the vocabulary, so it is refused."""
+    if type(loss) is TokenLoss:
+        return VocabParallelTokenLoss(comm, loss.positions)
+    if type(loss) is CausalLMLoss:
+        return VocabParallelCausalLMLoss(comm, loss.ignore_index)
+    if type(loss) is AutoLoss:
+        causal = VocabParallelCausalLMLoss(comm, loss.ignore_index)
+        return loss.over(causal=causal, tokens=VocabParallelTokenLoss(comm))
+    raise ConfigError(
+        f"with tensor parallelism the logits are cut by vocabulary, so a loss of your own "
+        f"({type(loss).__name__}) would see a tp-th of them; leave loss unset (the default), pass "
+        "sw.CausalLMLoss() or sw.TokenLoss(), or set parallel.tp = 1"
+    )
+
+
+def check_tensor_parallel(config: TrainConfig) -> None:
+    """What tensor parallelism refuses in the config alone (one line each)."""
+    parallel = config.parallel
+    if parallel.tp == 1:
+        if parallel.sequence_parallel:
+            raise ConfigError(
+                "parallel.sequence_parallel needs tensor parallelism: set parallel.tp > 1 (--tp)"
+            )
+        return
+    if config.strategy not in TENSOR_PARALLEL_STRATEGIES:
+        raise NotBuiltError(
+            f"--strategy {config.strategy} with tensor parallelism (parallel.tp = {parallel.tp}) is not "
+            f"built yet; use {' or '.join(TENSOR_PARALLEL_STRATEGIES)} on the dp axis, or set parallel.tp = 1"
+        )
+    if parallel.pp != 1 and parallel.sequence_parallel:
+        raise NotBuiltError(
+            f"sequence parallelism with a pipeline (pp {parallel.pp}) is not built yet (stages would pass "
+            "a tp-th of the sequence); drop --sequence-parallel or set parallel.pp = 1"
+        )
+    if config.comm.compress:
+        raise NotBuiltError(
+            f"gradient compression (--compress {config.comm.compress}) with tensor parallelism is not "
+            "built yet (each tp rank's error feedback would need its own checkpoint slot); drop one"
+        )
+    if parallel.sequence_parallel and config.model.seq_len % parallel.tp:
+        raise ConfigError(
+            f"sequence parallelism cuts the sequence over tp: seq_len {config.model.seq_len} is not "
+            f"divisible by tp {parallel.tp}"
+        )
 
 
 def sum_over(comm: Comm, tensors: list[torch.Tensor]) -> None:

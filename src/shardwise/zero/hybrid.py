@@ -32,8 +32,7 @@ class HybridReplicas(Axis):
     name = "dp_replicate"
 
     def __init__(self, engine: ZeroBase, replicate: Comm) -> None:
-        super().__init__(replicate)
-        self.zero = engine
+        self.comm, self.zero = replicate, engine
         engine.usage_comms.append(replicate)
 
     def after_grads(self, engine: Engine) -> None:
