@@ -96,3 +96,13 @@ def test_the_axis_table_imports_no_torch() -> None:
 def test_one_parallel_dims_class() -> None:
     found = [p for p in SRC.rglob("*.py") if "class ParallelDims" in p.read_text()]
     assert [str(p.relative_to(SRC)) for p in found] == ["dims.py"]
+
+
+def test_one_name_one_class() -> None:
+    """No two classes in src/ share a name (two ``Piece``s once meant a checkpoint's and ZeRO's)."""
+    where: dict[str, list[str]] = {}
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(SRC)))
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}
