@@ -1,8 +1,9 @@
 """The import graph: no cycle anywhere in ``src/``, and models never talk to other processes.
 
 The layer contracts themselves are import-linter's (``lint-imports``, pyproject.toml); these are the
-rules it cannot state: an acyclic graph of modules, no ``torch.distributed`` in models/, and the axis
-table (``shardwise.dims``) one class that loads without torch, even through the config.
+rules it cannot state: an acyclic graph of modules, no ``torch.distributed`` in models/, one class per
+name in src/, and the axis table (``shardwise.dims``) one class that loads without torch, even
+through the config.
 """
 
 from __future__ import annotations
