@@ -18,8 +18,14 @@ What an engine owns, and what it does not:
   every trainable parameter counted exactly once over the job) and the ``Comm`` to sum the shares
   over, so clipping and monitoring need no strategy-specific code.
 - ``role`` says whether this rank steps, reports (writes metrics, returns the summary) or serves.
+- Further axes (tp, pp, hybrid replicas; ``engine/axis.py``): an engine answers for what its rank
+  holds over its data-parallel group (the strategy's ``exchange_grads``, ``held_norm_sq``,
+  ``held_parameters``, ``held_pieces``, ``load_held``, ``loss_share``), and each axis in
+  ``engine.axes`` widens that answer. The public answers (``finish_grads``, ``grad_norm_sq``,
+  ``full_parameters``, ``state_pieces``, ``load_state``, ``step_loss``) are final: the strategy's,
+  then one loop over the axes. No method is replaced at run time.
 - Non-finite values: ``nonfinite_grad`` names the first parameter whose gradient, as this rank holds
-  it after ``finish_grads``, has a NaN or inf (whole tensors here; ZeRO checks its shards). The loop
+  it after ``finish_grads``, has a NaN or inf (whole tensors here; ZeRO checks its shards). ``update``
   agrees on it over the ranks that step and then runs ``optimizer_step`` or ``skip_update``. Where the
   optimizer runs on servers, they check the summed gradient themselves and the ranks that step read
   their verdict (``servers_nonfinite``). Under a dynamic loss scale, overflow is the scaler's
