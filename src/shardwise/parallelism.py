@@ -43,7 +43,7 @@ from shardwise.models.family import GPT, HF_GPT2, HF_LLAMA, family_of
 from shardwise.models.meta import meta_parameters
 from shardwise.pipeline.engine import attach_pipeline
 from shardwise.pipeline.runtime import PipelineRunner
-from shardwise.pipeline.schedules import ScheduleConfigError, stage_placement
+from shardwise.pipeline.schedules import SCHEDULES, ScheduleConfigError, stage_placement
 from shardwise.pipeline.schedules import build as build_schedule
 from shardwise.pipeline.schedules import check as check_schedule
 from shardwise.pipeline.split import plan_stages, split_model
@@ -243,7 +243,10 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Pipelin
     name, pp, virtual = parallel.schedule, parallel.pp, parallel.stages_per_rank
     placement = stage_placement(name, pp, virtual)
     split = split_model(model, placement, comm.rank, parallel.pp_split)
-    return PipelineRunner(split, comm, placement, lambda m: build_schedule(name, pp, virtual, m)[comm.rank])
+    spec = SCHEDULES[name]
+    return PipelineRunner(
+        split, comm, placement, lambda m: build_schedule(name, pp, virtual, m), spec.splits_backward
+    )
 
 
 @contextmanager
