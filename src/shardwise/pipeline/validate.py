@@ -11,11 +11,10 @@ Rules, for ``S`` stages placed on ranks by ``placement`` and ``m`` micro-batches
    produced (a blocking receive). If no rank can move, the ranks wait on each other in a cycle, which
    the error names, rank by rank, with the action each is stuck at and the one it waits for;
 5. messages: derived from the list (``actions.transfers``), so once rule 2 holds every send meets
-   exactly one receive by construction; ``Report.messages`` counts them, and ``Report.same_order``
-   says whether each pair of ranks sends and receives them in the same order. It does not for most
-   interleaved and V schedules, so the runtime matches messages by (kind, stage, micro-batch), never
-   by arrival order. The model has sends never block (the runtime's are asynchronous); only a
-   receive waits.
+   exactly one receive by construction; ``Report.messages`` counts them. The order the runtime posts
+   them in (the same at both ends of every pair, as NCCL needs) is ``messages.plan``'s, checked by
+   ``messages.check_same_order``. The model has sends never block (the runtime's are asynchronous);
+   only a receive waits.
 
 Memory: ``peak_in_flight[r]`` is the most (stage, micro-batch) pairs rank r holds between F and B/I
 (activations waiting for their backward); ``peak_held[r]`` keeps a pair until its W as well, since W
@@ -47,7 +46,6 @@ class Report:
     peak_in_flight: dict[int, int]  # rank -> most (stage, mb) between F and B/I
     peak_held: dict[int, int]  # rank -> most (stage, mb) between F and B/W
     messages: int  # point-to-point messages per step, all ranks
-    same_order: bool  # every rank pair receives in the order it sends (else match messages by key)
 
 
 def validate(schedule: Mapping[int, Sequence[Action]], placement: Sequence[int], microbatches: int) -> Report:
@@ -55,12 +53,11 @@ def validate(schedule: Mapping[int, Sequence[Action]], placement: Sequence[int],
     _check_ranks(schedule, placement, microbatches)
     backward_kind = _check_complete(schedule, len(placement), microbatches)
     _check_order_and_deadlock(schedule, placement, backward_kind)
-    sent, received = _messages(schedule, placement)
+    sends = [t for r, acts in schedule.items() for _, _, out in transfers(r, acts, placement) for t in out]
     return Report(
         peak_in_flight={r: _peak(acts, frees=(B, I)) for r, acts in schedule.items()},
         peak_held={r: _peak(acts, frees=(B, W)) for r, acts in schedule.items()},
-        messages=sum(len(keys) for keys in sent.values()),
-        same_order=sent == received,
+        messages=len(sends),
     )
 
 
@@ -197,23 +194,6 @@ def _describe_deadlock(
         for r in cycle
     )
     return f"deadlock: {links}"
-
-
-def _messages(
-    schedule: Mapping[int, Sequence[Action]], placement: Sequence[int]
-) -> tuple[
-    dict[tuple[int, int], list[tuple[str, int, int]]], dict[tuple[int, int], list[tuple[str, int, int]]]
-]:
-    """(src, dst) -> message keys in the sender's order, and in the receiver's order."""
-    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    received: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    for rank, actions in schedule.items():
-        for _, recvs, sends in transfers(rank, actions, placement):
-            for t in recvs:
-                received.setdefault((t.peer, rank), []).append(t.key)
-            for t in sends:
-                sent.setdefault((rank, t.peer), []).append(t.key)
-    return sent, received
 
 
 def _peak(actions: Sequence[Action], frees: tuple[Kind, Kind]) -> int:
