@@ -4,8 +4,8 @@ For each schedule (``pipeline.schedules.SCHEDULES``) at ``pp = nproc``: the buil
 our ``pipeline.split`` into the schedule's stages, and the same stage modules run under our runtime
 and under torch's ``PipelineStage`` + the schedule class torch 2.13 names for it (``zb`` has none in
 torch and is compared with torch's ``Schedule1F1B``). Same model, seed, micro-batches, optimizer.
-Launches alternate (ours, torch, torch, ours, ...); per launch the median step time after warm-up (the
-slowest rank's), across launches the median. Each row:
+Launches alternate (ours, torch, torch, ours, ...): a round is one launch of each side, back to back;
+per launch the median step time after warm-up (the slowest rank's). Each row:
 
 - ``bubble_measured``: from our ranks' recorded action spans (the runtime's ``MONITOR.span`` per
   action): idle over total, ``1 - sum(busy) / (p * window)``, the window from the step's first action
@@ -17,7 +17,13 @@ slowest rank's), across launches the median. Each row:
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
   al. 2023); else null. Transfers are not profiled (the simulator's transfer cost is 0);
-- ``speed_ratio``: tokens/s ours / torch's.
+- ``speed_ratio``: tokens/s ours / torch's, the median over rounds of each round's ratio (a round's
+  two launches ran back to back, so a change of load between rounds cancels), with every round's
+  ratio in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's median over its launches.
+
+``conditions`` says how it was measured: rounds and steps, the load average before and after, and the
+spread of the rounds' ratios (the largest (max - min) / median over the rows). The defaults (12 steps,
+3 rounds) are what two runs on a quiet machine need to agree within 5% on every ratio.
 
 torch's pipelining has hung on gloo (pytorch#132644), so every launch (ours and torch's) is a group of
 fresh processes with a deadline (``run_on_ranks``); one that hangs or fails becomes that row's
@@ -28,6 +34,7 @@ side does; ours point-to-point through ``Comm`` over the pp axis.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -236,52 +243,63 @@ def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -
 
 def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:
     """Each stage's F, B, I and W alone, in one process (``threads`` threads, as a rank has): median
-    seconds per kind per stage, computed as the runtime computes them (I: the input's gradient with
-    the graph kept; W: the weights' gradient from the output)."""
+    seconds per kind per stage, computed as the runtime computes them (I: the backward with the
+    stage's linear layers keeping their weight gradients; W: those kept gradients computed; a
+    schedule without I and W gets B/2 for each, unused)."""
+    from shardwise.engine.linear import WeightGradStore, apply_weight_grads
     from shardwise.engine.loss import loss_sum
     from shardwise.models import build_model
+    from shardwise.pipeline.deferred import defer_weight_grads
     from shardwise.train.loop import seed_everything
 
     torch.set_num_threads(threads)
     config = config.validate(config.parallel.pp)
     seed_everything(config.seed)
-    stages = len(
-        stage_placement(config.parallel.schedule, config.parallel.pp, config.parallel.stages_per_rank)
-    )
+    name = config.parallel.schedule
+    stages = len(stage_placement(name, config.parallel.pp, config.parallel.stages_per_rank))
     model = build_model(config.model)
     modules = _stage_modules(model, [0] * stages, 0)  # every stage here: each timed alone
+    store = WeightGradStore()
+    split = SCHEDULES[name].splits_backward
+    if split:
+        defer_weight_grads(model, store)
     sampler, _ = _data(config, 0, 1)
     ids, targets = sampler.local_micro_batches(0, config.data.micro_batches)[0]
     out: dict[str, list[float]] = {k: [] for k in "FBIW"}
     x: torch.Tensor = ids
     for index in range(stages):
-        module = modules[index]
-        weights = [p for p in module.parameters() if p.requires_grad]
-        first, last = index == 0, index == stages - 1
-        inp = x if first else x.detach().requires_grad_(True)
+        module, last = modules[index], index == stages - 1
+
+        def forward(inp: torch.Tensor, module: nn.Module = module, last: bool = last) -> torch.Tensor:
+            y = module(inp)
+            return loss_sum(y, targets) if last else y
+
+        inp = x if index == 0 else x.detach().requires_grad_(True)
         timing: dict[str, list[float]] = {k: [] for k in "FBIW"}
         for _ in range(repeats + 1):  # the first round warms up
             t0 = time.perf_counter()
-            y = module(inp)
+            root = forward(inp)
             t1 = time.perf_counter()
-            loss = loss_sum(y, targets) if last else None
-            seed = torch.ones_like(loss) if loss is not None else torch.randn_like(y)
-            root = loss if loss is not None else y
-            t1b = time.perf_counter()
-            torch.autograd.backward(root, seed)
+            seed = torch.ones_like(root) if last else torch.randn_like(root)
             t2 = time.perf_counter()
-            y = module(inp)
-            root = loss_sum(y, targets) if last else y
+            torch.autograd.backward(root, seed)
             t3 = time.perf_counter()
-            if not first:
-                torch.autograd.grad(root, [inp], seed, retain_graph=True)
-            t4 = time.perf_counter()
-            torch.autograd.backward(root, seed, inputs=weights)
-            t5 = time.perf_counter()
-            for key, value in zip("FBIW", (t1 - t0 + (t1b - t1), t2 - t1b, t4 - t3, t5 - t4), strict=True):
-                timing[key].append(value)
-        for key in "FBIW":
+            timing["F"].append(t1 - t0)
+            timing["B"].append(t3 - t2)
+            if split:
+                root = forward(inp)
+                t4 = time.perf_counter()
+                with store.collect() as kept:
+                    torch.autograd.backward(root, seed)
+                t5 = time.perf_counter()
+                apply_weight_grads(kept)
+                t6 = time.perf_counter()
+                timing["I"].append(t5 - t4)
+                timing["W"].append(t6 - t5)
+        for key in "FB":
             out[key].append(statistics.median(timing[key][1:]))
+        for key in "IW":
+            out[key].append(statistics.median(timing[key][1:]) if split else out["B"][-1] / 2)
         x = module(inp).detach() if not last else x
     return out
 
@@ -332,21 +350,44 @@ def row(
     if not isinstance(ours, str):
         steps = [bubble_from_spans(spans) for spans in _steps_by_rank(ours)]
         out["bubble_measured"] = statistics.median(steps)
-    if isinstance(out["ours"], dict) and isinstance(out["torch"], dict):
-        out["speed_ratio"] = out["ours"]["tokens_per_s"] / out["torch"]["tokens_per_s"]
+    if not isinstance(ours, str) and not isinstance(torch_side, str) and ours and torch_side:
+        rounds = [t / o for o, t in zip(_launch_steps(ours), _launch_steps(torch_side), strict=False)]
+        out["speed_ratio"] = statistics.median(rounds)
+        out["speed_ratio_rounds"] = rounds
     return out
 
 
 Launches = list[list[dict[str, Any]]]  # per launch, each rank's result
 
 
+def _launch_steps(launches: Launches) -> list[float]:
+    """Each launch's step time: its slowest rank's median."""
+    return [max(statistics.median(r["step_s"]) for r in ranks) for ranks in launches]
+
+
 def _side(launches: Launches | str, tokens: int) -> dict[str, Any] | str:
     if isinstance(launches, str):
         return launches
-    # a launch's step time is its slowest rank's median; across launches the median
-    per_launch = [max(statistics.median(r["step_s"]) for r in ranks) for ranks in launches]
+    per_launch = _launch_steps(launches)
     step_s = statistics.median(per_launch)
     return {"tokens_per_s": tokens / step_s, "step_s": step_s, "launches": len(per_launch)}
+
+
+def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: float) -> dict[str, Any]:
+    """How the rows were measured, and how far the rounds' ratios spread (see the module docstring)."""
+    spreads = [
+        (max(r["speed_ratio_rounds"]) - min(r["speed_ratio_rounds"])) / r["speed_ratio"]
+        for r in rows
+        if r.get("speed_ratio_rounds")
+    ]
+    return {
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "cpus": os.cpu_count(),
+        "ratio_spread": max(spreads, default=None),
+        "note": "medians of interleaved rounds; ratio_spread: the largest (max - min) / median of a row's "
+        "per-round speed ratios",
+    }
 
 
 def _steps_by_rank(launches: Launches) -> list[dict[int, list[Span]]]:
@@ -386,8 +427,8 @@ def check_bench(
 def run_pipeline_bench(
     nproc: int = 2,
     microbatches: int = 4,
-    steps: int = 4,
-    rounds: int = 2,
+    steps: int = 12,
+    rounds: int = 3,
     preset: str = "small",
     global_batch: int = 8,
     schedules: Sequence[str] | None = None,
@@ -405,6 +446,7 @@ def run_pipeline_bench(
             f"unknown schedule {unknown[0]!r} in --schedules: choose from {', '.join(SCHEDULES)}"
         )
     configs = check_bench(names, nproc, microbatches, preset, global_batch, steps, rounds, timeout_s)
+    load_before = os.getloadavg()[0]
     rows = []
     for name, config in zip(names, configs, strict=True):
         costs = profile_costs(config, nproc, repeats=3, timeout_s=timeout_s)
@@ -434,6 +476,7 @@ def run_pipeline_bench(
         "warmup_steps": WARMUP_STEPS,
         "rounds": rounds,
         "timeout_s": timeout_s,
+        "conditions": conditions(rows, load_before, os.getloadavg()[0]),
         "rows": rows,
     }
 
@@ -474,10 +517,19 @@ def render_pipeline(result: dict[str, Any]) -> None:
         ours = f"{r['ours']['tokens_per_s']:,.0f}" if isinstance(r["ours"], dict) else str(r["ours"])
         torch_side = r["torch"]
         theirs = f"{torch_side['tokens_per_s']:,.0f} tok/s" if isinstance(torch_side, dict) else torch_side
-        ratio = f"  ratio {r['speed_ratio']:.2f}" if r["speed_ratio"] is not None else ""
+        ratio = ""
+        if r["speed_ratio"] is not None:
+            rounds = r["speed_ratio_rounds"]
+            ratio = f"  ratio {r['speed_ratio']:.2f} (rounds {min(rounds):.2f}-{max(rounds):.2f})"
         bubbles = [_pct(r[k]) for k in ("bubble_measured", "bubble_simulated", "bubble_theory")]
         cells = f"{bubbles[0]:>9s} {bubbles[1]:>9s} {bubbles[2]:>7s} {ours:>11s}"
         print(f"  {r['schedule']:15s} {cells}  {theirs}{ratio}")
+    c = result["conditions"]
+    spread = "-" if c["ratio_spread"] is None else f"{100 * c['ratio_spread']:.1f}%"
+    print(
+        f"  load average {c['load_average_before']:.2f} before, {c['load_average_after']:.2f} after; "
+        f"largest spread of a row's round ratios {spread}"
+    )
 
 
 def _pct(value: float | None) -> str:

@@ -103,6 +103,7 @@ class PipelineRunner:
             for action, boundary in zip(actions, posts, strict=False):
                 self._post(boundary, empty, state)
                 if action.microbatch not in empty:
+                    self._receive(action, state)  # before its span: the span is its compute alone
                     self._run(engine, action, micro_batches[action.microbatch], divisor, state)
         self._post(posts[-1], empty, state)
         for work in state.sends:
@@ -144,16 +145,22 @@ class PipelineRunner:
             stage=action.stage, kind=action.kind.value, microbatch=action.microbatch,
         )  # fmt: skip
 
-    def _incoming(self, what: str, producer: int, microbatch: int, state: _StepState) -> torch.Tensor | None:
-        """The message ``(what, producer, mb)`` an action reads: received, or handed over locally."""
-        key = (what, producer, microbatch)
-        if key in state.local:
-            return state.local.pop(key)
+    def _receive(self, action: Action, state: _StepState) -> None:
+        """Wait for the message ``action`` reads, if it comes from another rank."""
+        if action.kind is Kind.FORWARD:
+            key = ("activation", action.stage - 1, action.microbatch)
+        elif action.kind is Kind.WEIGHT_GRAD:
+            return
+        else:
+            key = ("gradient", action.stage + 1, action.microbatch)
         if key in state.pending:
             buffer, work = state.pending.pop(key)
             work.wait()
-            return buffer
-        return None
+            state.local[key] = buffer
+
+    def _incoming(self, what: str, producer: int, microbatch: int, state: _StepState) -> torch.Tensor | None:
+        """The message ``(what, producer, mb)`` an action reads (received, or handed over on this rank)."""
+        return state.local.pop((what, producer, microbatch), None)
 
     def _hand_on(
         self, what: str, stage: int, microbatch: int, tensor: torch.Tensor, state: _StepState
@@ -283,7 +290,7 @@ class _StepState:
         self.dtype, self.hidden = dtype, hidden
         self.pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]] = {}  # receives posted
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, sent at the next boundary
-        self.local: dict[tuple[str, int, int], torch.Tensor] = {}  # handed over on this rank
+        self.local: dict[tuple[str, int, int], torch.Tensor] = {}  # arrived, or handed over on this rank
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.kept: dict[tuple[int, int], list[DeferredWeightGrad]] = {}  # I's weight gradients, for W
