@@ -92,18 +92,11 @@ class WeightGradStore:
 
 def apply_weight_grads(records: Sequence[DeferredWeightGrad]) -> None:
     """The W pass: every kept weight gradient computed and accumulated into its weight, through the
-    weight's gradient accumulator (its hooks run as in any backward); nothing else is walked."""
-    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    weight's gradient accumulator (its hooks run as in any backward); nothing else is walked. One at
+    a time, as backward makes them, so no more than one extra weight gradient is alive at once."""
     for record in records:
         grad = record.compute().to(record.weight.dtype)  # as autocast's cast would on its way back
-        key = id(record.weight)
-        if key in grads:  # one weight read by several layers of the stage: one sum, one accumulation
-            grads[key] = (record.weight, grads[key][1] + grad)
-        else:
-            grads[key] = (record.weight, grad)
-    if grads:
-        weights, values = zip(*grads.values(), strict=True)
-        torch.autograd.backward(list(weights), list(values))
+        torch.autograd.backward([record.weight], [grad])
 
 
 class _Linear(torch.autograd.Function):

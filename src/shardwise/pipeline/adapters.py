@@ -25,13 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.config import ConfigError
 from shardwise.engine.loss import model_inputs
 from shardwise.models.family import GPT, HF_GPT2, HF_LLAMA, family_of
-
-
-class SplitError(ConfigError):
-    """A model that cannot be split as asked; the message says why and what to do."""
+from shardwise.pipeline.stages import SplitError
 
 
 @dataclass(frozen=True)

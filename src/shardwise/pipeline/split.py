@@ -38,8 +38,11 @@ from torch import nn
 
 from shardwise.pipeline.adapters import Adapter, SplitError, StageInputs, adapter_for
 from shardwise.pipeline.adapters import get_module as _get
+from shardwise.pipeline.stages import balance
 
-__all__ = ["Adapter", "Split", "SplitError", "Stage", "StageInputs", "Tied", "adapter_for", "split_model"]
+__all__ = [
+    "Adapter", "Split", "SplitError", "Stage", "StageInputs", "Tied", "adapter_for", "balance", "split_model",
+]  # fmt: skip
 
 
 @dataclass
@@ -54,37 +57,6 @@ def _drop(root: nn.Module, path: str) -> None:
     parent, _, name = path.rpartition(".")
     owner = _get(root, parent) if parent else root
     owner._modules[name] = None  # named_parameters skips it: the parameters are no longer this rank's
-
-
-def balance(costs: Sequence[int], stages: int) -> list[list[int]]:
-    """Contiguous runs of block indices, one per stage, each non-empty, minimising the largest sum of
-    ``costs`` (dynamic programming over cut points; blocks are few)."""
-    n = len(costs)
-    if n < stages:
-        raise SplitError(
-            f"the model has {n} blocks but the pipeline has {stages} stages (pp x virtual stages); "
-            f"every stage needs at least one block: lower --pp or --virtual-stages"
-        )
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[s][i]: the smallest largest-stage cost putting blocks [0, i) on s stages
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    runs, end = [], n
-    for s in range(stages, 0, -1):
-        start = cut[s][end]
-        runs.append(list(range(start, end)))
-        end = start
-    return runs[::-1]
 
 
 def named_boundaries(names: Sequence[str], blocks_path: str, blocks: int, stages: int) -> list[list[int]]:

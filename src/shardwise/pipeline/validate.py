@@ -17,9 +17,11 @@ Rules, for ``S`` stages placed on ranks by ``placement`` and ``m`` micro-batches
    only a receive waits.
 
 Memory: ``peak_in_flight[r]`` is the most (stage, micro-batch) pairs rank r holds between F and B/I
-(activations waiting for their backward); ``peak_held[r]`` keeps a pair until its W as well, since W
-needs the stored layer inputs too. Each pair is one stage's activations for one micro-batch; with v
-chunks per rank a stage is 1/v of the rank's layers. Communication: none (pure).
+(activations waiting for their backward); ``peak_held[r]`` keeps a pair until its W as well.
+Between I and W a pair no longer holds its activations, only what W reads (each linear layer's input
+and output gradient, ``engine/linear.py``): ``peak_activations`` weighs the two spans apart. Each
+pair is one stage's activations for one micro-batch; with v chunks per rank a stage is 1/v of the
+rank's layers. Communication: none (pure).
 """
 
 from __future__ import annotations
@@ -194,6 +196,27 @@ def _describe_deadlock(
         for r in cycle
     )
     return f"deadlock: {links}"
+
+
+def peak_activations(actions: Sequence[Action], in_flight: float = 1.0, kept: float = 1.0) -> float:
+    """The most a rank running ``actions`` holds at once: ``in_flight`` per (stage, micro-batch) pair
+    from its F to its B or I (what the stage saved for backward), ``kept`` per pair from its I to its W
+    (what the W pass reads); both in the caller's unit (bytes of one stage's pair, or 1)."""
+    live: set[tuple[int, int]] = set()
+    waiting: set[tuple[int, int]] = set()
+    peak = 0.0
+    for action in actions:
+        key = (action.stage, action.microbatch)
+        if action.kind is F:
+            live.add(key)
+        elif action.kind is I:
+            live.discard(key)
+            waiting.add(key)
+        else:
+            live.discard(key)
+            waiting.discard(key)
+        peak = max(peak, in_flight * len(live) + kept * len(waiting))
+    return peak
 
 
 def _peak(actions: Sequence[Action], frees: tuple[Kind, Kind]) -> int:
