@@ -48,8 +48,9 @@ CASES = {
         "--pp", "2", "--schedule", "interleaved-zb", "--virtual-stages", "2", "--micro-batches", "5",
         "--global-batch", "6", "--nproc", "4", "--strategy", "zero2",
     ],
-    # ZeRO-3 on dp: units gathered per action; the zero-bubble W pass gathers them again; gradients
-    # accumulated over micro-batches and reduce-scattered once. zb: the tied head's copy on the other
+    # ZeRO-3 on dp: units gathered per action (the zero-bubble W pass needs none: it reads the I pass's
+    # kept inputs and gradients); gradients accumulated over micro-batches and reduce-scattered once.
+    # zb: the tied head's copy on the other
     # rank; zbv: both ends on one rank, with activation checkpointing (gpipe, 1f1b, interleaved,
     # interleaved-zb and dualpipev were checked by hand)
     "dp2-pp2-zero3-zb": ["--pp", "2", "--nproc", "4", "--strategy", "zero3", "--schedule", "zb",
