@@ -45,15 +45,14 @@ class DeferredWeightGrad:
     layout, Hugging Face's ``Conv1D``: ``X^T dY``) when its W pass runs."""
 
     weight: torch.Tensor  # the leaf the gradient is for (a parameter, or a tied weight's copy)
-    inputs: torch.Tensor  # X: (rows, in)
+    inputs: torch.Tensor  # X: (..., in)
     grad_output: torch.Tensor  # dY: (rows, out)
     transposed: bool  # the weight is stored (in, out)
 
     def compute(self) -> torch.Tensor:
         """``dW`` in the operands' dtype (under autocast, the lower one)."""
-        if self.transposed:
-            return self.inputs.t().mm(self.grad_output)  # (in, out)
-        return self.grad_output.t().mm(self.inputs)  # (out, in)
+        x, dy = self.inputs.reshape(-1, self.inputs.shape[-1]), self.grad_output  # (rows, in), (rows, out)
+        return x.t().mm(dy) if self.transposed else dy.t().mm(x)  # (in, out) or (out, in)
 
     def nbytes(self) -> int:
         """Bytes this record keeps alive (an input shared with other records counts in each)."""
@@ -92,43 +91,65 @@ class WeightGradStore:
 
 def apply_weight_grads(records: Sequence[DeferredWeightGrad]) -> None:
     """The W pass: every kept weight gradient computed and accumulated into its weight, through the
-    weight's gradient accumulator (its hooks run as in any backward); nothing else is walked. One at
-    a time, as backward makes them, so no more than one extra weight gradient is alive at once."""
-    for record in records:
-        grad = record.compute().to(record.weight.dtype)  # as autocast's cast would on its way back
-        torch.autograd.backward([record.weight], [grad])
+    weight's gradient accumulator (its hooks run as in any backward); nothing else is walked.
+
+    Newest first (the I pass kept them last to first layer, so the freshest inputs are still in
+    cache), handed to autograd in groups of about the largest one's bytes: one call per weight costs
+    more than the small matmuls here, one call for all would hold a stage's whole gradient at once."""
+    largest = max((r.weight.numel() for r in records), default=0)
+    weights: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    held = 0
+    for record in reversed(records):
+        grads.append(record.compute().to(record.weight.dtype))  # as autocast's cast would on its way back
+        weights.append(record.weight)
+        held += record.weight.numel()
+        if held >= largest:
+            torch.autograd.backward(weights, grads)
+            weights, grads, held = [], [], 0
+    if weights:
+        torch.autograd.backward(weights, grads)
 
 
 class _Linear(torch.autograd.Function):
-    """``Y = X W^T + b`` (``transposed``: ``X W + b``) whose ``dW`` can wait (module docstring)."""
+    """``Y = X W^T + b`` (``transposed``: ``X W + b``) whose ``dW`` can wait (module docstring). Kept
+    lean: each Python op here runs once per layer and micro-batch, beside matmuls that may be small."""
 
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
         store: WeightGradStore, leaf: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        rows = x.reshape(-1, x.shape[-1])  # (rows, in)
-        matrix = weight if transposed else weight.t()  # (in, out)
-        out = torch.addmm(bias, rows, matrix) if bias is not None else rows.mm(matrix)
-        ctx.save_for_backward(rows, weight)
-        ctx.transposed, ctx.store, ctx.leaf, ctx.input_shape = transposed, store, leaf, x.shape
-        return out.view(*x.shape[:-1], out.shape[-1])
+        ctx.save_for_backward(x, weight)
+        ctx.transposed, ctx.store, ctx.leaf = transposed, store, leaf
+        return _plain(x, weight, bias, transposed)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        rows, weight = ctx.saved_tensors
-        grad_rows = grad.reshape(-1, grad.shape[-1])  # (rows, out)
-        grad_input = grad_bias = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            matrix = weight.t() if ctx.transposed else weight  # (out, in)
-            grad_input = grad_rows.mm(matrix).view(ctx.input_shape)
-        if ctx.needs_input_grad[2]:
-            grad_bias = grad_rows.sum(0)
-        if ctx.needs_input_grad[1]:
-            record = DeferredWeightGrad(ctx.leaf, rows, grad_rows, ctx.transposed)
+        x, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        rows = grad.reshape(-1, grad.shape[-1])  # (rows, out): one 2-D view for the three products
+        grad_input = None
+        if needs[0]:
+            grad_input = rows.mm(weight.t() if ctx.transposed else weight).view(x.shape)
+        grad_bias = rows.sum(0) if needs[2] else None
+        grad_weight = None
+        if needs[1]:
+            record = DeferredWeightGrad(ctx.leaf, x, rows, ctx.transposed)
             if not ctx.store.keep(record):
                 grad_weight = record.compute()
         return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _plain(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+) -> torch.Tensor:
+    """The op itself: ``F.linear``, or (``transposed``) ``addmm`` on the rows as ``Conv1D`` does."""
+    if not transposed:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])  # as Conv1D computes it
+    product = torch.addmm(bias, rows, weight) if bias is not None else rows.mm(weight)
+    return product.view(*x.shape[:-1], weight.shape[-1])
 
 
 def linear(
@@ -140,11 +161,7 @@ def linear(
     With ``store``, and ``weight`` a leaf that requires grad (a parameter, a tied weight's copy),
     its gradient waits in the store while an I pass collects; otherwise this is the plain op."""
     if store is None or not (weight.requires_grad and weight.is_leaf and torch.is_grad_enabled()):
-        if not transposed:
-            return F.linear(x, weight, bias)
-        rows = x.reshape(-1, x.shape[-1])  # as Conv1D computes it
-        product = torch.addmm(bias, rows, weight) if bias is not None else rows.mm(weight)
-        return product.view(*x.shape[:-1], weight.shape[-1])
+        return _plain(x, weight, bias, transposed)
     leaf = weight
     device = x.device.type
     if torch.is_autocast_enabled(device):  # cast as autocast casts a linear's operands

@@ -31,9 +31,10 @@ each unit through the same output hooks but does not give every parameter its gr
 so each unit is released when backward reaches the one before it (the blocks of every model that
 splits run in sequence); the W pass computes the kept weight gradients from the inputs and output
 gradients I kept, which needs no weight: it gathers nothing, and its gradients arrive through the
-weights' accumulators as in any backward. Gradients are not reduced per unit there: each is added into its unit's flat buffer, kept
-for the whole step, and ``finish_grads`` reduce-scatters every group once over the stage's dp group
-(FSDP's ``no_sync``: a full gradient per unit held across micro-batches, one exchange per step).
+weights' accumulators as in any backward. Gradients are not reduced per unit there: each is added into
+its unit's flat buffer, kept for the whole step, and ``finish_grads`` reduce-scatters every group once
+over the stage's dp group (FSDP's ``no_sync``: a full gradient per unit held across micro-batches, one
+exchange per step).
 Every replica of a stage runs the same action list, so its gathers and reductions come in the same
 order on every rank of the dp group.
 
