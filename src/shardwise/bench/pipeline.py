@@ -11,12 +11,13 @@ per launch the median step time after warm-up (the slowest rank's). Each row:
   action): idle over total, ``1 - sum(busy) / (p * window)``, the window from the step's first action
   start to its last action end on any rank (``time.monotonic`` is one clock for every process of a
   machine); the median over the measured steps;
-- ``bubble_simulated``: ``pipeline.simulate`` fed with costs from a separate short profile of each
-  stage's F, B, I and W alone in one process (never from the timeline it is compared with);
+- ``bubble_simulated``: ``pipeline.simulate`` fed with a separate profile's costs (``pipeline_profile``:
+  each rank's stages' F, B, I and W alone, all ranks at once, and one activation's transfer time;
+  never from the timeline it is compared with);
 - ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
-  al. 2023); else null. Transfers are not profiled (the simulator's transfer cost is 0);
+  al. 2023); else null;
 - ``speed_ratio``: tokens/s ours / torch's, the median over rounds of each round's ratio (a round's
   two launches ran back to back, so a change of load between rounds cancels), with every round's
   ratio in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's median over its launches.
@@ -42,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
+from shardwise.bench.pipeline_profile import bench_data, profile_costs, stage_modules
 from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.observe.monitor import Span
 from shardwise.observe.trace import idle_fraction
@@ -126,17 +127,6 @@ def launch(
         return None, f"failed on rank {failure.rank}: {str(failure).strip().splitlines()[-1]}"
 
 
-def _data(config: TrainConfig, rank: int, world: int) -> tuple[Any, int]:
-    """Every pp rank draws the same batches (dp = 1); returns the sampler and tokens per step."""
-    from shardwise.data.corpus import load_corpus
-    from shardwise.data.sampler import DataSampler
-
-    corpus = load_corpus(config.data.corpus_bytes)
-    batch = config.data.global_batch
-    sampler = DataSampler(corpus.train, config.model.seq_len, batch, config.seed, [batch], 0)
-    return sampler, batch * config.model.seq_len
-
-
 def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
     """Our runtime on this rank: step times and, per measured step, this rank's action spans."""
     from shardwise.mesh import build_mesh
@@ -148,7 +138,7 @@ def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
     config = config.validate(world)
     seed_everything(config.seed)
     engine = parallelize(build_model(config.model), build_mesh(config), config)
-    sampler, _ = _data(config, rank, world)
+    sampler, _ = bench_data(config)
     MONITOR.tracing = True
     times, spans = [], []
     for step in range(config.steps):
@@ -166,34 +156,6 @@ def _plain(span: Span) -> tuple[str, float, float, dict[str, Any]]:
     return (span.name, span.start, span.duration, dict(span.args))
 
 
-class _StageModule(nn.Module):
-    """One of our split's stages as the module torch's ``PipelineStage`` wants: exactly the stage's
-    parameters registered (its blocks and the ends it owns), ``forward`` the stage itself."""
-
-    def __init__(self, stage: Any, parts: list[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.stage = stage  # a plain callable (not a module): its adapter holds the whole model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.stage(x)
-
-
-def _stage_modules(model: nn.Module, placement: Sequence[int], rank: int) -> dict[int, _StageModule]:
-    from shardwise.pipeline.split import _get, split_model
-
-    split = split_model(model, placement, rank)
-    adapter = next(iter(split.stages.values())).adapter
-    modules = {}
-    for index, stage in split.stages.items():
-        blocks: Any = adapter.blocks()  # the ModuleDict the split left, keyed by block index
-        parts: list[nn.Module] = [blocks[str(i)] for i in stage.blocks]
-        paths = (adapter.first_modules if stage.first else ()) + (adapter.last_modules if stage.last else ())
-        parts += [m for p in paths if (m := _get(model, p)) is not None]
-        modules[index] = _StageModule(stage, parts)
-    return modules
-
-
 def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -> dict[str, Any]:
     """torch's ``torch_class`` over the same stage modules on this rank: step times."""
     import torch.distributed as dist
@@ -208,12 +170,12 @@ def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -
     seed_everything(config.seed)
     name, virtual = config.parallel.schedule, config.parallel.stages_per_rank
     placement = stage_placement(name, world, virtual)
-    modules = _stage_modules(build_model(config.model), placement, rank)
+    modules = stage_modules(build_model(config.model), placement, rank)
     stages = [
         pipelining.PipelineStage(module, index, len(placement), torch.device("cpu"), group=dist.group.WORLD)
         for index, module in sorted(modules.items())
     ]
-    sampler, tokens = _data(config, rank, world)
+    sampler, tokens = bench_data(config)
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return loss_sum(output, target) / tokens
@@ -236,83 +198,6 @@ def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - started)
     return {"step_s": times[WARMUP_STEPS:]}
-
-
-# --------------------------------------------------------------------------------------- profile
-
-
-def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:
-    """Each stage's F, B, I and W alone, in one process (``threads`` threads, as a rank has): median
-    seconds per kind per stage, computed as the runtime computes them (I: the backward with the
-    stage's linear layers keeping their weight gradients; W: those kept gradients computed; a
-    schedule without I and W gets B/2 for each, unused)."""
-    from shardwise.engine.linear import WeightGradStore, apply_weight_grads
-    from shardwise.engine.loss import loss_sum
-    from shardwise.models import build_model
-    from shardwise.pipeline.deferred import defer_weight_grads
-    from shardwise.train.loop import seed_everything
-
-    torch.set_num_threads(threads)
-    config = config.validate(config.parallel.pp)
-    seed_everything(config.seed)
-    name = config.parallel.schedule
-    stages = len(stage_placement(name, config.parallel.pp, config.parallel.stages_per_rank))
-    model = build_model(config.model)
-    modules = _stage_modules(model, [0] * stages, 0)  # every stage here: each timed alone
-    store = WeightGradStore()
-    split = SCHEDULES[name].splits_backward
-    if split:
-        defer_weight_grads(model, store)
-    sampler, _ = _data(config, 0, 1)
-    ids, targets = sampler.local_micro_batches(0, config.data.micro_batches)[0]
-    out: dict[str, list[float]] = {k: [] for k in "FBIW"}
-    x: torch.Tensor = ids
-    for index in range(stages):
-        module, last = modules[index], index == stages - 1
-
-        def forward(inp: torch.Tensor, module: nn.Module = module, last: bool = last) -> torch.Tensor:
-            y = module(inp)
-            return loss_sum(y, targets) if last else y
-
-        inp = x if index == 0 else x.detach().requires_grad_(True)
-        timing: dict[str, list[float]] = {k: [] for k in "FBIW"}
-        for _ in range(repeats + 1):  # the first round warms up
-            t0 = time.perf_counter()
-            root = forward(inp)
-            t1 = time.perf_counter()
-            seed = torch.ones_like(root) if last else torch.randn_like(root)
-            t2 = time.perf_counter()
-            torch.autograd.backward(root, seed)
-            t3 = time.perf_counter()
-            timing["F"].append(t1 - t0)
-            timing["B"].append(t3 - t2)
-            if split:
-                root = forward(inp)
-                t4 = time.perf_counter()
-                with store.collect() as kept:
-                    torch.autograd.backward(root, seed)
-                t5 = time.perf_counter()
-                apply_weight_grads(kept)
-                t6 = time.perf_counter()
-                timing["I"].append(t5 - t4)
-                timing["W"].append(t6 - t5)
-        for key in "FB":
-            out[key].append(statistics.median(timing[key][1:]))
-        for key in "IW":
-            out[key].append(statistics.median(timing[key][1:]) if split else out["B"][-1] / 2)
-        x = module(inp).detach() if not last else x
-    return out
-
-
-def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: float) -> Costs:
-    """The separate profile (a fresh process) as the simulator's per-stage costs, in seconds."""
-    from shardwise.launcher import threads_per_rank
-
-    results, problem = launch(profile_worker, 1, (config, threads_per_rank(nproc), repeats), timeout_s)
-    if results is None:
-        raise RuntimeError(f"the stage profile did not finish: {problem}")
-    t = results[0]
-    return Costs(tuple(t["F"]), tuple(t["B"]), tuple(t["I"]), tuple(t["W"]))
 
 
 # ------------------------------------------------------------------------------------- the rows
@@ -344,6 +229,7 @@ def row(
         "bubble_theory": value,
         "theory_formula": formula,
         "speed_ratio": None,
+        "profiled_ms": _profiled_ms(costs),
     }
     out["ours"] = _side(ours, tokens)
     out["torch"] = _side(torch_side, tokens)
@@ -354,6 +240,15 @@ def row(
         rounds = [t / o for o, t in zip(_launch_steps(ours), _launch_steps(torch_side), strict=False)]
         out["speed_ratio"] = statistics.median(rounds)
         out["speed_ratio_rounds"] = rounds
+    return out
+
+
+def _profiled_ms(costs: Costs) -> dict[str, Any]:
+    """The simulator's costs in ms: per kind, per stage; and one activation's transfer."""
+    out: dict[str, Any] = {"transfer": round(1e3 * costs.transfer, 3)}
+    kinds = (costs.forward, costs.backward, costs.input_grad, costs.weight_grad)
+    for kind, value in zip("FBIW", kinds, strict=True):
+        out[kind] = [round(1e3 * c, 3) for c in value] if isinstance(value, tuple) else round(1e3 * value, 3)
     return out
 
 
