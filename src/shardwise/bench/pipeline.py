@@ -44,13 +44,12 @@ from typing import Any
 
 import torch
 
-from shardwise.bench.pipeline_profile import bench_data, profile_costs, stage_modules
+from shardwise.bench.pipeline_profile import bench_data, launch, profile_costs, stage_modules
 from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.observe.monitor import Span
 from shardwise.observe.trace import idle_fraction
 from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
-from shardwise.testing.harness import RankFailure, run_on_ranks
 
 WARMUP_STEPS = 1
 ACTION_LANE = "actions"  # the lane the runtime records each action's span in
@@ -112,19 +111,6 @@ def _mean(value: float | tuple[float, ...]) -> float:
 
 
 # ------------------------------------------------------------------------------------ one launch
-
-
-def launch(
-    worker: Callable[..., Any], nproc: int, args: tuple[Any, ...], timeout_s: float
-) -> tuple[list[Any] | None, str | None]:
-    """``worker(rank, nproc, *args)`` on ``nproc`` fresh processes with a deadline: (results, None), or
-    (None, what went wrong) when a rank hung past ``timeout_s`` or failed; never hangs itself."""
-    try:
-        return run_on_ranks(worker, nproc, *args, timeout_s=timeout_s), None
-    except RankFailure as failure:
-        if failure.rank is None:
-            return None, f"timeout after {timeout_s:g} s"
-        return None, f"failed on rank {failure.rank}: {str(failure).strip().splitlines()[-1]}"
 
 
 def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,8 +23,22 @@ from torch import nn
 from shardwise.config import TrainConfig
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
 from shardwise.pipeline.simulate import Costs
+from shardwise.testing.harness import RankFailure, run_on_ranks
 
 PING_PONGS = 20
+
+
+def launch(
+    worker: Callable[..., Any], nproc: int, args: tuple[Any, ...], timeout_s: float
+) -> tuple[list[Any] | None, str | None]:
+    """``worker(rank, nproc, *args)`` on ``nproc`` fresh processes with a deadline: (results, None), or
+    (None, what went wrong) when a rank hung past ``timeout_s`` or failed; never hangs itself."""
+    try:
+        return run_on_ranks(worker, nproc, *args, timeout_s=timeout_s), None
+    except RankFailure as failure:
+        if failure.rank is None:
+            return None, f"timeout after {timeout_s:g} s"
+        return None, f"failed on rank {failure.rank}: {str(failure).strip().splitlines()[-1]}"
 
 
 def bench_data(config: TrainConfig) -> tuple[Any, int]:
@@ -162,7 +176,6 @@ def _ping_pong(rank: int, activation: torch.Tensor) -> float:
 
 def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: float) -> Costs:
     """The profile (fresh processes, one per rank) as the simulator's per-stage costs, in seconds."""
-    from shardwise.bench.pipeline import launch
     from shardwise.launcher import threads_per_rank
 
     results, problem = launch(profile_worker, nproc, (config, threads_per_rank(nproc), repeats), timeout_s)
