@@ -1,6 +1,8 @@
 """``parallelize(model, mesh, config)``: every configured kind of parallelism, applied from outside.
 
-The steps run in one fixed order (torchtitan's ``parallelize``), each on its own mesh axis:
+The steps run in one fixed order (torchtitan's ``parallelize``), each on its own mesh axis, after the
+model is moved to this rank's device (``config.device`` in the joined group: its GPU or the CPU;
+parameters still on meta are materialised there by whoever reads them):
 
 1. tensor parallelism over ``tp``: parameters become local shards;
 2. the pipeline split over ``pp``: this rank keeps its stage(s), parameter names preserved;
@@ -31,10 +33,11 @@ from torch import nn
 
 from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
-from shardwise.config import ConfigError, TrainConfig
+from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
+from shardwise.device import joined_device, place_model
 from shardwise.engine.base import Engine
-from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, as_loss
+from shardwise.engine.loss import AutoLoss, CausalLMLoss, Loss, TokenLoss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
 from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.mesh import Mesh
@@ -63,6 +66,7 @@ class NotBuiltError(ConfigError):
 # the data-parallel engines a pipeline stage runs under
 PIPELINE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 PIPELINE_REFUSED = ("ps", "diloco")
+DEFAULT_SCHEDULE = ParallelConfig().schedule  # what a config without a pipeline holds
 
 
 def check(config: TrainConfig) -> None:
@@ -123,13 +127,19 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
         )
 
 
-def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
+def _check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
     """The schedule fits pp, virtual stages and micro-batches (the arithmetic in the message); the
-    strategies that cannot run on a pipeline stage are refused; ``named_split``: the names of
-    ``parallel.pp_split`` checked against the model built on meta (the ranks' split checks them on
-    the real model, so ``apply_pipeline`` skips it)."""
+    strategies that cannot run on a pipeline stage are refused; ``config_model``: the blocks (the
+    names of ``parallel.pp_split``, or enough blocks for the stages) checked against the model the
+    config describes, built on meta. ``apply_pipeline`` skips that: the ranks' split checks the model
+    it is given, which may be the user's own rather than the config's."""
     parallel = config.parallel
     if parallel.pp == 1:
+        if parallel.schedule != DEFAULT_SCHEDULE:
+            raise ConfigError(
+                f"parallel.schedule = {parallel.schedule!r} orders a pipeline's micro-batches, but there is "
+                "no pipeline: set parallel.pp > 1 (--pp) or leave the schedule unset"
+            )
         if parallel.virtual_stages not in (0, 1):
             raise ConfigError(
                 f"parallel.virtual_stages = {parallel.virtual_stages} needs a pipeline: set parallel.pp > 1 "
@@ -164,10 +174,11 @@ def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
         check_schedule(parallel.schedule, parallel.pp, parallel.stages_per_rank, config.data.micro_batches)
     except ScheduleConfigError as exc:
         raise ConfigError(str(exc)) from None
-    if parallel.pp_split:
-        if named_split:  # the names against the model's own blocks (built on meta: no values drawn)
-            model = build_model(config.model, meta=True)
-            plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
+    if not config_model:
+        return
+    if parallel.pp_split:  # the names against the model's own blocks (built on meta: no values drawn)
+        model = build_model(config.model, meta=True)
+        plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
     elif config.model.kind == "gpt":
         blocks = PRESETS["gpt"].get(config.model.preset, {}).get("n_layer", 0)
         stages = parallel.pp * parallel.stages_per_rank
@@ -220,22 +231,26 @@ def plan_for(model: nn.Module) -> Plan:
 
 
 def tensor_parallel_loss(loss: Loss, comm: Comm) -> Loss:
-    """The built-in losses over vocab-cut logits (no rank gathers the full logits); a user's own loss
-    would see a tp-th of the vocabulary, so it is refused."""
+    """The built-in losses over vocab-cut logits (no rank gathers the full logits), the default one
+    (``AutoLoss``) included; a user's own loss would see a tp-th of the vocabulary, so it is refused."""
     if type(loss) is TokenLoss:
         return VocabParallelTokenLoss(comm, loss.positions)
     if type(loss) is CausalLMLoss:
         return VocabParallelCausalLMLoss(comm, loss.ignore_index)
+    if type(loss) is AutoLoss:
+        causal = VocabParallelCausalLMLoss(comm, loss.ignore_index)
+        return loss.over(causal=causal, tokens=VocabParallelTokenLoss(comm))
     raise ConfigError(
         f"with tensor parallelism the logits are cut by vocabulary, so a loss of your own "
-        f"({type(loss).__name__}) would see a tp-th of them; use the built-in loss, or set parallel.tp = 1"
+        f"({type(loss).__name__}) would see a tp-th of them; leave loss unset (the default), pass "
+        "sw.CausalLMLoss() or sw.TokenLoss(), or set parallel.tp = 1"
     )
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> PipelineRunner | None:
     """Step 2: keep this rank's pipeline stages over the ``pp`` axis (``pipeline.split``); returns the
     runtime that runs them (the engine's step runner), or None without a pipeline."""
-    _check_pipeline(config, named_split=False)
+    _check_pipeline(config, config_model=False)
     parallel = config.parallel
     if parallel.pp == 1 or not mesh.in_mesh:
         return None
@@ -331,7 +346,7 @@ def _initial_weights(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Itera
             )
         yield None
         return
-    with PretrainedWeights.open(path, model) as weights:
+    with PretrainedWeights.open(path, model, joined_device(config.device)) as weights:
         note = weights.cast_note()
         if note and mesh.rank == 0:
             print(f"shardwise: {note}", file=sys.stderr, flush=True)
@@ -360,6 +375,7 @@ def parallelize(
             "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
             "to train; leave some unfrozen"
         )
+    place_model(model, joined_device(config.device))  # built on the host under the seed, moved first
     layout = apply_tensor_parallel(model, mesh, config)
     runner = apply_pipeline(model, mesh, config)
     apply_activation_checkpointing(model, config, layout.tracker if layout is not None else None)

@@ -34,6 +34,7 @@ from torch import nn
 from shardwise.checkpoint.boxes import flat_segments
 from shardwise.checkpoint.format import DTYPES
 from shardwise.config import ConfigError
+from shardwise.device import HOST
 
 INDEX_NAME = "model.safetensors.index.json"
 KEY = "model.init_from"
@@ -142,14 +143,21 @@ class PretrainedWeights:
     """
 
     def __init__(
-        self, path: str, entries: dict[str, _Entry], keys: dict[str, str], dtypes: dict[str, torch.dtype]
+        self,
+        path: str,
+        entries: dict[str, _Entry],
+        keys: dict[str, str],
+        dtypes: dict[str, torch.dtype],
+        device: torch.device = HOST,
     ) -> None:
         self.path, self.entries, self.keys, self.dtypes = path, entries, keys, dtypes
+        self.device = device  # where parameters on meta are materialised (the rank's device)
         self._handles: dict[Path, Any] = {}
 
     @classmethod
-    def open(cls, path: str, model: nn.Module) -> PretrainedWeights:
-        """Match the files' headers to ``model``; a one-line ``ConfigError`` when they do not fit."""
+    def open(cls, path: str, model: nn.Module, device: torch.device = HOST) -> PretrainedWeights:
+        """Match the files' headers to ``model``; a one-line ``ConfigError`` when they do not fit.
+        ``device``: where parameters on meta are materialised (reads land on the host first)."""
         entries = read_headers(path)
         aliases: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -177,7 +185,7 @@ class PretrainedWeights:
                     f"{KEY} {path!r}: {key} has shape {list(entries[key].shape)} in the file but "
                     f"{list(shapes[name])} in the model; give weights saved from a model of this size"
                 )
-        return cls(path, entries, keys, dtypes)
+        return cls(path, entries, keys, dtypes, device)
 
     # -- reading ------------------------------------------------------------------------------------
     def _slice(self, name: str) -> tuple[Any, _Entry]:
@@ -190,7 +198,7 @@ class PretrainedWeights:
         """Elements ``[start, stop)`` of ``name``'s row-major flattening (1-D, in ``dtypes[name]``),
         reading only the boxes that cover them."""
         sl, entry = self._slice(name)
-        out = torch.empty(stop - start, dtype=self.dtypes[name])
+        out = torch.empty(stop - start, dtype=self.dtypes[name], device=HOST)  # read from the file
         for box, at in flat_segments(entry.shape, start, stop):
             index = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
             part = sl[index]  # () for a 0-d tensor: the whole of it
@@ -211,7 +219,7 @@ class PretrainedWeights:
                     continue
                 value = self.read_whole(name)
                 if tensor.is_meta:
-                    materialize(tensor, value)
+                    materialize(tensor, value.to(self.device))
                 else:
                     tensor.copy_(value)
 

@@ -104,7 +104,7 @@ class PipelineRunner:
         self._refresh_tied(engine)
         actions, posts = self.step_plan(len(micro_batches))
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
-        state = _StepState(given, _dtype(engine), self.split.hidden_size)
+        state = _StepState(given, _dtype(engine), self.split.hidden_size, engine.device)
         with engine.no_sync():
             for action, boundary in zip(actions, posts, strict=False):
                 self._post(boundary, empty, state)
@@ -226,7 +226,7 @@ class PipelineRunner:
         """The summed loss and the items it counts over ``batches``, forward only, stage after stage
         (the same on every pp rank: the last stage's sum is all-reduced over the pp axis)."""
         given = [self.split.inputs(batch) for batch in batches]  # checked before any message
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=engine.device)
         items = 0
         self._refresh_tied(engine)  # the update since the step began changed the first stage's weight
         with torch.no_grad():
@@ -239,7 +239,7 @@ class PipelineRunner:
     def _evaluate_one(self, engine: Engine, batch: Any, given: StageInputs) -> torch.Tensor:
         hidden: torch.Tensor | None = None
         sends: list[Work] = []
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         me = self.comm.rank
         for s in range(self.last_stage + 1):
             if self.placement[s] != me:
@@ -250,7 +250,7 @@ class PipelineRunner:
             elif self.placement[s - 1] == me and hidden is not None:
                 x = hidden
             else:
-                x = _StepState([given], _dtype(engine), self.split.hidden_size).buffer(0)
+                x = _hidden_buffer(given.ids, self.split.hidden_size, _dtype(engine), engine.device)
                 self.comm.recv(x, self.placement[s - 1], TAG)
             with _autocast(engine), engine.pipeline_stage(self.split.params[s]):
                 hidden = stage(x, given)
@@ -314,9 +314,11 @@ class _Posted:
 class _StepState:
     """What one step keeps between actions: inputs and outputs by (stage, mb), messages, the loss."""
 
-    def __init__(self, given: list[StageInputs], dtype: torch.dtype, hidden: int) -> None:
+    def __init__(
+        self, given: list[StageInputs], dtype: torch.dtype, hidden: int, device: torch.device
+    ) -> None:
         self.given = given  # by micro-batch: the token ids and extras every stage reads of it
-        self.dtype, self.hidden = dtype, hidden
+        self.dtype, self.hidden, self.device = dtype, hidden, device
         self.pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]] = {}  # receives posted
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, sent at the next boundary
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}  # arrived, or handed over on this rank
@@ -324,12 +326,16 @@ class _StepState:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.kept: dict[tuple[int, int], list[DeferredWeightGrad]] = {}  # I's weight gradients, for W
         self.sends: list[Work] = []
-        self.share = torch.zeros((), dtype=torch.float64)
+        self.share = torch.zeros((), dtype=torch.float64, device=device)
 
     def buffer(self, microbatch: int) -> torch.Tensor:
         """A receive buffer for an activation or gradient of micro-batch ``microbatch``."""
-        ids = self.given[microbatch].ids  # (batch, seq): the hidden state is (batch, seq, hidden)
-        return torch.empty((int(ids.shape[0]), int(ids.shape[1]), self.hidden), dtype=self.dtype)
+        return _hidden_buffer(self.given[microbatch].ids, self.hidden, self.dtype, self.device)
+
+
+def _hidden_buffer(ids: torch.Tensor, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A hidden state's buffer for a micro-batch of token ids ``ids``, on the stage's device."""
+    return torch.empty((int(ids.shape[0]), int(ids.shape[1]), hidden), dtype=dtype, device=device)
 
 
 def _dtype(engine: Engine) -> torch.dtype:
