@@ -23,8 +23,9 @@ per launch the median step time after warm-up (the slowest rank's). Each row:
   ratio in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's median over its launches.
 
 ``conditions`` says how it was measured: rounds and steps, the load average before and after, and the
-spread of the rounds' ratios (the largest (max - min) / median over the rows). The defaults (12 steps,
-3 rounds) are what two runs on a quiet machine need to agree within 5% on every ratio.
+spread of the rounds' ratios (the largest (max - min) / median over the rows). The defaults (20 steps,
+3 rounds; the old 4 x 2 gave 1f1b 0.72 and 1.01 in two quiet runs) are meant to make two runs on a
+quiet machine agree within 5% on every ratio: the spread says whether one did.
 
 torch's pipelining has hung on gloo (pytorch#132644), so every launch (ours and torch's) is a group of
 fresh processes with a deadline (``run_on_ranks``); one that hangs or fails becomes that row's
@@ -308,7 +309,7 @@ def check_bench(
 def run_pipeline_bench(
     nproc: int = 2,
     microbatches: int = 4,
-    steps: int = 12,
+    steps: int = 20,
     rounds: int = 3,
     preset: str = "small",
     global_batch: int = 8,

@@ -54,10 +54,6 @@ class DeferredWeightGrad:
         x, dy = self.inputs.reshape(-1, self.inputs.shape[-1]), self.grad_output  # (rows, in), (rows, out)
         return x.t().mm(dy) if self.transposed else dy.t().mm(x)  # (in, out) or (out, in)
 
-    def nbytes(self) -> int:
-        """Bytes this record keeps alive (an input shared with other records counts in each)."""
-        return sum(t.numel() * t.element_size() for t in (self.inputs, self.grad_output))
-
 
 class WeightGradStore:
     """Where an I pass leaves its layers' weight-gradient work for the W pass (see the module doc).
