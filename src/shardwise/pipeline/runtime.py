@@ -179,8 +179,8 @@ class PipelineRunner:
         key = (what, stage, microbatch)
         if self.placement[consumer] == self.comm.rank:
             state.local[key] = tensor
-        else:
-            state.outbox[key] = tensor.contiguous()
+        else:  # in the dtype the receiver's buffer has (a no-op unless a stage ends in another)
+            state.outbox[key] = tensor.to(state.dtype).contiguous()
 
     def _forward(self, engine: Engine, action: Action, batch: Any, divisor: float, state: _StepState) -> None:
         stage = self.split.stages[action.stage]
@@ -257,7 +257,8 @@ class PipelineRunner:
             if stage.last:
                 loss = engine.loss(hidden, batch).detach().to(torch.float64)
             elif self.placement[s + 1] != me:
-                sends.append(self.comm.isend(hidden.contiguous(), self.placement[s + 1], TAG))
+                outgoing = hidden.to(_dtype(engine)).contiguous()  # the receiver's buffer's dtype
+                sends.append(self.comm.isend(outgoing, self.placement[s + 1], TAG))
         for work in sends:
             work.wait()
         return loss
@@ -271,7 +272,8 @@ class PipelineRunner:
         if (owner := self.split.tied_owner) is not None:
             with engine.pipeline_stage([owner]):  # ZeRO-3: the owner's values gathered first
                 self.comm.send(owner.detach().contiguous(), self._tie_peer(), TAG)
-        elif self.split.tied is not None:
+        elif self.split.tied is not None:  # in the owner's dtype (ZeRO's compute copies: the compute one)
+            self.split.tied.match(_dtype(engine))
             self.comm.recv(self.split.tied.copy.data, self._tie_peer(), TAG)
 
     def _reduce_tied(self) -> None:
@@ -339,8 +341,8 @@ def _hidden_buffer(ids: torch.Tensor, hidden: int, dtype: torch.dtype, device: t
 
 
 def _dtype(engine: Engine) -> torch.dtype:
-    if engine.autocast_dtype is not None:
-        return engine.autocast_dtype
+    """What crosses a stage boundary is in the parameters' dtype: under autocast the residual stream
+    stays in it (the autocast dtype is only the matmuls'), ZeRO's compute copies are in theirs."""
     return next((p.dtype for p in engine.model.parameters()), torch.float32)
 
 

@@ -51,6 +51,15 @@ class Tied:
 
     owner_name: str
     copy: torch.Tensor  # a leaf that requires grad like the parameter; refreshed every step
+    user: nn.Module | None = None  # the module whose ``weight`` the copy is (the head)
+
+    def match(self, dtype: torch.dtype) -> None:
+        """Make the copy ``dtype`` (the owner's, once an engine casts its parameters: ZeRO's compute
+        copies), the head reading the new one."""
+        if self.copy.dtype != dtype:
+            self.copy = torch.empty_like(self.copy, dtype=dtype).requires_grad_(self.copy.requires_grad)
+            if self.user is not None:
+                object.__setattr__(self.user, "weight", self.copy)
 
 
 def _drop(root: nn.Module, path: str) -> None:
@@ -169,7 +178,7 @@ def split_model(
             copy = owner_param.detach().clone().requires_grad_(owner_param.requires_grad)
             del head._parameters["weight"]
             object.__setattr__(head, "weight", copy)  # a plain tensor: not this rank's parameter
-            tied = Tied(pair[0], copy)
+            tied = Tied(pair[0], copy, head)
     kept = {str(i): blocks[i] for s in held for i in assignment[s]}
     parent, _, name = adapter.blocks_path.rpartition(".")
     (_get(model, parent) if parent else model)._modules[name] = nn.ModuleDict(kept)
