@@ -10,6 +10,7 @@ import torch
 
 from shardwise.config import ConfigError, ModelConfig
 from shardwise.models import build_model, count_parameters
+from shardwise.models.adapters import hf_shape, preset_shape
 from shardwise.planner.calibration import Calibration
 from shardwise.planner.memory import (
     Layout,
@@ -20,7 +21,7 @@ from shardwise.planner.memory import (
     model_states,
     zero_formula,
 )
-from shardwise.planner.model import ModelShape, hf_shape, preset_shape
+from shardwise.planner.model import ModelShape
 
 PSI = 1_000_000
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from shardwise.config import ConfigError
+from shardwise.models.adapters import preset_shape
 from shardwise.planner.calibration import Calibration, Machine
 from shardwise.planner.memory import Training, estimate_memory
-from shardwise.planner.model import ModelShape, preset_shape
+from shardwise.planner.model import ModelShape
 from shardwise.planner.search import Plan, enumerate_layouts, mesh_shapes, plan, search_degrees
 
 LLAMA3_8B = ModelShape(

@@ -12,7 +12,7 @@ yet.) Each ``Stage`` is a callable: the micro-batch's token ids (first stage) or
 other) in, the hidden state (or, on the last, the logits) out. What every block needs besides the hidden
 state (the causal mask with the batch's padding, position ids, Llama's rotary tables) is derived on
 each stage from the micro-batch (``StageInputs``), as the whole model's forward derives it, so nothing
-but the hidden state crosses a stage boundary (``pipeline/adapters.py``, one adapter per family).
+but the hidden state crosses a stage boundary (each family's adapter, ``models/adapters/``).
 
 A weight tied across the first and the last stage (the GPT's embedding used as its head) stays a
 parameter of the first stage only; the last stage's head reads a plain-tensor copy (``Split.tied``)
@@ -22,8 +22,9 @@ gradients, is updated once and written to checkpoints once (Narayanan et al. 202
 copies' gradients instead; the sum is the same). Where one rank holds both ends (the V schedules)
 the weight stays tied as in the plain model.
 
-Supported models: the built-in GPT (``models/gpt.py``) and Hugging Face GPT-2 and Llama causal LMs, or
-subclasses that keep their forward (a forward of one's own is refused by name: a stage would skip it).
+Supported models: those with an adapter (``models/adapters/``: the built-in GPT, Hugging Face GPT-2 and
+Llama), or subclasses that keep their forward (a forward of one's own is refused by name: a stage would
+skip it); any other model is refused by name, never run by calling its blocks in sequence.
 No communication here.
 """
 
@@ -36,13 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.pipeline.adapters import Adapter, SplitError, StageInputs, adapter_for
-from shardwise.pipeline.adapters import get_module as _get
+from shardwise.models.adapters import ModelAdapter, SplitError, StageInputs, pipeline_adapter
+from shardwise.models.adapters import get_module as _get
 from shardwise.pipeline.stages import balance
 
-__all__ = [
-    "Adapter", "Split", "SplitError", "Stage", "StageInputs", "Tied", "adapter_for", "balance", "split_model",
-]  # fmt: skip
+__all__ = ["Split", "SplitError", "Stage", "StageInputs", "Tied", "balance", "split_model"]
 
 
 @dataclass
@@ -108,12 +107,17 @@ def _block_index(name: str, blocks_path: str, blocks: int) -> int | None:
 def plan_stages(model: nn.Module, stages: int, boundaries: Sequence[str] = ()) -> list[list[int]]:
     """Every stage's blocks: at ``boundaries`` when given (see ``named_boundaries``), else balanced by
     parameter count. Inspects the module tree only (the model may be on the meta device)."""
-    adapter = adapter_for(model)
+    adapter = pipeline_adapter(model)
     container = adapter.blocks()
     if not isinstance(container, nn.ModuleList):
         raise SplitError(f"{adapter.blocks_path} is not an nn.ModuleList; the model was split already?")
     if boundaries:
         return named_boundaries(boundaries, adapter.blocks_path, len(container), stages)
+    if len(container) < stages:
+        raise SplitError(
+            f"the model has {len(container)} blocks but the pipeline has {stages} stages (pp x virtual "
+            "stages); every stage needs at least one block: lower --pp or --virtual-stages"
+        )
     return balance([sum(p.numel() for p in b.parameters()) for b in container], stages)
 
 
@@ -125,7 +129,7 @@ class Stage:
     blocks: list[int]
     first: bool
     last: bool
-    adapter: Adapter
+    adapter: ModelAdapter
 
     def __call__(self, x: torch.Tensor, inputs: StageInputs | None = None) -> torch.Tensor:
         """``x``: the token ids (first stage) or the hidden state; ``inputs``: the micro-batch's (its
@@ -160,7 +164,7 @@ def split_model(
 ) -> Split:
     """Keep on ``model`` only what pipeline rank ``rank`` holds under ``placement`` (stage -> rank);
     ``boundaries``: the blocks stages 1.. start at (``parallel.pp_split``), empty to balance."""
-    adapter = adapter_for(model)
+    adapter = pipeline_adapter(model)
     stages = len(placement)
     assignment = plan_stages(model, stages, boundaries)
     blocks = list(adapter.blocks())
@@ -202,7 +206,7 @@ def split_model(
     return split
 
 
-def _stage_params(model: nn.Module, adapter: Adapter, stage: Stage) -> list[nn.Parameter]:
+def _stage_params(model: nn.Module, adapter: ModelAdapter, stage: Stage) -> list[nn.Parameter]:
     """The trainable parameters stage ``stage`` uses (its blocks, and the ends it owns)."""
     modules: list[nn.Module] = [adapter.blocks()[str(i)] for i in stage.blocks]
     paths = (adapter.first_modules if stage.first else ()) + (adapter.last_modules if stage.last else ())

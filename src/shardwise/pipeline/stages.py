@@ -7,22 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardwise.config import ConfigError
-
-
-class SplitError(ConfigError):
-    """A model that cannot be split as asked; the message says why and what to do."""
-
 
 def balance(costs: Sequence[float], stages: int) -> list[list[int]]:
     """Contiguous runs of block indices, one per stage, each non-empty, minimising the largest sum of
     ``costs`` (dynamic programming over cut points; blocks are few)."""
     n = len(costs)
-    if n < stages:
-        raise SplitError(
-            f"the model has {n} blocks but the pipeline has {stages} stages (pp x virtual stages); "
-            f"every stage needs at least one block: lower --pp or --virtual-stages"
-        )
+    if n < stages:  # the callers refuse such a split in their own words first (split.plan_stages)
+        raise ValueError(f"{n} blocks cannot fill {stages} stages")
     prefix: list[float] = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)

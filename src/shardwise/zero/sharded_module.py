@@ -2,8 +2,9 @@
 
 Each child of the model's block list is one unit, a :class:`~shardwise.zero.group.FlatGroup`: the
 list ``zero.unit`` names by dotted path (``transformer.h``, ``model.layers``), or, with ``zero.unit``
-empty, the largest ModuleList/Sequential of one class of blocks (:mod:`shardwise.zero.units`; a model
-without one is a single unit). Parameters outside the units (embeddings, final norm, a head tied to the
+empty, the model's own (its adapter's block list, :mod:`shardwise.models.adapters`; for a model of no
+known family the largest ModuleList/Sequential of one class of blocks; a model without one is a single
+unit). Parameters outside the units (embeddings, final norm, a head tied to the
 embedding) and any parameter shared between units form the root unit, all-gathered at the start of
 forward and kept until the step's gradients are reduced. Communication, all through ``Comm``:
 
@@ -58,9 +59,9 @@ from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Role
+from shardwise.models.adapters import adapter_for
 from shardwise.zero.base import ZeroBase
 from shardwise.zero.group import FlatGroup
-from shardwise.zero.units import resolve_units
 
 
 class ShardedModule(ZeroBase):
@@ -97,7 +98,7 @@ class ShardedModule(ZeroBase):
     def _units(self) -> list[nn.Module]:
         """The modules gathered one at a time (empty: the whole model is one unit, the root)."""
         if self._unit_modules is None:
-            found = resolve_units(self.model, self.config.unit)
+            found = adapter_for(self.model).block_list(self.config.unit)
             self._unit_modules = found.blocks if found is not None else []
             if found is None and self.comm.rank == 0:
                 print(
