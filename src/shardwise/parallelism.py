@@ -35,7 +35,7 @@ from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
-from shardwise.device import cuda_backend, device_type, joined_device, place_model
+from shardwise.device import joined_device, place_model
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import AutoLoss, CausalLMLoss, Loss, TokenLoss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
@@ -46,7 +46,7 @@ from shardwise.models.adapters import adapter_for, config_blocks
 from shardwise.models.meta import meta_parameters
 from shardwise.pipeline.engine import attach_pipeline
 from shardwise.pipeline.runtime import PipelineRunner
-from shardwise.pipeline.schedules import ScheduleConfigError, stage_placement
+from shardwise.pipeline.schedules import SCHEDULES, ScheduleConfigError, stage_placement
 from shardwise.pipeline.schedules import build as build_schedule
 from shardwise.pipeline.schedules import check as check_schedule
 from shardwise.pipeline.split import plan_stages, split_model
@@ -73,7 +73,6 @@ def check(config: TrainConfig) -> None:
     _check_hybrid(config)
     _check_tensor_parallel(config)
     _check_pipeline(config)
-    _check_pipeline_on_nccl(config.parallel.pp, device_type(config.device))
 
 
 def _check_hybrid(config: TrainConfig) -> None:
@@ -189,17 +188,6 @@ def _check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
             )
 
 
-def _check_pipeline_on_nccl(pp: int, device: str) -> None:
-    """The pipeline tells its messages apart by tag and posts a step's receives up front; NCCL ignores
-    tags and pairs a peer's sends and receives in order, so on NCCL it is refused until each action's
-    transfers are posted together, in the same order on both peers (``batch_isend_irecv``)."""
-    if pp > 1 and device == "cuda" and cuda_backend() == "nccl":
-        raise NotBuiltError(
-            f"pipeline parallelism (parallel.pp = {pp}) over NCCL is not built yet (its transfers rely on "
-            "tags, which NCCL ignores); run it with --device cpu, or set parallel.pp = 1"
-        )
-
-
 def apply_tensor_parallel(
     model: nn.Module, mesh: Mesh, config: TrainConfig
 ) -> TensorParallelLayout | None:
@@ -242,11 +230,13 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Pipelin
     if parallel.pp == 1 or not mesh.in_mesh:
         return None
     comm = mesh.comm("pp")
-    _check_pipeline_on_nccl(parallel.pp, comm.device_type)
     name, pp, virtual = parallel.schedule, parallel.pp, parallel.stages_per_rank
     placement = stage_placement(name, pp, virtual)
     split = split_model(model, placement, comm.rank, parallel.pp_split)
-    return PipelineRunner(split, comm, placement, lambda m: build_schedule(name, pp, virtual, m)[comm.rank])
+    spec = SCHEDULES[name]
+    return PipelineRunner(
+        split, comm, placement, lambda m: build_schedule(name, pp, virtual, m), spec.splits_backward
+    )
 
 
 @contextmanager
