@@ -34,7 +34,7 @@ from torch import nn
 from shardwise.activation_checkpointing import apply_activation_checkpointing
 from shardwise.checkpoint.pretrained import PretrainedWeights
 from shardwise.config import ConfigError, TrainConfig
-from shardwise.device import device_type, joined_device, place_model
+from shardwise.device import joined_device, place_model
 from shardwise.engine.axis import NOT_BUILT, NotBuiltAxis
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import Loss, as_loss
@@ -43,7 +43,7 @@ from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.errors import NotBuiltError
 from shardwise.mesh import Mesh
 from shardwise.models.meta import meta_parameters
-from shardwise.pipeline.axis import PipelineAxis, check_pipeline, check_pipeline_on_nccl
+from shardwise.pipeline.axis import PipelineAxis, check_pipeline
 from shardwise.strategies import DataParallel, check_hybrid
 from shardwise.tensor_parallel.axis import TensorParallelAxis, check_tensor_parallel
 
@@ -92,7 +92,6 @@ def check(config: TrainConfig) -> None:
     check_hybrid(config)
     check_tensor_parallel(config)
     check_pipeline(config)
-    check_pipeline_on_nccl(config.parallel.pp, device_type(config.device))
 
 
 def _require_trainable(model: nn.Module) -> None:

@@ -16,7 +16,7 @@ from shardwise.models.adapters import adapter_for, pipeline_adapter
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallelism import check
 from shardwise.pipeline.schedules import stage_placement
-from shardwise.pipeline.split import SplitError, balance, split_model
+from shardwise.pipeline.split import SplitError, balance, plan_stages, split_model
 
 
 def test_balance_is_contiguous_covers_every_block_once_and_minimises_the_largest_stage() -> None:
@@ -25,8 +25,8 @@ def test_balance_is_contiguous_covers_every_block_once_and_minimises_the_largest
     uneven = balance([1] * 7, 3)  # uneven stages are allowed, never a block dropped
     assert sorted(i for run in uneven for i in run) == list(range(7))
     assert [len(r) for r in uneven] in ([3, 2, 2], [2, 3, 2], [2, 2, 3])
-    with pytest.raises(SplitError, match="the model has 2 blocks but the pipeline has 3 stages"):
-        balance([1, 1], 3)
+    with pytest.raises(SplitError, match="the model has 5 blocks but the pipeline has 6 stages"):
+        plan_stages(_model(), 6)  # in the split's words, before balance is asked
 
 
 def _model() -> GPT:

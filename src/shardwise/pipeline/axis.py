@@ -32,14 +32,13 @@ from torch import nn
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.device import cuda_backend
 from shardwise.engine.axis import Axis
 from shardwise.errors import ConfigError, NotBuiltError
 from shardwise.mesh import Mesh
 from shardwise.models import build_model
 from shardwise.models.adapters import config_blocks
 from shardwise.pipeline.runtime import PipelineRunner
-from shardwise.pipeline.schedules import ScheduleConfigError, stage_placement
+from shardwise.pipeline.schedules import SCHEDULES, ScheduleConfigError, stage_placement
 from shardwise.pipeline.schedules import build as build_schedule
 from shardwise.pipeline.schedules import check as check_schedule
 from shardwise.pipeline.split import plan_stages, split_model
@@ -82,12 +81,12 @@ class PipelineAxis(Axis):
         if parallel.pp == 1 or not self.mesh.in_mesh:
             return
         comm = self.mesh.comm("pp")
-        check_pipeline_on_nccl(parallel.pp, comm.device_type)
         name, pp, virtual = parallel.schedule, parallel.pp, parallel.stages_per_rank
         placement = stage_placement(name, pp, virtual)
         split = split_model(model, placement, comm.rank, parallel.pp_split)
+        spec = SCHEDULES[name]
         runner = PipelineRunner(
-            split, comm, placement, lambda m: build_schedule(name, pp, virtual, m)[comm.rank]
+            split, comm, placement, lambda m: build_schedule(name, pp, virtual, m), spec.splits_backward
         )
         self.runner = self.step_runner = runner
         self.comm, self.split = comm, split
@@ -173,14 +172,3 @@ def check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
                 f"pp({parallel.pp}) x virtual_stages({parallel.stages_per_rank}) = {stages} stages; pick a "
                 "larger preset"
             )
-
-
-def check_pipeline_on_nccl(pp: int, device: str) -> None:
-    """The pipeline tells its messages apart by tag and posts a step's receives up front; NCCL ignores
-    tags and pairs a peer's sends and receives in order, so on NCCL it is refused until each action's
-    transfers are posted together, in the same order on both peers (``batch_isend_irecv``)."""
-    if pp > 1 and device == "cuda" and cuda_backend() == "nccl":
-        raise NotBuiltError(
-            f"pipeline parallelism (parallel.pp = {pp}) over NCCL is not built yet (its transfers rely on "
-            "tags, which NCCL ignores); run it with --device cpu, or set parallel.pp = 1"
-        )

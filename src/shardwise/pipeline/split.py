@@ -39,8 +39,9 @@ from torch import nn
 
 from shardwise.models.adapters import ModelAdapter, SplitError, StageInputs, pipeline_adapter
 from shardwise.models.adapters import get_module as _get
+from shardwise.pipeline.stages import balance
 
-__all__ = ["Split", "SplitError", "Stage", "StageInputs", "Tied", "split_model"]
+__all__ = ["Split", "SplitError", "Stage", "StageInputs", "Tied", "balance", "split_model"]
 
 
 @dataclass
@@ -49,43 +50,21 @@ class Tied:
 
     owner_name: str
     copy: torch.Tensor  # a leaf that requires grad like the parameter; refreshed every step
+    user: nn.Module | None = None  # the module whose ``weight`` the copy is (the head)
+
+    def match(self, dtype: torch.dtype) -> None:
+        """Make the copy ``dtype`` (the owner's, once an engine casts its parameters: ZeRO's compute
+        copies), the head reading the new one."""
+        if self.copy.dtype != dtype:
+            self.copy = torch.empty_like(self.copy, dtype=dtype).requires_grad_(self.copy.requires_grad)
+            if self.user is not None:
+                object.__setattr__(self.user, "weight", self.copy)
 
 
 def _drop(root: nn.Module, path: str) -> None:
     parent, _, name = path.rpartition(".")
     owner = _get(root, parent) if parent else root
     owner._modules[name] = None  # named_parameters skips it: the parameters are no longer this rank's
-
-
-def balance(costs: Sequence[int], stages: int) -> list[list[int]]:
-    """Contiguous runs of block indices, one per stage, each non-empty, minimising the largest sum of
-    ``costs`` (dynamic programming over cut points; blocks are few)."""
-    n = len(costs)
-    if n < stages:
-        raise SplitError(
-            f"the model has {n} blocks but the pipeline has {stages} stages (pp x virtual stages); "
-            f"every stage needs at least one block: lower --pp or --virtual-stages"
-        )
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[s][i]: the smallest largest-stage cost putting blocks [0, i) on s stages
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    runs, end = [], n
-    for s in range(stages, 0, -1):
-        start = cut[s][end]
-        runs.append(list(range(start, end)))
-        end = start
-    return runs[::-1]
 
 
 def named_boundaries(names: Sequence[str], blocks_path: str, blocks: int, stages: int) -> list[list[int]]:
@@ -134,6 +113,11 @@ def plan_stages(model: nn.Module, stages: int, boundaries: Sequence[str] = ()) -
         raise SplitError(f"{adapter.blocks_path} is not an nn.ModuleList; the model was split already?")
     if boundaries:
         return named_boundaries(boundaries, adapter.blocks_path, len(container), stages)
+    if len(container) < stages:
+        raise SplitError(
+            f"the model has {len(container)} blocks but the pipeline has {stages} stages (pp x virtual "
+            "stages); every stage needs at least one block: lower --pp or --virtual-stages"
+        )
     return balance([sum(p.numel() for p in b.parameters()) for b in container], stages)
 
 
@@ -198,7 +182,7 @@ def split_model(
             copy = owner_param.detach().clone().requires_grad_(owner_param.requires_grad)
             del head._parameters["weight"]
             object.__setattr__(head, "weight", copy)  # a plain tensor: not this rank's parameter
-            tied = Tied(pair[0], copy)
+            tied = Tied(pair[0], copy, head)
     kept = {str(i): blocks[i] for s in held for i in assignment[s]}
     parent, _, name = adapter.blocks_path.rpartition(".")
     (_get(model, parent) if parent else model)._modules[name] = nn.ModuleDict(kept)

@@ -27,14 +27,15 @@ Under a pipeline (``pipeline_stage``, called by the pipeline runtime around each
 the same units work per action: the root is gathered when a stage that uses it (the first or the
 last) runs, units are gathered by the hooks above and prefetched only within the running stage, and
 whatever an action left gathered is released when it ends. A zero-bubble schedule's I pass
-(``autograd.grad`` to the stage's input) gathers each unit through the same output hooks but gives no
-parameter its gradient to free it by, so each unit is released when backward reaches the one before it
-(the blocks of every model that splits run in sequence); the W pass
-(``autograd.backward(inputs=weights)``) walks the retained graph again, and the hooks gather each
-unit once more (freed storage is re-filled in place, so the graph's saved views read the weights
-again). Gradients are not reduced per unit there: each is added into its unit's flat buffer, kept
-for the whole step, and ``finish_grads`` reduce-scatters every group once over the stage's dp group
-(FSDP's ``no_sync``: a full gradient per unit held across micro-batches, one exchange per step).
+(backward with the linear layers keeping their weight gradients for W, ``engine/linear.py``) gathers
+each unit through the same output hooks but does not give every parameter its gradient to free it by,
+so each unit is released when backward reaches the one before it (the blocks of every model that
+splits run in sequence); the W pass computes the kept weight gradients from the inputs and output
+gradients I kept, which needs no weight: it gathers nothing, and its gradients arrive through the
+weights' accumulators as in any backward. Gradients are not reduced per unit there: each is added into
+its unit's flat buffer, kept for the whole step, and ``finish_grads`` reduce-scatters every group once
+over the stage's dp group (FSDP's ``no_sync``: a full gradient per unit held across micro-batches, one
+exchange per step).
 Every replica of a stage runs the same action list, so its gathers and reductions come in the same
 order on every rank of the dp group.
 
