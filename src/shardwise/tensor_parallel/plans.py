@@ -34,12 +34,12 @@ from shardwise.models.adapters.plan import (
     Colwise,
     Dropout,
     ParallelInput,
-    Plan,
     QKVColwise,
     Rowwise,
     SequenceParallelNorm,
     SequenceSplit,
     Style,
+    TensorParallelPlan,
     VocabEmbedding,
 )
 from shardwise.tensor_parallel import comm_ops
@@ -270,7 +270,7 @@ class TensorParallelLayout:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, comm: Comm, plan: Plan, sequence_parallel: bool = False, seed: int = 0
+    model: nn.Module, comm: Comm, plan: TensorParallelPlan, sequence_parallel: bool = False, seed: int = 0
 ) -> TensorParallelLayout:
     """Cut ``model`` in place over ``comm`` (the tp axis) as ``plan`` says; returns the layout.
 
