@@ -29,7 +29,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.checkpoint.pretrained import open_weights
+from shardwise.checkpoint.source import HeldWeights, WeightSource
 from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
@@ -39,6 +40,7 @@ from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_op
 from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.mesh import Mesh
 from shardwise.models import PRESETS, build_model
+from shardwise.models.init_replay import RandomInit, record_initialisation
 from shardwise.models.meta import meta_parameters
 from shardwise.pipeline.engine import attach_pipeline
 from shardwise.pipeline.runtime import PipelineRunner
@@ -307,23 +309,48 @@ def apply_batchnorm(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
 
 
 @contextmanager
-def _initial_weights(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Iterator[PretrainedWeights | None]:
-    """``model.init_from``'s files matched to the model, open while the engine reads them (None: the
-    model keeps its own values, which must then exist)."""
-    path = config.model.init_from
-    if not path:
-        if empty := meta_parameters(model):
-            raise ConfigError(
-                f"the model's parameters are on the meta device, with no values ({', '.join(empty[:3])}); "
-                "set model.init_from to the weights to load, or build the model on a real device"
-            )
-        yield None
-        return
-    with PretrainedWeights.open(path, model) as weights:
-        note = weights.cast_note()
-        if note and mesh.rank == 0:
-            print(f"shardwise: {note}", file=sys.stderr, flush=True)
-        yield weights
+def _initial_weights(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Iterator[WeightSource | None]:
+    """Where the model's values come from, matched to the whole model before any split: the files of
+    ``model.init_from`` (safetensors or a shardwise checkpoint), else, for a model with tensors on the
+    meta device, its recorded initialisation (``models.init_replay``); None: the model keeps the
+    values it was built with. Open while the ranks read their parts; its notes said once."""
+    source: WeightSource
+    if config.model.init_from:
+        source = open_weights(config.model.init_from, model)
+    else:
+        record = record_initialisation(model)
+        if record is None:
+            yield None
+            return
+        source = RandomInit(record)
+    try:
+        if mesh.rank == 0:
+            for note in source.notes():
+                print(f"shardwise: {note}", file=sys.stderr, flush=True)
+        yield source
+    finally:
+        source.close()
+
+
+def held_weights(
+    source: WeightSource,
+    model: nn.Module,
+    layout: TensorParallelLayout | None,
+    runner: PipelineRunner | None,
+    overwrite: bool,
+) -> HeldWeights:
+    """What this rank reads of ``source``: its tensors as tp and the pipeline left them (each tp shard
+    a set of boxes of its global tensor), and a pipeline's last-stage copy of a tied weight (read under
+    its owner's name); the copy is filled here, the rest by the data-parallel engine."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    tied = runner.split.tied if runner is not None else None
+    if tied is not None and tied.copy.is_meta:
+        tensors.append((tied.owner_name, tied.copy))
+    placements = {n: shard.placements for n, shard in layout.params.items()} if layout is not None else {}
+    held = HeldWeights.of(source, tensors, placements, overwrite=overwrite)
+    if tied is not None and tied.copy.is_meta:
+        held.fill(tied.owner_name, tied.copy)
+    return held
 
 
 def parallelize(
@@ -348,12 +375,15 @@ def parallelize(
             "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
             "to train; leave some unfrozen"
         )
-    layout = apply_tensor_parallel(model, mesh, config)
-    runner = apply_pipeline(model, mesh, config)
-    apply_activation_checkpointing(model, config, layout.tracker if layout is not None else None)
-    apply_batchnorm(model, mesh, config)
-    with _initial_weights(model, mesh, config) as weights:
-        engine = build_data_parallel(config, model, mesh, share_gradients, weights)
+    with _initial_weights(model, mesh, config) as source:
+        layout = apply_tensor_parallel(model, mesh, config)  # on meta, where the model was built there
+        runner = apply_pipeline(model, mesh, config)
+        apply_activation_checkpointing(model, config, layout.tracker if layout is not None else None)
+        apply_batchnorm(model, mesh, config)
+        held = None
+        if source is not None:  # each rank materialises only what it holds, from the one source
+            held = held_weights(source, model, layout, runner, overwrite=bool(config.model.init_from))
+        engine = build_data_parallel(config, model, mesh, share_gradients, held)
     if left := meta_parameters(model):  # a strategy that did not read them: never train on no data
         raise RuntimeError(f"{config.strategy} left parameters on the meta device: {', '.join(left[:3])}")
     engine.count_comm = mesh.comm("dp") if mesh.in_mesh else None  # the ranks that split each batch

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm, build_compressed, check_compress
 from shardwise.config import TrainConfig
@@ -30,7 +30,7 @@ from shardwise.mesh import Mesh
 from shardwise.zero import build_zero_engine
 from shardwise.zero.hybrid import attach_hybrid
 
-Weights = PretrainedWeights | None
+Weights = HeldWeights | None
 Builder = Callable[[TrainConfig, nn.Module, Mesh, bool, Weights], Engine]
 
 
@@ -101,7 +101,7 @@ def build_data_parallel(
     model: nn.Module,
     mesh: Mesh,
     share_gradients: bool = False,
-    weights: PretrainedWeights | None = None,
+    weights: HeldWeights | None = None,
 ) -> Engine:
     """Apply ``config.strategy`` to ``model`` over ``mesh``; ``share_gradients``: make global gradients
     visible where a strategy keeps them elsewhere (the parameter server's workers), for ``verify``;

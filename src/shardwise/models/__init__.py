@@ -22,7 +22,8 @@ from shardwise.config import ConfigError, ModelConfig, check_model_kind, model_s
 from shardwise.models.factory import build_factory_model, check_factory
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.hf import build_hf_model, load_hf_config, shipped_configs
-from shardwise.models.meta import parameters_on_meta
+from shardwise.models.init_record import load_transformers_init
+from shardwise.models.init_replay import build_recorded, materialize_whole
 from shardwise.models.mlp import MLP, MLPConfig
 
 __all__ = [
@@ -89,37 +90,42 @@ def _preset(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, meta: bool = False) -> nn.Module:
-    """Build the model ``cfg`` describes, under the caller's torch seed, then apply ``cfg.freeze``.
+    """Build the model ``cfg`` describes, then apply ``cfg.freeze``.
 
-    Parameters are drawn in float32 (a Hugging Face model: in its config's dtype) and then cast, so
-    a float64 model holds exactly the float32 model's initial values. ``meta``: parameters on the meta
-    device, no values drawn (buffers are real); they are loaded from ``cfg.init_from`` later.
+    The model is made on the meta device while its initialisation is recorded
+    (:mod:`shardwise.models.init_record`: parameters in float32, a Hugging Face model in its config's
+    dtype); ``meta``: it is returned so, and ``parallelize`` materialises what each rank holds. Else
+    every tensor is given its recorded values, drawn on the chunk grid of
+    :mod:`shardwise.models.init_replay` under the caller's torch seed, then cast to ``dtype`` (so a
+    float64 model holds exactly the float32 model's values): what every layout's ranks read parts of.
     """
-    if meta:
-        with parameters_on_meta():
-            return build_model(cfg, dtype)
+    if model_source(cfg.kind) in ("hf", "factory"):
+        load_transformers_init()  # a Hugging Face model's init functions, to be recorded
+    model = build_recorded(lambda: _construct(cfg))
+    model.to(dtype)  # on meta: dtypes only; values are drawn in the dtype the record has, then cast
+    apply_freeze(model, cfg.freeze)
+    if not meta:
+        materialize_whole(model)
+    return model
+
+
+def _construct(cfg: ModelConfig) -> nn.Module:
     check_model_kind(cfg.kind)
-    model: nn.Module
     source = model_source(cfg.kind)
     if source == "hf":
-        model = build_hf_model(cfg)
-    elif source == "factory":
-        model = build_factory_model(cfg)
-    elif cfg.kind == "gpt":
-        sizes = _preset(cfg)
-        model = GPT(GPTConfig(**sizes, seq_len=cfg.seq_len, dropout=cfg.dropout, tie_weights=cfg.tie_weights))
-    else:
-        sizes = _preset(cfg)
-        mlp_config = MLPConfig(**sizes, dropout=cfg.dropout)
-        if mlp_config.context > cfg.seq_len:
-            raise ConfigError(
-                f"mlp preset {cfg.preset!r} reads {mlp_config.context} tokens, more than "
-                f"model.seq_len({cfg.seq_len}); raise seq_len or pick a smaller preset"
-            )
-        model = MLP(mlp_config)
-    model.to(dtype)
-    apply_freeze(model, cfg.freeze)
-    return model
+        return build_hf_model(cfg)
+    if source == "factory":
+        return build_factory_model(cfg)
+    sizes = _preset(cfg)
+    if cfg.kind == "gpt":
+        return GPT(GPTConfig(**sizes, seq_len=cfg.seq_len, dropout=cfg.dropout, tie_weights=cfg.tie_weights))
+    mlp_config = MLPConfig(**sizes, dropout=cfg.dropout)
+    if mlp_config.context > cfg.seq_len:
+        raise ConfigError(
+            f"mlp preset {cfg.preset!r} reads {mlp_config.context} tokens, more than "
+            f"model.seq_len({cfg.seq_len}); raise seq_len or pick a smaller preset"
+        )
+    return MLP(mlp_config)
 
 
 def apply_freeze(model: nn.Module, prefixes: tuple[str, ...]) -> nn.Module:

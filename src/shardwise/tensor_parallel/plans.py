@@ -441,7 +441,8 @@ def apply_tensor_parallel(
         raise ValueError(
             f"plan {plan.name} cannot run with sequence parallelism: {plan.no_sequence_parallel}"
         )
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    # the tracker's states live where the parameters will be (a model on meta materialises on the host)
+    device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     ctx = _Context(comm, sequence_parallel, Sharder(), tensor_parallel_tracker(seed, comm.rank, device))
     modules = dict(model.named_modules())
     chosen: dict[str, tuple[str, tuple[Style, ...]]] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
@@ -33,7 +33,7 @@ def build_zero_engine(
     stage: int,
     config: ZeroConfig,
     role: Role | None = None,
-    weights: PretrainedWeights | None = None,
+    weights: HeldWeights | None = None,
     compressor: CompressedComm | None = None,
 ) -> ZeroBase:
     """The ZeRO engine of ``stage`` (1, 2 or 3) over the data-parallel group ``comm`` (no optimizers

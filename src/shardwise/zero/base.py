@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from shardwise.checkpoint.manager import Piece
-from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
@@ -58,7 +58,7 @@ class ZeroBase(Engine):
         comm: Comm,
         config: ZeroConfig,
         role: Role | None = None,
-        weights: PretrainedWeights | None = None,
+        weights: HeldWeights | None = None,
     ) -> None:
         super().__init__(model, role)
         self.comm, self.config = comm, config

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint.pretrained import PretrainedWeights, materialize
+from shardwise.checkpoint.source import HeldWeights, materialize
 from shardwise.collectives.api import Comm, Work
 from shardwise.collectives.p2p import Done
 from shardwise.compression import CodecState, CompressedComm, Segment
@@ -56,7 +56,7 @@ class FlatGroup:
         comm: Comm,
         precision: Precision,
         alias_master: bool,
-        weights: PretrainedWeights | None = None,
+        weights: HeldWeights | None = None,
     ) -> None:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -97,12 +97,12 @@ class FlatGroup:
             return self.full[start:end]  # stages 1-2 in one dtype: the shard is the buffer itself
         return source[start:end].to(self.precision.master).clone()
 
-    def _read_shard(self, weights: PretrainedWeights) -> torch.Tensor:
+    def _read_shard(self, weights: HeldWeights) -> torch.Tensor:
         """Stage 3 from a file (``model.init_from``), parameters on meta: only this rank's shard is read
         (each parameter's overlap with it, ``layout.pieces``) and kept as the master. The full buffer
         exists for an instant, so that the parameters can view it, and is freed before any read: a
         rank holds its shards plus at most one unit. The first ``gather`` fills it."""
-        device = torch.device("cpu") if self.params[0].is_meta else self.params[0].device
+        device = weights.device if self.params[0].is_meta else self.params[0].device
         self.full = torch.empty(self.layout.padded_numel, dtype=self.precision.compute, device=device)
         for p in self.params:  # real now, still without data: _bind_views gives each its view
             if p.is_meta:
