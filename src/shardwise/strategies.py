@@ -84,7 +84,9 @@ def _diloco(
     return DiLoCoEngine(model, dp, config.diloco, config.steps, share, Role.trainer(mesh.rank), compressor)
 
 
-READS_SHARDS = ("zero3",)  # strategies whose builders read each rank's shards of the initial weights
+# strategies whose engines read the initial values themselves: ZeRO-1/2 bucket by bucket into their flat
+# buffers, ZeRO-3 each rank's shards; the others get whole tensors before they are built
+READS_ITSELF = ("zero1", "zero2", "zero3")
 
 STRATEGIES: dict[str, Builder] = {
     "ddp": _ddp,
@@ -109,7 +111,7 @@ def build_data_parallel(
     builder = STRATEGIES.get(config.strategy)
     if builder is None:
         raise ValueError(f"unknown strategy {config.strategy!r}; known: {', '.join(STRATEGIES)}")
-    if weights is not None and config.strategy not in READS_SHARDS:  # every rank holds whole tensors
+    if weights is not None and config.strategy not in READS_ITSELF:  # every rank holds whole tensors
         weights.load_whole(model)
         weights = None
     return builder(config, model, mesh, share_gradients, weights)

@@ -5,7 +5,9 @@ probes, all ranks at once so that the contention is the training's own, each wit
 thread count: the model's own forward and backward on a data-parallel rank's micro-batch (no strategy),
 the same with each block checkpointed, and a large in-place add (memory bandwidth), three interleaved
 repeats; then it builds the trainer and runs two steps under ``TensorBytes`` (a dispatch mode counting
-live floating-point storages: tensor bytes, not RSS) for the peak; then builds it again and times
+live floating-point storages: tensor bytes, not RSS) for the peak, the build's own peak counted apart
+(``Trainer.build``: the model made on meta, ``parallelize`` reading each rank's part) beside the
+planner's ``model_build``; then builds it again and times
 ``steps`` steps without the counter (each the slowest rank's, as ``Trainer.step`` reports it), with the
 bytes each rank sent. The probes' samples of every launch are pooled into one calibration for the whole
 check (``calibration_from``: each rate's best repeat), so no row is predicted from its own launch alone
@@ -159,7 +161,8 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int, timed: bool
     try:
         rates = measure_rates(config, model, CALIBRATION_REPEATS) if timed else []
         with TensorBytes() as counted:
-            trainer = Trainer.build(config)
+            with TensorBytes() as built:  # parallelize: the model made on meta, each rank's part read
+                trainer = Trainer.build(config)
             records = [trainer.step(step) for step in range(MEMORY_STEPS)]
         trainer.engine.close()
         del trainer
@@ -167,13 +170,14 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int, timed: bool
             trainer = Trainer.build(config)
             records = [trainer.step(step) for step in range(steps)]
             trainer.engine.close()
-        mine = torch.tensor([counted.peak], dtype=torch.float64)
+        mine = torch.tensor([counted.peak, built.peak], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         kept = records[1:] if len(records) > 1 else records  # the first step warms up
         return {
             "rates": rates,
             "peak_bytes": max(float(t[0]) for t in everyone),
+            "build_bytes": max(float(t[1]) for t in everyone),
             "step_s": [r.step_s for r in kept] if timed else [],
             "comm_s": [r.comm_s for r in kept] if timed else [],
             "bytes_sent": max(float(b) for b in kept[-1].bytes_sent),
@@ -296,6 +300,9 @@ def compare(
         "predicted_bytes": memory.total,
         "measured_bytes": measured["peak_bytes"],
         "memory_ratio": memory.total / measured["peak_bytes"],
+        "predicted_build_bytes": memory.device["model_build"],
+        "measured_build_bytes": measured["build_bytes"],
+        "build_ratio": memory.device["model_build"] / measured["build_bytes"],
         "predicted_step_s": None if note else time_.total_s,  # no calibration was measured
         "measured_step_s": None if note else best,
         "measured_step_s_median": None if note else median,

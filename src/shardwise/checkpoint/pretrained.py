@@ -157,11 +157,11 @@ class PretrainedWeights:
     def has(self, name: str) -> bool:
         return name in self.keys
 
-    def read_box(self, name: str, box: Box) -> torch.Tensor:
-        """Elements ``box`` of ``name`` in the file's dtype: only that slice is read."""
+    def read_box(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``box`` of ``name`` (in the file's dtype, or into ``out``): only that slice is read."""
         sl, _ = self._slice(name)
-        part = sl[index_of(box)]  # () for a 0-d tensor: the whole of it
-        return part.reshape(box.lengths)
+        part = sl[index_of(box)].reshape(box.lengths)  # () for a 0-d tensor: the whole of it
+        return part if out is None else out.copy_(part)
 
     def _view(self, name: str) -> HeldWeights:
         shape = self.entries[self.keys[name]].shape
@@ -266,11 +266,12 @@ class CheckpointWeights:
     def has(self, name: str) -> bool:
         return name in self.keys
 
-    def read_box(self, name: str, box: Box) -> torch.Tensor:
+    def read_box(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
         from shardwise.checkpoint.reader import load
 
         key = self.PREFIX + self.keys[name]
-        return load(self.path, {key: box}, manifest=self.manifest)[key]
+        part = load(self.path, {key: box}, manifest=self.manifest)[key]
+        return part if out is None else out.copy_(part)
 
     def notes(self) -> list[str]:
         return []

@@ -37,8 +37,9 @@ class WeightSource(Protocol):
         """Whether the source holds ``name`` (any of a tied tensor's names)."""
         ...
 
-    def read_box(self, name: str, box: Box) -> torch.Tensor:
-        """Elements ``box`` of global tensor ``name``, shape ``box.lengths``, on the host."""
+    def read_box(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``box`` of global tensor ``name``, shape ``box.lengths``, on the host: into ``out``
+        (cast to its dtype) when given, so that a read holds nothing of its own beyond the source's."""
         ...
 
     def notes(self) -> list[str]:
@@ -100,22 +101,21 @@ class HeldWeights:
     def _placements(self, name: str) -> tuple[Placement, ...]:
         return self.placements.get(name) or (Placement.whole(self.shapes[name]),)
 
-    def read_local(self, name: str, local: Box) -> torch.Tensor:
-        """Box ``local`` of this rank's tensor ``name`` (shape ``local.lengths``), on the host."""
-        out = torch.empty(local.lengths, dtype=self.dtypes[name], device=HOST)
+    def read_local(self, name: str, local: Box, out: torch.Tensor) -> None:
+        """Box ``local`` of this rank's tensor ``name`` into ``out`` (shape ``local.lengths``)."""
         for placement in self._placements(name):
             part = placement.global_part(local)
             if part is not None:
                 global_box, local_part = part
-                out[index_of(local_part, local)] = self.source.read_box(name, global_box)  # casts
-        return out
+                self.source.read_box(name, global_box, out[index_of(local_part, local)])
 
-    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+    def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, stop)`` of the row-major flattening of this rank's tensor ``name`` (1-D,
-        on the host): only the boxes that range covers are read."""
-        out = torch.empty(stop - start, dtype=self.dtypes[name], device=HOST)
+        on the host, or into ``out``, cast to its dtype): only the boxes that range covers are read."""
+        if out is None:
+            out = torch.empty(stop - start, dtype=self.dtypes[name], device=HOST)
         for box, at in flat_segments(self.shapes[name], start, stop):
-            out[at : at + box.volume] = self.read_local(name, box).reshape(-1)
+            self.read_local(name, box, out[at : at + box.volume].view(box.lengths))
         return out
 
     def read_whole(self, name: str) -> torch.Tensor:

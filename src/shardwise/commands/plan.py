@@ -333,13 +333,14 @@ def check_command(
 
 def _render_check(result: dict[str, Any]) -> None:
     print(f"{result['model']}; measured on {result['nproc']} local ranks (tensor bytes, not RSS)")
-    heads = ("pred MB", "meas MB", "mem x", "pred ms", "meas ms", "time x")
+    heads = ("pred MB", "meas MB", "mem x", "build x", "pred ms", "meas ms", "time x")
     print(f"{'layout':<30} " + " ".join(f"{h:>8}" for h in heads))
     for row in result["check"]:
         cells = (
             row["predicted_bytes"] / 1e6,
             row["measured_bytes"] / 1e6,
             row["memory_ratio"],
+            row["build_ratio"],
             row["predicted_step_s"] * 1e3 if row["predicted_step_s"] is not None else None,
             row["measured_step_s"] * 1e3 if row["measured_step_s"] is not None else None,
             row["time_ratio"],

@@ -157,15 +157,17 @@ class RandomInit:
     def _chunk(self, name: str, init: TensorInit, index: int, chunk: Box) -> torch.Tensor:
         if self._last is not None and self._last[:2] == (name, index):
             return self._last[2]
+        self._last = None  # one chunk alive at a time
         generator = torch.Generator(device=HOST).manual_seed(chunk_seed(self.record.seed, name, index))
         values = replay_chunk(init, chunk, generator)
         self._last = (name, index, values)
         return values
 
-    def read_box(self, name: str, box: Box) -> torch.Tensor:
+    def read_box(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
         name = self.record.aliases.get(name, name)
         init = self.record.tensors[name]
-        out = torch.empty(box.lengths, dtype=init.dtype, device=HOST)
+        if out is None:
+            out = torch.empty(box.lengths, dtype=init.dtype, device=HOST)
         grid = init.shape if init.whole else chunk_shape(init.shape)
         for index, chunk in chunks(init.shape, grid, box):
             part = intersect(chunk, box)

@@ -381,12 +381,13 @@ def micro_batch_size(training: Training, layout: Layout) -> int:
 
 
 def _stage_psi(model: ModelShape, layout: Layout) -> tuple[float, float, float]:
-    """(Ψ, block, root) parameters one rank's data-parallel layer manages: the first pipeline stage's
-    blocks (and the root, which we keep on it), each divided by tp (norms, replicated, counted whole
-    would be a rounding error)."""
+    """(Ψ, block, root) parameters one rank's data-parallel layer manages, on the heaviest pipeline
+    rank: a stage's share of the blocks (rounded up) and the heavier end's parameters (the root:
+    embeddings, or final norm and untied head; everything outside the blocks without a pipeline),
+    each divided by tp (norms, replicated, counted whole would be a rounding error)."""
     blocks = math.ceil(model.n_layer / layout.pp)
     block = model.block_params / layout.tp
-    root = model.root_params / layout.tp
+    root = model.end_params(layout.pp) / layout.tp
     return blocks * block + root, block, root
 
 
@@ -480,16 +481,37 @@ def _accumulated_grads(psi: float, training: Training, layout: Layout, states: M
     return {"accumulated_grads": (psi * dtype, ("forward", "backward"))}
 
 
-def _build_bytes(model: ModelShape, training: Training, layout: Layout) -> float:
-    """The build's peak: each rank makes the whole model (in the parameters' dtype) and, before the
-    whole is dropped, the copy it keeps: its tensor-parallel shard, ZeRO-1/2's flat buffer or DDP's
-    buckets (its stage's parameters), or ZeRO-3's shard plus the unit being flattened. A model built
-    on the meta device (``model.init_from``) never holds the whole: not modelled."""
+INIT_CHUNK_ELEMENTS = 2**20  # one chunk of the replayed initialisation (models.init_replay), in float32
+
+
+def _largest_tensor(model: ModelShape, layout: Layout) -> float:
+    """Elements of the largest parameter a rank holds: the embedding, an MLP matrix or the fused qkv."""
+    return max(model.vocab * model.d_model, model.d_model * model.ff, 3 * model.d_model**2) / layout.tp
+
+
+def _build_bytes(model: ModelShape, training: Training, layout: Layout, states: ModelStates) -> float:
+    """The build's peak. The model is made on the meta device and each rank materialises only what
+    it holds (its stage, its tp shards), one chunk of the replayed initialisation alive at a time:
+    DDP (and the parameter server, DiLoCo) its parameters whole, then its gradient buckets on a dp
+    group of more than one (rank 0's values broadcast through one flat copy first); ZeRO-1/2 read
+    each bucket straight into its flat buffer (under mixed precision a bucket's run-dtype copy is
+    alive while its compute copy and master shard are made), then stage 1 its flat gradients; ZeRO-3
+    its master shards, beside one unit's flat buffer for the instant its parameters become views."""
     psi, block, root = _stage_psi(model, layout)
-    kept = psi
-    if zero_stage(layout.strategy) == 3 and layout.tp == 1:
-        kept = psi / layout.dp + max(block, root)
-    return training.param_bytes * (model.params + kept)
+    stage, pb, cb = zero_stage(layout.strategy), training.param_bytes, training.compute_bytes
+    largest = _largest_tensor(model, layout)
+    chunk = 4 * min(INIT_CHUNK_ELEMENTS, largest)
+    if stage == 0:
+        copies = 2 if layout.dp > 1 or layout.strategy != "ddp" else 1  # + buckets (or ps's flat message)
+        return copies * pb * psi + (chunk if copies == 1 else 0.0)
+    kept = states.params + states.master
+    if stage == 3:
+        unit = max(block, root)
+        return kept + max(cb * unit - training.master_bytes * unit / layout.dp, 0.0) + chunk
+    bucket = min(max(layout.bucket_mb * 2**20 / training.master_bytes, largest), psi)  # one tensor at least
+    flattening = kept + (bucket * pb if training.mixed else 0.0) + chunk
+    full_grads = (cb if training.mixed else pb) * psi  # stage 1's, made once every bucket is flat
+    return max(flattening, kept + full_grads) if stage == 1 else flattening
 
 
 def _optimizer_temporaries(model: ModelShape, training: Training, layout: Layout) -> float:
@@ -502,8 +524,7 @@ def _optimizer_temporaries(model: ModelShape, training: Training, layout: Layout
     if training.optimizer not in ("adam", "adamw"):
         return 0.0
     psi, block, root = _stage_psi(model, layout)
-    h, tp = model.d_model, layout.tp
-    largest = max(model.vocab * h, h * model.ff, 3 * h * h) / tp
+    largest = _largest_tensor(model, layout)
     stage = zero_stage(layout.strategy)
     if stage in (1, 2):
         bucket = layout.bucket_mb * 2**20 / training.master_bytes
@@ -556,7 +577,7 @@ def estimate_memory(
         parts["master_params"] = parts["optimizer_state"] = (0.0, ALWAYS)
     parts.update(_comm_buffers(model, training, layout))
     parts.update(_activations(model, training, layout, micro_batch))
-    parts["model_build"] = (_build_bytes(model, training, layout), ("build",))
+    parts["model_build"] = (_build_bytes(model, training, layout, states), ("build",))
     parts["overhead"] = (calibration.overhead_bytes, ALWAYS)
     device = {name: value for name, (value, _) in parts.items()}
     phases = {name: when for name, (_, when) in parts.items()}

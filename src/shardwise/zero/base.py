@@ -62,7 +62,7 @@ class ZeroBase(Engine):
     ) -> None:
         super().__init__(model, role)
         self.comm, self.config = comm, config
-        self.weights = weights  # stage 3: each group reads its shard from it (build_groups)
+        self.weights = weights  # parameters on meta: each group reads its part (build_groups)
         self.usage_comms: list[Comm] = []  # more groups the used flags are agreed over (hybrid replicas)
         broadcast_initial_state(model, comm)
         self.trainable = unique_parameters(model.named_parameters())
