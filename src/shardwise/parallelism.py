@@ -30,7 +30,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from shardwise.checkpoint.pretrained import open_weights
-from shardwise.checkpoint.source import HeldWeights, WeightSource
+from shardwise.checkpoint.source import HOST, META, HeldWeights, NoValues, WeightSource
 from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
@@ -309,13 +309,18 @@ def apply_batchnorm(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
 
 
 @contextmanager
-def _initial_weights(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Iterator[WeightSource | None]:
-    """Where the model's values come from, matched to the whole model before any split: the files of
-    ``model.init_from`` (safetensors or a shardwise checkpoint), else, for a model with tensors on the
-    meta device, its recorded initialisation (``models.init_replay``); None: the model keeps the
-    values it was built with. Open while the ranks read their parts; its notes said once."""
+def _initial_weights(
+    model: nn.Module, mesh: Mesh, config: TrainConfig, given: WeightSource | None = None
+) -> Iterator[WeightSource | None]:
+    """Where the model's values come from, matched to the whole model before any split: ``given``,
+    else the files of ``model.init_from`` (safetensors or a shardwise checkpoint), else, for a model
+    with tensors on the meta device, its recorded initialisation (``models.init_replay``); None: the
+    model keeps the values it was built with. Open while the ranks read their parts; its notes said
+    once."""
     source: WeightSource
-    if config.model.init_from:
+    if given is not None:
+        source = given
+    elif config.model.init_from:
         source = open_weights(config.model.init_from, model)
     else:
         record = record_initialisation(model)
@@ -347,7 +352,8 @@ def held_weights(
     if tied is not None and tied.copy.is_meta:
         tensors.append((tied.owner_name, tied.copy))
     placements = {n: shard.placements for n, shard in layout.params.items()} if layout is not None else {}
-    held = HeldWeights.of(source, tensors, placements, overwrite=overwrite)
+    device = META if isinstance(source, NoValues) else HOST
+    held = HeldWeights.of(source, tensors, placements, device, overwrite=overwrite)
     if tied is not None and tied.copy.is_meta:
         held.fill(tied.owner_name, tied.copy)
     return held
@@ -361,6 +367,7 @@ def parallelize(
     share_gradients: bool = False,
     loss: Loss | Callable[[Any, Any], torch.Tensor] | None = None,
     scheduler: SchedulerFactory | None = None,
+    weights: WeightSource | None = None,
 ) -> Engine:
     """Apply steps 1-4 to ``model`` in place and return the engine, its optimizers attached.
 
@@ -368,14 +375,16 @@ def parallelize(
     what ``engine.train_step`` minimises (a SUM per micro-batch and a count: see
     ``shardwise.engine.loss``; default: token or causal-LM cross-entropy); ``scheduler`` builds a
     ``torch.optim.lr_scheduler`` over each optimizer, stepped after every update; ``share_gradients``
-    makes global gradients visible on every rank that steps (``verify``).
+    makes global gradients visible on every rank that steps (``verify``); ``weights``: where the
+    tensors on the meta device get their values (default: ``model.init_from``, else the model's
+    recorded initialisation; ``NoValues``: none, the rank runs on meta).
     """
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(
             "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
             "to train; leave some unfrozen"
         )
-    with _initial_weights(model, mesh, config) as source:
+    with _initial_weights(model, mesh, config, weights) as source:
         layout = apply_tensor_parallel(model, mesh, config)  # on meta, where the model was built there
         runner = apply_pipeline(model, mesh, config)
         apply_activation_checkpointing(model, config, layout.tracker if layout is not None else None)
@@ -384,7 +393,7 @@ def parallelize(
         if source is not None:  # each rank materialises only what it holds, from the one source
             held = held_weights(source, model, layout, runner, overwrite=bool(config.model.init_from))
         engine = build_data_parallel(config, model, mesh, share_gradients, held)
-    if left := meta_parameters(model):  # a strategy that did not read them: never train on no data
+    if (left := meta_parameters(model)) and not isinstance(weights, NoValues):  # never train on no data
         raise RuntimeError(f"{config.strategy} left parameters on the meta device: {', '.join(left[:3])}")
     engine.count_comm = mesh.comm("dp") if mesh.in_mesh else None  # the ranks that split each batch
     engine.clip_grad_norm = config.optim.clip_grad_norm

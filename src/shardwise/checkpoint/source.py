@@ -28,6 +28,7 @@ from torch import nn
 from shardwise.checkpoint.boxes import Box, Placement, flat_segments, index_of
 
 HOST = torch.device("cpu")  # where sources read to
+META = torch.device("meta")
 
 
 class WeightSource(Protocol):
@@ -75,6 +76,7 @@ class HeldWeights:
         overwrite: bool = False,
     ) -> None:
         self.source, self.shapes, self.dtypes, self.device = source, dict(shapes), dict(dtypes), device
+        self.staging = META if device == META else HOST  # where reads land before the device
         self.placements = dict(placements or {})
         self.overwrite = overwrite  # a file replaces values a model already has; a replayed init does not
 
@@ -113,7 +115,7 @@ class HeldWeights:
         """Elements ``[start, stop)`` of the row-major flattening of this rank's tensor ``name`` (1-D,
         on the host, or into ``out``, cast to its dtype): only the boxes that range covers are read."""
         if out is None:
-            out = torch.empty(stop - start, dtype=self.dtypes[name], device=HOST)
+            out = torch.empty(stop - start, dtype=self.dtypes[name], device=self.staging)
         for box, at in flat_segments(self.shapes[name], start, stop):
             self.read_local(name, box, out[at : at + box.volume].view(box.lengths))
         return out
@@ -140,3 +142,24 @@ class HeldWeights:
 
     def close(self) -> None:
         self.source.close()
+
+
+class NoValues:
+    """A source without values: every tensor it is asked for stays on the meta device, so that a
+    rank's whole build and step run with no memory held (``shardwise plan --dry-run``)."""
+
+    def __init__(self, names: Collection[str]) -> None:
+        self.names = set(names)
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def read_box(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        return out if out is not None else torch.empty(box.lengths, device=META)
+
+    def notes(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        return None
+
