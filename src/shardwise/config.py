@@ -20,8 +20,9 @@ import stat
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -255,11 +256,42 @@ def _ranks(trainers: int, servers: int) -> str:
     return f"{trainers} rank" if trainers == 1 else f"{trainers} ranks"
 
 
+def split_counts(global_batch: int, weights: Sequence[float], world_size: int | None = None) -> list[int]:
+    """Per-rank sample counts that sum to ``global_batch``, proportional to ``weights``.
+
+    Largest-remainder rounding (exact, with fractions): every rank gets the floor of its quota, and
+    the samples left over go to the largest remainders, ties to the lower rank. Empty ``weights``
+    means an equal split over ``world_size`` ranks (the remainder goes to the first ranks).
+    """
+    if not weights:
+        if world_size is None or world_size < 1:
+            raise ConfigError(f"an equal split needs world_size >= 1, got {world_size}")
+        weights = [1.0] * world_size
+    elif world_size is not None and len(weights) != world_size:
+        raise ConfigError(f"{len(weights)} weights given for {world_size} ranks")
+    if global_batch < 0:
+        raise ConfigError(f"global_batch must be >= 0, got {global_batch}")
+    if any(not math.isfinite(w) or w < 0 for w in weights):
+        raise ConfigError(f"weights must be finite and >= 0, got {list(weights)}")
+    total = sum(Fraction(w) for w in weights)
+    if total == 0:
+        raise ConfigError(f"weights sum to {float(total)}; at least one rank needs a positive weight")
+    quotas = [global_batch * Fraction(w) / total for w in weights]
+    counts = [math.floor(q) for q in quotas]
+    left = global_batch - sum(counts)
+    # Largest remainder first; sorted() stays stable with reverse=True, so ties keep rank order.
+    by_remainder = sorted(range(len(quotas)), key=lambda r: quotas[r] - counts[r], reverse=True)
+    for rank in by_remainder[:left]:
+        counts[rank] += 1
+    return counts
+
+
 @dataclass(frozen=True)
 class DataConfig:
     # sequences per optimizer step, summed over all data-parallel ranks
     global_batch: int = checked(16, Range(ge=1))
-    # gradient accumulation: each rank's share is split this many ways
+    # gradient accumulation: each rank's share is split this many ways (at most the rows of the rank
+    # with the most: data.global_batch x its share)
     micro_batches: int = checked(1, Range(ge=1))
     # per-rank share of the global batch; empty = equal
     weights: tuple[float, ...] = checked((), Range(ge=0))
@@ -496,6 +528,32 @@ class TrainConfig:
                 f"data.global_batch({data.global_batch}) is smaller than the {dp} data-parallel ranks: "
                 f"every rank needs at least one sequence"
             )
+        self._check_micro_batches(dp)
+
+    def _check_micro_batches(self, dp: int) -> None:
+        """No more micro-batches than the rank with the most rows has rows a step: past that every
+        further one is empty on every rank, and each costs a pass and its schedule's actions (10^8 of
+        them never finish building). A rank with fewer rows, or none, runs empty ones, as now."""
+        data = self.data
+        counts = split_counts(data.global_batch, data.weights or [1.0] * dp)
+        most = max(counts)
+        if data.micro_batches <= most:
+            return
+        if data.weights:
+            rank = counts.index(most)
+            share = Fraction(data.weights[rank]) / sum(Fraction(w) for w in data.weights)
+            arithmetic = (
+                f"data.global_batch({data.global_batch}) x the share of dp rank {rank} "
+                f"({float(share):.4g} of data.weights {list(data.weights)}) = {most} rows"
+            )
+        else:
+            arithmetic = f"data.global_batch({data.global_batch}) / dp({dp}) = {most} rows"
+            arithmetic += " (rounded up)" if data.global_batch % dp else ""
+        raise ConfigError(
+            f"data.micro_batches({data.micro_batches}) is more than the rows a rank has a step: "
+            f"{arithmetic} on the rank with the most, so at most {most} micro-batches of a row each; "
+            f"lower data.micro_batches to at most {most} or raise data.global_batch"
+        )
 
     def _check_corpus(self) -> None:
         """A window of seq_len + 1 tokens must fit the built-in GPT's context and the held-out share of
@@ -528,6 +586,32 @@ class TrainConfig:
                 f"({self.model.seq_len}) = {windows} distinct windows; lower eval_batches to at most "
                 f"{windows // self.data.global_batch} or raise data.corpus_bytes"
             )
+
+
+def describe_layout(config: TrainConfig, dims: ParallelDims) -> str:
+    """The layout in words, as ``train``'s summary and ``verify``'s header print it: the mesh
+    (``dp4 x pp2 x tp1``), then what else shapes a step where it is on: hybrid sharding (shard groups
+    and their replicas), sequence parallelism, the pipeline's schedule (stages per rank, named split),
+    the micro-batches, activation checkpointing."""
+    parallel = config.parallel
+    parts = [dims.label]
+    if parallel.dp_replicate > 1:
+        shard, replicas = dims.dp // parallel.dp_replicate, parallel.dp_replicate
+        parts.append(f"hybrid sharding: {config.strategy} over {shard} ranks x {replicas} replicas")
+    if parallel.sequence_parallel:
+        parts.append("sequence parallel")
+    if dims.pp > 1:
+        parts.append(f"{parallel.schedule} schedule")
+        if parallel.stages_per_rank > 1:
+            parts.append(f"{parallel.stages_per_rank} stages per rank")
+        if parallel.pp_split:
+            parts.append(f"split at {','.join(parallel.pp_split)}")
+    if dims.pp > 1 or config.data.micro_batches > 1:
+        micro = config.data.micro_batches
+        parts.append(f"{micro} micro-batch{'es' if micro > 1 else ''}")
+    if parallel.activation_checkpointing:
+        parts.append("activation checkpointing")
+    return ", ".join(parts)
 
 
 # Which strategies read each setting (a table's name: every key in it); ``validate`` refuses a setting
@@ -732,7 +816,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if origin is tuple:
             (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
             if isinstance(value, str):
-                value = [v for v in value.split(",") if v.strip()]
+                value = _comma_items(name, value)
             if not isinstance(value, (list, tuple)):
                 raise TypeError(value)
             return tuple(_coerce(name, v, item) for v in value)
@@ -754,6 +838,20 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         raise  # an item of a tuple, already named
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{name} expects {_expected(hint)}, got {value!r}") from None
+
+
+def _comma_items(name: str, value: str) -> list[str]:
+    """The items of a comma-separated CLI list ("" is none); an empty item is refused, not dropped,
+    since ``--pp-split ,,`` meant something and the default is not it."""
+    if not value.strip():
+        return []
+    items = [v.strip() for v in value.split(",")]
+    if "" in items:
+        raise ConfigError(
+            f"{name} has an empty item in {value!r} (item {items.index('') + 1} of {len(items)}); "
+            "give comma-separated values with none empty, or '' for none"
+        )
+    return items
 
 
 def _expected(hint: Any) -> str:

@@ -1,14 +1,17 @@
 """Start ranks: N local processes through torch's elastic agent, or join a job torchrun started.
 
 ``launch_local`` runs ``fn(*args)`` on N local workers with the elastic agent (the engine behind
-torchrun): a c10d rendezvous on loopback, restarts up to ``max_restarts`` times when a worker dies,
-and the whole job stopped within seconds when one rank fails, with that rank's traceback.
+torchrun): a rendezvous whose one store listens on loopback alone (``rendezvous``), restarts up to
+``max_restarts`` times when a worker dies, and the whole job stopped within seconds when one rank
+fails, with that rank's traceback.
 
 ``init_distributed`` is what every worker calls first. It builds the process group on the agent's
 store under a per-attempt prefix, so ranks restarted after a crash never read the keys an earlier
 attempt left behind (torch's default reuses them and the restarted job fails). Under
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (what multi-node jobs should use: a replaced host's agent
-starts counting attempts from 0 again), rank 0 hosts a fresh store each attempt and no prefix is used.
+starts counting attempts from 0 again), rank 0 hosts a fresh store each attempt and no prefix is used;
+it listens on ``MASTER_ADDR``'s address (all interfaces only where that name is loopback here but the
+job spans hosts, since the other hosts reach it by another address).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.distributed as dist
 
 from shardwise import procstart, signals
 from shardwise.observe.watchdog import HANG_REPORT_ENV
+from shardwise.rendezvous import bound_store, is_loopback, register_loopback
 
 
 class LaunchError(RuntimeError):
@@ -96,14 +100,15 @@ def launch_local(
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback only
+    # local ranks talk over loopback only: gloo's pairs, and NCCL's bootstrap (its data goes GPU to GPU)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        rdzv_backend=register_loopback(),  # torch's c10d one listens on every interface
         rdzv_configs={"timeout": 60},
         max_restarts=max_restarts,
         monitor_interval=0.1,
@@ -286,13 +291,7 @@ def init_distributed(timeout_s: float = 300.0, backend: str = "gloo") -> None:
         store: dist.Store = dist.HashStore()
     else:
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            world_size,
-            is_master=rank == 0 and not agent_hosts,
-            timeout=timeout,
-        )
+        store = _job_store(rank == 0 and not agent_hosts, world_size, timeout)
         if agent_hosts:
             # The agent's store outlives attempts: prefix each one. Restart counts agree across nodes
             # only while no agent is replaced, hence the advice for multi-node jobs.
@@ -300,6 +299,16 @@ def init_distributed(timeout_s: float = 300.0, backend: str = "gloo") -> None:
             store = dist.PrefixStore(f"shardwise/attempt-{attempt}", store)
             _warn_shared_store_multinode(rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _job_store(hosts: bool, world_size: int, timeout: timedelta) -> dist.Store:
+    """The store at ``MASTER_ADDR:MASTER_PORT``: served here (``hosts``) on that address alone, or
+    on every interface where the name is loopback here but the job spans hosts; else a client of it."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    spans_hosts = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size
+    if hosts and not (spans_hosts and is_loopback(addr)):
+        return bound_store(addr, port, timeout.total_seconds())
+    return dist.TCPStore(addr, port, world_size, is_master=hosts, timeout=timeout)
 
 
 def _warn_shared_store_multinode(rank: int) -> None:

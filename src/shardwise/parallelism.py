@@ -9,9 +9,11 @@ The steps run in one fixed order (torchtitan's ``parallelize``), each on its own
    BatchNorm layers first become synchronous over ``dp`` (else a one-line notice: per-rank statistics);
 
 then the optimizers, built by one factory over what the rank holds after all four (so they compose),
-and handed to the engine. With ``model.init_from``, step 4 also gives the model its initial values from
-that file, each rank reading what it holds (ZeRO-3: its shards only; every other strategy: whole
-tensors), so a model built with its parameters on the meta device never exists whole on a ZeRO-3 rank.
+and handed to the engine. A model built on the meta device (``build_model(meta=True)``, as the Trainer
+builds it) goes through steps 1-3 there, and step 4 gives it its initial values from one source
+(:mod:`shardwise.materialize`: ``model.init_from``'s files, or the model's recorded initialisation),
+each rank reading only what it holds: its stage, its tp shards, its ZeRO-3 shard; so no rank ever
+holds the whole model. A model passed in built keeps its values.
 A step that is not built yet refuses in one line (``NotBuiltError``) when the config asks for it,
 rather than being silently skipped. ``check`` runs the same refusals on the config alone, so commands
 can fail before any rank starts. Communication: only the data-parallel engine's start-up (initial
@@ -29,18 +31,18 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from shardwise.checkpoint.pretrained import open_weights
-from shardwise.checkpoint.source import HOST, META, HeldWeights, NoValues, WeightSource
+from shardwise.checkpoint.source import NoValues, WeightSource
 from shardwise.collectives.api import Comm
-from shardwise.config import ConfigError, TrainConfig
+from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
 from shardwise.engine.base import Engine
-from shardwise.engine.loss import CausalLMLoss, Loss, TokenLoss, as_loss
+from shardwise.engine.loss import AutoLoss, CausalLMLoss, Loss, TokenLoss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
 from shardwise.engine.schedule import is_constant, schedule_factory
+from shardwise.materialize import held_weights, weight_source
 from shardwise.mesh import Mesh
 from shardwise.models import PRESETS, build_model
-from shardwise.models.init_replay import RandomInit, record_initialisation
+from shardwise.models.family import GPT, HF_GPT2, HF_LLAMA, family_of
 from shardwise.models.meta import meta_parameters
 from shardwise.pipeline.engine import attach_pipeline
 from shardwise.pipeline.runtime import PipelineRunner
@@ -64,6 +66,7 @@ class NotBuiltError(ConfigError):
 # the data-parallel engines a pipeline stage runs under
 PIPELINE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 PIPELINE_REFUSED = ("ps", "diloco")
+DEFAULT_SCHEDULE = ParallelConfig().schedule  # what a config without a pipeline holds
 
 
 def check(config: TrainConfig) -> None:
@@ -124,13 +127,19 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
         )
 
 
-def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
+def _check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
     """The schedule fits pp, virtual stages and micro-batches (the arithmetic in the message); the
-    strategies that cannot run on a pipeline stage are refused; ``named_split``: the names of
-    ``parallel.pp_split`` checked against the model built on meta (the ranks' split checks them on
-    the real model, so ``apply_pipeline`` skips it)."""
+    strategies that cannot run on a pipeline stage are refused; ``config_model``: the blocks (the
+    names of ``parallel.pp_split``, or enough blocks for the stages) checked against the model the
+    config describes, built on meta. ``apply_pipeline`` skips that: the ranks' split checks the model
+    it is given, which may be the user's own rather than the config's."""
     parallel = config.parallel
     if parallel.pp == 1:
+        if parallel.schedule != DEFAULT_SCHEDULE:
+            raise ConfigError(
+                f"parallel.schedule = {parallel.schedule!r} orders a pipeline's micro-batches, but there is "
+                "no pipeline: set parallel.pp > 1 (--pp) or leave the schedule unset"
+            )
         if parallel.virtual_stages not in (0, 1):
             raise ConfigError(
                 f"parallel.virtual_stages = {parallel.virtual_stages} needs a pipeline: set parallel.pp > 1 "
@@ -165,10 +174,11 @@ def _check_pipeline(config: TrainConfig, named_split: bool = True) -> None:
         check_schedule(parallel.schedule, parallel.pp, parallel.stages_per_rank, config.data.micro_batches)
     except ScheduleConfigError as exc:
         raise ConfigError(str(exc)) from None
-    if parallel.pp_split:
-        if named_split:  # the names against the model's own blocks (built on meta: no values drawn)
-            model = build_model(config.model, meta=True)
-            plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
+    if not config_model:
+        return
+    if parallel.pp_split:  # the names against the model's own blocks (built on meta: no values drawn)
+        model = build_model(config.model, meta=True)
+        plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
     elif config.model.kind == "gpt":
         blocks = PRESETS["gpt"].get(config.model.preset, {}).get("n_layer", 0)
         stages = parallel.pp * parallel.stages_per_rank
@@ -197,38 +207,50 @@ def apply_tensor_parallel(
 
 def plan_for(model: nn.Module) -> Plan:
     """The tensor-parallel plan of a model we have one for (the built-in GPT, Hugging Face GPT-2 and
-    Llama); any other model is refused in one line."""
-    kind = type(model).__name__
+    Llama, or a subclass that keeps their forward); any other model is refused in one line. tp runs
+    the model's own forward, but hands it what the plan cuts (the logits by vocabulary; hidden states
+    by sequence under sequence parallelism): a forward of one's own was not written for that, so a
+    subclass overriding it is refused by name (``models/family.py``), as a loss of one's own is."""
+    family = family_of(
+        model,
+        why="tensor parallelism hands the forward logits cut by vocabulary (a tp-th of them), which "
+        "yours was not written for",
+        fix="set parallel.tp = 1",
+    )
     config: Any = getattr(model, "config", None)
-    if kind == "GPT":
+    if family == GPT:
         return gpt_plan(config.n_head)
-    if kind == "GPT2LMHeadModel":
+    if family == HF_GPT2:
         return hf_gpt2_plan(config.n_head)
-    if kind == "LlamaForCausalLM":
+    if family == HF_LLAMA:
         return hf_llama_plan(config.num_attention_heads, config.num_key_value_heads)
     raise ConfigError(
-        f"tensor parallelism needs a plan for the model, and there is none for {kind}: the built-in GPT, "
-        "Hugging Face GPT-2 and Llama have one; set parallel.tp = 1"
+        f"tensor parallelism needs a plan for the model, and there is none for {type(model).__name__}: "
+        "the built-in GPT, Hugging Face GPT-2 and Llama have one; set parallel.tp = 1"
     )
 
 
 def tensor_parallel_loss(loss: Loss, comm: Comm) -> Loss:
-    """The built-in losses over vocab-cut logits (no rank gathers the full logits); a user's own loss
-    would see a tp-th of the vocabulary, so it is refused."""
+    """The built-in losses over vocab-cut logits (no rank gathers the full logits), the default one
+    (``AutoLoss``) included; a user's own loss would see a tp-th of the vocabulary, so it is refused."""
     if type(loss) is TokenLoss:
         return VocabParallelTokenLoss(comm, loss.positions)
     if type(loss) is CausalLMLoss:
         return VocabParallelCausalLMLoss(comm, loss.ignore_index)
+    if type(loss) is AutoLoss:
+        causal = VocabParallelCausalLMLoss(comm, loss.ignore_index)
+        return loss.over(causal=causal, tokens=VocabParallelTokenLoss(comm))
     raise ConfigError(
         f"with tensor parallelism the logits are cut by vocabulary, so a loss of your own "
-        f"({type(loss).__name__}) would see a tp-th of them; use the built-in loss, or set parallel.tp = 1"
+        f"({type(loss).__name__}) would see a tp-th of them; leave loss unset (the default), pass "
+        "sw.CausalLMLoss() or sw.TokenLoss(), or set parallel.tp = 1"
     )
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> PipelineRunner | None:
     """Step 2: keep this rank's pipeline stages over the ``pp`` axis (``pipeline.split``); returns the
     runtime that runs them (the engine's step runner), or None without a pipeline."""
-    _check_pipeline(config, named_split=False)
+    _check_pipeline(config, config_model=False)
     parallel = config.parallel
     if parallel.pp == 1 or not mesh.in_mesh:
         return None
@@ -308,57 +330,6 @@ def apply_batchnorm(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
         )
 
 
-@contextmanager
-def _initial_weights(
-    model: nn.Module, mesh: Mesh, config: TrainConfig, given: WeightSource | None = None
-) -> Iterator[WeightSource | None]:
-    """Where the model's values come from, matched to the whole model before any split: ``given``,
-    else the files of ``model.init_from`` (safetensors or a shardwise checkpoint), else, for a model
-    with tensors on the meta device, its recorded initialisation (``models.init_replay``); None: the
-    model keeps the values it was built with. Open while the ranks read their parts; its notes said
-    once."""
-    source: WeightSource
-    if given is not None:
-        source = given
-    elif config.model.init_from:
-        source = open_weights(config.model.init_from, model)
-    else:
-        record = record_initialisation(model)
-        if record is None:
-            yield None
-            return
-        source = RandomInit(record)
-    try:
-        if mesh.rank == 0:
-            for note in source.notes():
-                print(f"shardwise: {note}", file=sys.stderr, flush=True)
-        yield source
-    finally:
-        source.close()
-
-
-def held_weights(
-    source: WeightSource,
-    model: nn.Module,
-    layout: TensorParallelLayout | None,
-    runner: PipelineRunner | None,
-    overwrite: bool,
-) -> HeldWeights:
-    """What this rank reads of ``source``: its tensors as tp and the pipeline left them (each tp shard
-    a set of boxes of its global tensor), and a pipeline's last-stage copy of a tied weight (read under
-    its owner's name); the copy is filled here, the rest by the data-parallel engine."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    tied = runner.split.tied if runner is not None else None
-    if tied is not None and tied.copy.is_meta:
-        tensors.append((tied.owner_name, tied.copy))
-    placements = {n: shard.placements for n, shard in layout.params.items()} if layout is not None else {}
-    device = META if isinstance(source, NoValues) else HOST
-    held = HeldWeights.of(source, tensors, placements, device, overwrite=overwrite)
-    if tied is not None and tied.copy.is_meta:
-        held.fill(tied.owner_name, tied.copy)
-    return held
-
-
 def parallelize(
     model: nn.Module,
     mesh: Mesh,
@@ -384,7 +355,7 @@ def parallelize(
             "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
             "to train; leave some unfrozen"
         )
-    with _initial_weights(model, mesh, config, weights) as source:
+    with weight_source(model, mesh, config, weights) as source:
         layout = apply_tensor_parallel(model, mesh, config)  # on meta, where the model was built there
         runner = apply_pipeline(model, mesh, config)
         apply_activation_checkpointing(model, config, layout.tracker if layout is not None else None)

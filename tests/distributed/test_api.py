@@ -17,9 +17,11 @@ import torch
 from torch import nn
 
 import shardwise as sw
+from shardwise.config import ModelConfig
 from shardwise.data.dataset import DatasetSampler, global_indices
-from shardwise.engine.loss import CausalLMLoss
+from shardwise.engine.loss import CausalLMLoss, TokenLoss, run_model
 from shardwise.engine.optim import named
+from shardwise.models import build_model
 from shardwise.testing import assert_parity, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -334,6 +336,77 @@ def test_the_default_loss_on_class_labels_matches_one_process(tmp_path: Path) ->
     assert_parity({n: p.detach() for n, p in model.named_parameters()}, params, 1e-12)
 
 
+# -- tensor parallelism through Trainer.build: the default loss (AutoLoss) over vocab-cut logits --------
+def _tp_model(kind: str) -> nn.Module:
+    torch.manual_seed(7)
+    return build_model(ModelConfig(kind=kind, preset="tiny", seq_len=16), torch.float64)
+
+
+def _tp_data(kind: str, width: int) -> list[Any]:
+    """GPT-2: left-padded dict rows (attention mask, padding labelled -100); the built-in GPT:
+    (inputs, targets) token rows."""
+    g = torch.Generator().manual_seed(8)
+    tokens = torch.randint(1, 256, (24, width + 1), generator=g)
+    if kind == "gpt":
+        return [(row[:-1], row[1:]) for row in tokens]
+    items = []
+    for i, row in enumerate(tokens):
+        ids = row[:width].clone()
+        pad = i % 4  # 0-3 padding positions on the left
+        ids[:pad] = 0
+        mask = (torch.arange(width) >= pad).long()
+        items.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return items
+
+
+def _tp_config(run_dir: str, **extra: str) -> sw.TrainConfig:
+    overrides = {"parallel.tp": "2", "steps": "3", "data.global_batch": "8", "data.micro_batches": "2"}
+    return sw.load_config(overrides={**overrides, "eval_every": "0", "run_dir": run_dir, **extra})
+
+
+TP_KINDS = ("hf:tiny-gpt2", "gpt")
+
+
+def _tp_default_loss(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
+    """Each model trained at tp 2 with loss=None (its full parameters), then sequence parallelism on a
+    batch 9 positions wide (what each rank was told)."""
+    out: dict[str, Any] = {}
+    for kind in TP_KINDS:
+        trainer = sw.Trainer.build(
+            _tp_config(run_dir), model=_tp_model(kind), dataset=_tp_data(kind, 8), optimizer=_plain
+        )
+        trainer.fit(show_progress=False)
+        out[kind] = trainer.engine.full_parameters()
+    sp = _tp_config(run_dir, **{"parallel.sequence_parallel": "true"})
+    try:
+        sw.Trainer.build(sp, model=_tp_model("gpt"), dataset=_tp_data("gpt", 9)).fit(show_progress=False)
+    except sw.ConfigError as err:
+        out["odd width"] = str(err)
+    return out
+
+
+def test_tp_with_the_default_loss_matches_one_process(tmp_path: Path) -> None:
+    """Issue 27: tp through Trainer.build refused the default loss; it now picks the vocab-parallel
+    kind of each loss (causal-LM on GPT-2's masked dict batches, tokens on the GPT's pairs)."""
+    results = run_on_ranks(_tp_default_loss, 2, str(tmp_path), timeout_s=240)
+    for kind in TP_KINDS:
+        model, data = _tp_model(kind), _tp_data(kind, 8)
+        loss = CausalLMLoss() if kind != "gpt" else TokenLoss()
+        optimizer = _plain(named(model))
+        sampler = DatasetSampler(data, 8, 0, [8], 0)
+        for step in range(3):
+            batch = sampler.global_batch(step)
+            (loss(run_model(model, batch), batch) / loss.count(batch)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        expected = {n: p.detach() for n, p in model.named_parameters()}
+        for rank in (0, 1):  # tp sums partial products in another order: verify's tp tolerance
+            assert_parity(expected, results[rank][kind], 1e-10)
+    told = results[0]["odd width"]
+    assert told == results[1]["odd width"] and "\n" not in told
+    assert told.startswith("sequence parallelism cuts the sequence over tp: a batch of sequence length 9 is")
+
+
 # -- failures through sw.launch: the rank's own exception, one line ------------------------------------
 def _main_with_a_bad_config(run_dir: str) -> None:
     config = sw.load_config(overrides={"steps": "1", "parallel.dp": "3", "run_dir": run_dir})
@@ -343,6 +416,11 @@ def _main_with_a_bad_config(run_dir: str) -> None:
 def _main_that_diverges(run_dir: str) -> None:
     overrides = {"steps": "3", "model.kind": "mlp", "optim.lr": "1e30", "eval_every": "0", "run_dir": run_dir}
     sw.Trainer.build(sw.load_config(overrides=overrides)).fit(show_progress=False)
+
+
+def _main_with_sequence_parallel_on_an_odd_width(run_dir: str) -> None:
+    config = _tp_config(run_dir, **{"parallel.sequence_parallel": "true", "steps": "1"})
+    sw.Trainer.build(config, model=_tp_model("gpt"), dataset=_tp_data("gpt", 9)).fit(show_progress=False)
 
 
 def _main_that_pipelines_its_own_model(run_dir: str) -> None:
@@ -355,8 +433,12 @@ def _main_that_pipelines_its_own_model(run_dir: str) -> None:
     [
         (_main_with_a_bad_config, "dp(3) x pp(1) x tp(1) = 3, but the world has 2 ranks; start 3"),
         (_main_that_pipelines_its_own_model, "a _Classifier cannot be split into pipeline stages"),  # a kind
+        (
+            _main_with_sequence_parallel_on_an_odd_width,  # raised inside the forward, on every tp rank
+            "sequence parallelism cuts the sequence over tp: a batch of sequence length 9 is not divisible",
+        ),
     ],
-    ids=["config", "split"],
+    ids=["config", "split", "sequence-parallel-width"],
 )
 def test_launch_raises_a_ranks_config_error_as_itself_in_one_line(
     tmp_path: Path, main: Callable[[str], None], start: str

@@ -30,6 +30,10 @@ from .cli_helpers import shardwise
         (["--steps", "3", "--set", "steps=2"], "--steps 3 and --set steps=2 both set steps"),
         (["--config", "/dev/zero"], "--config /dev/zero is not a regular file"),
         (["--algorithm", "auto", "--set", "comm.profile={file}"], "comm.profile {file} is not a cost"),
+        # issue 27: 10^8 micro-batches were OOM-killed building action lists; a schedule without --pp
+        # trained as if it were not there
+        (["--pp", "2", "--micro-batches", "100000000"], "data.micro_batches(100000000) is more than"),
+        (["--schedule", "interleaved"], "parallel.schedule = 'interleaved' orders a pipeline"),
     ],
 )
 def test_bad_input_exits_2_in_one_line_and_starts_no_rank(

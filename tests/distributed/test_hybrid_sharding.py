@@ -35,6 +35,7 @@ def test_verify_hybrid_sharding(case: str) -> None:
     summary = last_json(result)
     assert result.returncode == 0 and summary["ok"], result.stderr[-3000:]
     assert summary["max_param_diff"] <= 1e-10
+    assert "hybrid sharding: " in summary["layout"] and "over 2 ranks x 2 replicas" in summary["layout"]
 
 
 def test_hybrid_checkpoint_loads_in_one_process(tmp_path: Path) -> None:
@@ -44,6 +45,7 @@ def test_hybrid_checkpoint_loads_in_one_process(tmp_path: Path) -> None:
     result = shardwise(*args, timeout_s=480)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = last_json(result)
+    assert summary["layout"] == "dp4 x pp1 x tp1, hybrid sharding: zero3 over 2 ranks x 2 replicas"
     config = load_config(None, {"model.preset": "tiny", "dtype": "float64"})
     model = build_model(config.model, torch.float64)
     optimizer = build_optimizer(named(model), config.optim)

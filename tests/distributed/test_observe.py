@@ -171,17 +171,37 @@ def test_trace_plots_and_tensorboard(tmp_path: Path) -> None:
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def _wait_live_trace(run_dir: Path, run: subprocess.Popen[str], timeout_s: float = 90) -> list[dict]:
+    """The spans of ``trace.json`` once it holds steps of both ranks, read while ``run`` still goes."""
+    deadline = time.monotonic() + timeout_s
+    path = run_dir / "trace.json"
+    while time.monotonic() < deadline and run.poll() is None:
+        if path.exists():
+            spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+            if {e["pid"] for e in spans if e["cat"] == "step"} == {0, 1}:
+                return spans
+        time.sleep(0.2)
+    raise AssertionError(f"no trace of both ranks in {path} while the run went (exit {run.poll()})")
+
+
 @pytest.mark.slow
 def test_plot_a_run_that_is_still_running(tmp_path: Path) -> None:
-    run = _start(tmp_path, "--nproc", "2", "--steps", "400", "--preset", "tiny", "--hang-timeout-s", "0")
+    """Curves and the timeline: the trace is written every few seconds while the run goes."""
+    args = ["--nproc", "2", "--steps", "100000", "--preset", "tiny", "--hang-timeout-s", "0", "--trace"]
+    run = _start(tmp_path, *args, "--eval-every", "0")
     try:
         _wait_rows(tmp_path, 5)
         result = shardwise("plot", str(tmp_path))
+        _wait_live_trace(tmp_path, run)
+        timeline = shardwise("plot", "timeline", str(tmp_path))
+        assert run.poll() is None, "the run ended before the plots were drawn"
     finally:
         run.send_signal(signal.SIGTERM)
         run.communicate(timeout=60)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "plots" / "loss.png").exists()
+    assert timeline.returncode == 0, timeline.stderr
+    assert (tmp_path / "plots" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_says_what_is_missing(tmp_path: Path) -> None:

@@ -43,10 +43,11 @@ CASES = {
     "pp2-m1": ["--pp", "2", "--micro-batches", "1", "--nproc", "2"],
     "dp2-pp2-ddp": ["--pp", "2", "--nproc", "4", "--strategy", "ddp", "--micro-batches", "4"],
     "dp2-pp2-zero1": ["--pp", "2", "--nproc", "4", "--strategy", "zero1", "--micro-batches", "4"],
-    # dp shares of 3 rows cut into 5 micro-batches: two are empty on every rank
+    # dp shares of 5 and 1 rows cut into 5 micro-batches: four are empty on the second dp rank (more
+    # micro-batches than the rank with the most rows has are refused: issue 27)
     "dp2-pp2-zero2-empty": [
         "--pp", "2", "--schedule", "interleaved-zb", "--virtual-stages", "2", "--micro-batches", "5",
-        "--global-batch", "6", "--nproc", "4", "--strategy", "zero2",
+        "--global-batch", "6", "--data-weights", "5,1", "--nproc", "4", "--strategy", "zero2",
     ],
     # ZeRO-3 on dp: units gathered per action; the zero-bubble W pass gathers them again; gradients
     # accumulated over micro-batches and reduce-scattered once. zb: the tied head's copy on the other

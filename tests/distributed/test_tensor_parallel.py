@@ -66,8 +66,9 @@ def _config(root: Path, layout: str = "3d") -> TrainConfig:
         root / "run", "float64", steps=str(SAVED_STEPS), eval_every="0",
         **{"model.dropout": "0.0", "model.preset": "odd-deep", **parallel},
     )
-    strategy = "zero1" if layout == "3d" else "zero3"
-    config = replace(config, strategy=strategy, data=replace(config.data, global_batch=4, micro_batches=2))
+    strategy, micro = ("zero1", 2) if layout == "3d" else ("zero3", 1)  # zero3: 1 row on each of 4 ranks
+    data = replace(config.data, global_batch=4, micro_batches=micro)
+    config = replace(config, strategy=strategy, data=data)
     return replace(config, checkpoint=replace(config.checkpoint, dir=str(root / "ckpt"), every=SAVED_STEPS))
 
 

@@ -114,6 +114,25 @@ def test_the_default_loss_refuses_targets_it_cannot_read() -> None:
         loss(torch.randn(4, 9), (torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.long)))
 
 
+def test_the_default_loss_under_tp_picks_each_vocab_parallel_kind_and_refuses_class_labels() -> None:
+    """``tensor_parallel_loss`` gives the default loss the vocab-parallel causal-LM and token losses
+    (their numbers: tests/distributed/test_api.py, against one process); class labels have no such
+    kind, and are refused in one line rather than scored over a tp-th of the classes."""
+    from types import SimpleNamespace
+
+    from shardwise.parallelism import tensor_parallel_loss
+    from shardwise.tensor_parallel.layers import VocabParallelCausalLMLoss, VocabParallelTokenLoss
+
+    chosen = tensor_parallel_loss(AutoLoss(ignore_index=-7), SimpleNamespace(rank=0, world_size=2))
+    assert isinstance(chosen, AutoLoss)
+    assert isinstance(chosen.causal, VocabParallelCausalLMLoss) and chosen.causal.ignore_index == -7
+    assert isinstance(chosen.tokens, VocabParallelTokenLoss)
+    ids = torch.randint(0, 9, (2, 4))
+    assert chosen.count({"input_ids": ids}) == 6 and chosen.count((ids, ids)) == 8
+    with pytest.raises(LossError, match=r"^the default loss has no cross-entropy over vocab-cut logits"):
+        chosen.count((torch.zeros(2, 3), torch.tensor([0, 1])))
+
+
 def test_a_forward_that_returns_none_is_named() -> None:
     class Forgetful(nn.Module):
         def forward(self, x: torch.Tensor) -> None:

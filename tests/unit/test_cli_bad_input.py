@@ -106,6 +106,31 @@ BAD_INPUTS = [
         "10% of data.corpus_bytes(4000000) = 400000 tokens has 400000 - model.seq_len(64) = 399936 distinct "
         "windows; lower eval_batches to at most 24996",
     ),
+    # issue 27: a schedule without a pipeline was ignored, an empty split name read as the default split,
+    # and micro-batches far past the rows a rank has hung building action lists (or were OOM-killed)
+    (
+        ["--schedule", "interleaved"],
+        "parallel.schedule = 'interleaved' orders a pipeline's micro-batches, but there is no pipeline",
+    ),
+    (["--nproc", "2", "--pp", "2", "--pp-split", ",,"], "parallel.pp_split has an empty item in ',,'"),
+    (["--set", "model.freeze=wte,,wpe"], "model.freeze has an empty item in 'wte,,wpe' (item 2 of 3)"),
+    (
+        ["--nproc", "2", "--pp", "2", "--global-batch", "16", "--micro-batches", "100000000"],
+        "data.micro_batches(100000000) is more than the rows a rank has a step: data.global_batch(16) / "
+        "dp(1) = 16 rows on the rank with the most, so at most 16 micro-batches",
+    ),
+    (
+        ["--nproc", "2", "--strategy", "zero3", "--global-batch", "16", "--micro-batches", "100000"],
+        "data.global_batch(16) / dp(2) = 8 rows on the rank with the most",
+    ),
+    (
+        ["--nproc", "2", "--global-batch", "15", "--micro-batches", "9"],
+        "data.global_batch(15) / dp(2) = 8 rows (rounded up) on the rank with the most",
+    ),
+    (
+        ["--nproc", "2", "--global-batch", "16", "--data-weights", "3,1", "--micro-batches", "13"],
+        "data.global_batch(16) x the share of dp rank 0 (0.75 of data.weights [3.0, 1.0]) = 12 rows",
+    ),
 ]
 
 

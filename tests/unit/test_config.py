@@ -13,6 +13,7 @@ from shardwise.config import (
     RULE,
     VAL_FRACTION,
     ConfigError,
+    DataConfig,
     ParallelConfig,
     Range,
     TrainConfig,
@@ -283,3 +284,62 @@ def test_virtual_stages_default_to_the_schedules_own() -> None:
         assert ParallelConfig(pp=2, schedule=schedule).stages_per_rank == 2
     assert ParallelConfig(pp=2, schedule="interleaved", virtual_stages=3).stages_per_rank == 3
     assert ParallelConfig(pp=2, schedule="zbv", virtual_stages=1).stages_per_rank == 1  # refused later
+
+
+def test_micro_batches_stop_at_the_rows_of_the_rank_with_the_most() -> None:
+    """Up to the most rows a rank has a step (global batch x its share): a rank with fewer, or none,
+    runs empty micro-batches as before; one more is refused with the arithmetic, through the API too."""
+    TrainConfig(data=DataConfig(global_batch=16, micro_batches=8)).validate(2)  # 8 rows each
+    TrainConfig(data=DataConfig(global_batch=16, micro_batches=16, weights=(1.0, 0.0))).validate(2)
+    TrainConfig(data=DataConfig(global_batch=15, micro_batches=8)).validate(2)  # 8 + 7
+    for data, message in [
+        (DataConfig(global_batch=16, micro_batches=9), r"data.global_batch\(16\) / dp\(2\) = 8 rows"),
+        (
+            DataConfig(global_batch=16, micro_batches=17, weights=(1.0, 0.0)),
+            r"x the share of dp rank 0 \(1 of data.weights \[1.0, 0.0\]\) = 16 rows",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=rf"^data.micro_batches\({data.micro_batches}\) is .*{message}"):
+            TrainConfig(data=data).validate(2)
+
+
+def test_comma_lists_refuse_empty_items_and_read_an_empty_string_as_none() -> None:
+    assert load_config(None, {"model.freeze": ""}).model.freeze == ()
+    assert load_config(None, {"parallel.pp_split": "blocks.1, blocks.2"}).parallel.pp_split == (
+        "blocks.1",
+        "blocks.2",
+    )
+    for value in (",", "blocks.1,", ",,"):
+        with pytest.raises(ConfigError, match=r"^parallel.pp_split has an empty item in"):
+            load_config(None, {"parallel.pp_split": value})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "described"),
+    [
+        ({}, 2, "dp2 x pp1 x tp1"),
+        ({"data.micro_batches": "2"}, 2, "dp2 x pp1 x tp1, 2 micro-batches"),
+        (
+            {"strategy": "zero3", "parallel.dp_replicate": "2"},
+            4,
+            "dp4 x pp1 x tp1, hybrid sharding: zero3 over 2 ranks x 2 replicas",
+        ),
+        (
+            {"parallel.pp": "2", "parallel.schedule": "interleaved", "parallel.pp_split": "a,b,c"},
+            4,
+            "dp2 x pp2 x tp1, interleaved schedule, 2 stages per rank, split at a,b,c, 1 micro-batch",
+        ),
+        (
+            {"parallel.tp": "2", "parallel.sequence_parallel": "1", "parallel.activation_checkpointing": "1"},
+            2,
+            "dp1 x pp1 x tp2, sequence parallel, activation checkpointing",
+        ),
+    ],
+)
+def test_the_layout_in_words_names_what_shapes_a_step(
+    overrides: dict[str, str], world: int, described: str
+) -> None:
+    from shardwise.config import describe_layout
+
+    config = load_config(None, overrides).validate(world)
+    assert describe_layout(config, config.dims(world)) == described

@@ -1,16 +1,21 @@
 """The pipeline split, in one process: balanced contiguous runs or the user's boundaries, every block
-once, names preserved."""
+once, names preserved; every stage reads the micro-batch's mask, positions and segment ids as the whole
+model's forward does (bit for bit); keys no stage reads and a forward of one's own are refused by name."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
+from torch import nn
 
 from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.parallelism import check
+from shardwise.parallelism import check, plan_for
 from shardwise.pipeline.schedules import stage_placement
-from shardwise.pipeline.split import SplitError, balance, split_model
+from shardwise.pipeline.split import SplitError, adapter_for, balance, split_model
 
 
 def test_balance_is_contiguous_covers_every_block_once_and_minimises_the_largest_stage() -> None:
@@ -95,3 +100,159 @@ def test_the_config_check_refuses_bad_boundaries_before_any_rank_starts() -> Non
     check(config(pp=2, pp_split="blocks.1"))
     with pytest.raises(ConfigError, match=r"parallel\.pp_split names where pipeline stages start, but there"):
         check(config(pp_split="blocks.1"))
+
+
+# -- what a stage reads of a micro-batch, and whose forward it runs -------------------------------------
+class _ScaledGPT(GPT):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx) * 0.5
+
+
+class _KeptGPT(GPT):
+    def describe(self) -> str:
+        return "keeps GPT.forward"
+
+
+def _gpt(cls: type[GPT] = GPT) -> GPT:
+    torch.manual_seed(0)
+    return cls(GPTConfig(n_layer=4, n_head=2, d_model=8, d_ff=12, seq_len=8))
+
+
+def _run_stages(make: Callable[[], nn.Module], batch: dict[str, torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """Every stage of a zbv split (two ranks, two stages each) in order, each reading ``batch``."""
+    placement = stage_placement("zbv", 2, 2)
+    splits = [split_model(make(), placement, rank) for rank in range(2)]
+    stages = {s: stage for split in splits for s, stage in split.stages.items()}
+    given = splits[0].inputs(batch)
+    x = given.ids
+    for s in range(len(placement)):
+        x = stages[s](x, given)
+    return x
+
+
+def test_a_subclass_that_keeps_the_forward_splits_and_one_that_overrides_it_is_refused_by_name() -> None:
+    ids = torch.randint(0, 256, (2, 8))
+    assert torch.equal(_run_stages(lambda: _gpt(_KeptGPT), ids), _gpt(_KeptGPT)(ids))
+    with pytest.raises(SplitError) as caught:
+        split_model(_gpt(_ScaledGPT), stage_placement("1f1b", 2, 1), 0)
+    message = str(caught.value)
+    why = "a pipeline stage runs the parent's forward piece by piece, so yours would never run"
+    assert message.startswith(f"_ScaledGPT.forward overrides GPT.forward, and {why}")
+    assert "set parallel.pp = 1" in message and "\n" not in message
+    patched = _gpt()
+    patched.forward = lambda idx: GPT.forward(patched, idx) * 2  # type: ignore[method-assign]
+    with pytest.raises(SplitError, match=r"^GPT\.forward overrides GPT\.forward"):
+        split_model(patched, stage_placement("1f1b", 2, 1), 0)
+
+
+def test_tensor_parallel_plans_a_subclass_that_keeps_the_forward_and_refuses_one_that_does_not() -> None:
+    assert plan_for(_gpt(_KeptGPT)).describe() == plan_for(_gpt()).describe()
+    with pytest.raises(ConfigError) as caught:
+        plan_for(_gpt(_ScaledGPT))
+    assert str(caught.value).startswith(
+        "_ScaledGPT.forward overrides GPT.forward, and tensor parallelism hands the forward logits cut by"
+    )
+    assert "\n" not in str(caught.value)
+
+
+def test_a_batch_key_no_stage_reads_is_refused_in_one_line_never_dropped() -> None:
+    adapter = adapter_for(_gpt())
+    ids = torch.randint(0, 256, (2, 8))
+    assert torch.equal(adapter.inputs((ids, ids)).ids, ids) and adapter.inputs(ids).extras == {}
+    with pytest.raises(SplitError, match=r"^a dict batch \('input_ids'\) for GPT, whose forward takes"):
+        adapter.inputs({"input_ids": ids, "labels": ids})
+
+
+def _hf(name: str, **overrides: Any) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    from shardwise.models.hf import SHIPPED_DIR
+
+    config = transformers.AutoConfig.from_pretrained(str(SHIPPED_DIR / f"{name}.json"), **overrides)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).double()
+
+
+def _extras() -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, :4], mask[1, :2] = 0, 0  # left padding
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], list(range(10)), [0, 1, 0, 1, 2, 3, 4, 5, 6, 7]])
+    return {
+        "left-padded": {"attention_mask": mask},
+        "token-types": {"token_type_ids": torch.randint(0, 2, (3, 10), generator=g), "attention_mask": mask},
+        "packed": {"position_ids": packed},
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "extras"),
+    [
+        ("tiny-gpt2", {}, "left-padded"),
+        ("tiny-gpt2", {}, "token-types"),
+        ("tiny-gpt2", {"attn_implementation": "eager"}, "left-padded"),  # a float mask: its dtype matters
+        ("tiny-gpt2", {}, "packed"),
+        ("tiny-llama", {}, "left-padded"),
+        ("tiny-llama", {}, "packed"),
+        ("tiny-llama", {"use_cache": True}, "packed"),  # with a cache transformers ignores packing
+    ],
+)
+def test_stages_read_the_mask_positions_and_segments_as_the_models_own_forward(
+    name: str, overrides: dict[str, Any], extras: str
+) -> None:
+    """Bit for bit: the stages derive what the blocks need as the whole model's forward does."""
+    ids = torch.randint(1, 256, (3, 10), generator=torch.Generator().manual_seed(2))
+    given = _extras()[extras]
+    want = _hf(name, **overrides)(input_ids=ids, **given).logits
+    got = _run_stages(lambda: _hf(name, **overrides), {"input_ids": ids, **given, "labels": ids})
+    assert torch.equal(got, want)
+    assert not torch.equal(_hf(name, **overrides)(input_ids=ids).logits, want)  # the extras matter
+
+
+def test_hugging_face_keys_a_family_cannot_honour_are_refused_in_one_line() -> None:
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    llama = adapter_for(_hf("tiny-llama"))
+    with pytest.raises(SplitError) as caught:
+        llama.inputs({"input_ids": ids, "token_type_ids": ids})
+    assert str(caught.value).startswith(
+        "batch key 'token_type_ids': a pipeline stage of LlamaForCausalLM reads input_ids, attention_mask, "
+        "position_ids of a dict batch (and labels, for the loss), so it would drop 'token_type_ids'"
+    )
+    with pytest.raises(SplitError, match=r"^a dict batch without 'input_ids' \('attention_mask'\)"):
+        adapter_for(_hf("tiny-gpt2")).inputs({"attention_mask": ids})
+
+
+def test_a_hugging_face_subclass_is_split_only_with_its_parents_forward() -> None:
+    transformers = pytest.importorskip("transformers")
+    model = _hf("tiny-gpt2")
+
+    class Scaled(transformers.GPT2LMHeadModel):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return super().forward(*args, **kwargs)
+
+    class Body(transformers.GPT2Model):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return super().forward(*args, **kwargs)
+
+    with pytest.raises(SplitError, match=r"^Scaled\.forward overrides GPT2LMHeadModel\.forward, and a"):
+        adapter_for(Scaled(model.config))
+    model.transformer = Body(model.config)
+    with pytest.raises(SplitError, match=r"^GPT2LMHeadModel\.transformer is a Body, whose forward overrides"):
+        adapter_for(model)
+    with pytest.raises(ConfigError, match=r"^GPT2LMHeadModel\.transformer is a Body, whose forward"):
+        plan_for(model)
+
+
+def test_a_model_of_ones_own_is_split_by_its_own_blocks_not_the_configs_preset() -> None:
+    """``Trainer.build(model=...)`` at pp 2 with ZBV (4 stages): the config's preset (tiny, 2 blocks)
+    is not the model the ranks split, so only the command line's check, which builds the config's
+    model, refuses it; the ranks' split counts the blocks of the model it is given (5 here)."""
+    from shardwise.parallelism import _check_pipeline
+
+    config = load_config(None, {"parallel.pp": 2, "parallel.schedule": "zbv", "model.preset": "tiny"})
+    with pytest.raises(ConfigError, match="the gpt preset 'tiny' has 2 blocks"):
+        check(config)
+    _check_pipeline(config, config_model=False)  # what apply_pipeline runs: no preset in it
+    split = split_model(_model(), stage_placement("zbv", 2, 2), 0)
+    assert sorted(i for stage in split.stages.values() for i in stage.blocks) == sorted(
+        i for s in (0, 3) for i in split.assignment[s]
+    )

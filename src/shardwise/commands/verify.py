@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shardwise.config import ConfigError, TrainConfig
+from shardwise.config import ConfigError, TrainConfig, describe_layout
 from shardwise.launcher import LaunchError, init_distributed, launch_local
 from shardwise.preflight import preflight
 from shardwise.testing.parity import compare_tensors
@@ -252,7 +252,7 @@ def run_verify(config: TrainConfig, nproc: int) -> dict[str, Any]:
     report = compare_runs(reference_run(config), candidate, TOLERANCE, compare_norm)
     return {
         "strategy": config.strategy,
-        "layout": config.dims(nproc).label,
+        "layout": describe_layout(config, config.dims(nproc)),
         **_pipeline_fields(config),
         "nproc": nproc,
         "steps": config.steps,
@@ -285,20 +285,12 @@ def verify_command(config: TrainConfig, nproc: int, as_json: bool) -> int:
     return 0 if report["ok"] else 1
 
 
-def _schedule(report: dict[str, Any]) -> str:
-    if "schedule" not in report:
-        return ""
-    split = f", split at {','.join(report['pp_split'])}" if report["pp_split"] else ""
-    stages = f"{report['schedule']} x{report['virtual_stages']}"
-    return f", {stages}, {report['micro_batches']} micro-batches{split}"
-
-
 def _render(report: dict[str, Any]) -> None:
     """Every measure, each marked within or over the tolerance; the verdict names those over it."""
     failed = report.get("failed", [])
     verdict = f"FAILED ({', '.join(failed)} over the tolerance)" if failed else "OK"
     lines = [
-        f"{verdict}: {report['strategy']} on {report['nproc']} ranks ({report['layout']}{_schedule(report)}) "
+        f"{verdict}: {report['strategy']} on {report['nproc']} ranks ({report['layout']}) "
         "vs one process, "
         f"{report['steps']} steps in {report['dtype']}"
     ]

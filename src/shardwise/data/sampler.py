@@ -10,46 +10,14 @@ machines. Resuming at step k needs only k: no RNG state is saved.
 from __future__ import annotations
 
 import hashlib
-import math
-from collections.abc import Sequence
-from fractions import Fraction
 from typing import Any
 
 import torch
 
 from shardwise.config import ConfigError
+from shardwise.config import split_counts as split_counts  # the shares' arithmetic, kept with the config
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: (batch, seq_len) int64 each
-
-
-def split_counts(global_batch: int, weights: Sequence[float], world_size: int | None = None) -> list[int]:
-    """Per-rank sample counts that sum to ``global_batch``, proportional to ``weights``.
-
-    Largest-remainder rounding (exact, with fractions): every rank gets the floor of its quota, and
-    the samples left over go to the largest remainders, ties to the lower rank. Empty ``weights``
-    means an equal split over ``world_size`` ranks (the remainder goes to the first ranks).
-    """
-    if not weights:
-        if world_size is None or world_size < 1:
-            raise ConfigError(f"an equal split needs world_size >= 1, got {world_size}")
-        weights = [1.0] * world_size
-    elif world_size is not None and len(weights) != world_size:
-        raise ConfigError(f"{len(weights)} weights given for {world_size} ranks")
-    if global_batch < 0:
-        raise ConfigError(f"global_batch must be >= 0, got {global_batch}")
-    if any(not math.isfinite(w) or w < 0 for w in weights):
-        raise ConfigError(f"weights must be finite and >= 0, got {list(weights)}")
-    total = sum(Fraction(w) for w in weights)
-    if total == 0:
-        raise ConfigError(f"weights sum to {float(total)}; at least one rank needs a positive weight")
-    quotas = [global_batch * Fraction(w) / total for w in weights]
-    counts = [math.floor(q) for q in quotas]
-    left = global_batch - sum(counts)
-    # Largest remainder first; sorted() stays stable with reverse=True, so ties keep rank order.
-    by_remainder = sorted(range(len(quotas)), key=lambda r: quotas[r] - counts[r], reverse=True)
-    for rank in by_remainder[:left]:
-        counts[rank] += 1
-    return counts
 
 
 def _generator(seed: int, step: int) -> torch.Generator:

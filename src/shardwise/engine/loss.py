@@ -195,16 +195,33 @@ def _targets(batch: Any) -> torch.Tensor:
 class AutoLoss:
     """The default loss for a user's model: causal-LM cross-entropy for dict batches (Hugging Face
     style, labels -100 ignored); for ``(inputs, targets)`` batches, class cross-entropy when the
-    targets hold one class id per row, token cross-entropy when they hold one id per position."""
+    targets hold one class id per row, token cross-entropy when they hold one id per position.
+
+    ``over(causal, tokens)``: the same choice among other losses of each kind (tensor parallelism's,
+    over vocab-cut logits); class labels are then refused, there being no such kind."""
 
     def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
-        self.causal, self.tokens = CausalLMLoss(ignore_index), TokenLoss()
-        self.classes = ClassLoss(ignore_index)
+        self.ignore_index = ignore_index
+        self.causal: Loss = CausalLMLoss(ignore_index)
+        self.tokens: Loss = TokenLoss()
+        self.classes: Loss | None = ClassLoss(ignore_index)
+
+    def over(self, causal: Loss, tokens: Loss) -> AutoLoss:
+        chosen = AutoLoss(self.ignore_index)
+        chosen.causal, chosen.tokens, chosen.classes = causal, tokens, None
+        return chosen
 
     def _pick(self, batch: Any) -> Loss:
         if isinstance(batch, Mapping):
             return self.causal
-        return self.classes if _targets(batch).dim() == 1 else self.tokens
+        if _targets(batch).dim() > 1:
+            return self.tokens
+        if self.classes is None:
+            raise LossError(
+                "the default loss has no cross-entropy over vocab-cut logits for class labels (rows,): "
+                "set parallel.tp = 1, or give (rows, positions) token targets or dict batches"
+            )
+        return self.classes
 
     def __call__(self, outputs: Any, batch: Any) -> torch.Tensor:
         loss = self._pick(batch)

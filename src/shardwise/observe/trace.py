@@ -4,17 +4,21 @@ Each rank records spans in its monitor while ``--trace`` is on (steps; forward, 
 sync and optimizer phases; each block's forward and backward; every collective from issue to
 completion; checkpoints and evaluations) and writes them to ``<run_dir>/trace/rank<r>.json``; rank 0
 then merges the files into ``<run_dir>/trace.json`` (open it in https://ui.perfetto.dev or
-chrome://tracing). Alignment: every rank takes its time origin right after the same barrier, so
-timestamps agree to within that barrier's skew (tens of microseconds on one machine). The pipeline
+chrome://tracing). While the run goes, ``LiveTrace`` does the same every few seconds (each rank its
+spans so far, rank 0 the merge of the files there are), so the trace of a run still going can be read
+(``plot timeline``); every file is replaced whole, so a reader sees one write or the next.
+Alignment: every rank takes its time origin right after the same barrier, so timestamps
+agree to within that barrier's skew (tens of microseconds on one machine). The pipeline
 runtime records a span per action and micro-batch (lane "actions", named like ``0F1``, its stage, kind
 and micro-batch in ``args``); ``idle_fraction`` reads a bubble off them. Communication: none here
-(the caller's barrier).
+(the caller's barrier; the live writes go through the run folder).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -93,7 +97,7 @@ def write_rank(run_dir: Path, rank: int, monitor: Monitor, origin: float) -> Pat
     path = run_dir / "trace" / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(rank_events(monitor.spans, rank, origin)))
+    tmp.write_text(json.dumps(rank_events(list(monitor.spans), rank, origin)))  # a copy: spans grow
     os.replace(tmp, path)
     return path
 
@@ -109,6 +113,41 @@ def merge(run_dir: Path, world_size: int) -> Path:
     tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     os.replace(tmp, out)
     return out
+
+
+LIVE_EVERY_S = 5.0  # the live trace's period, stretched to 10x a write's own time (<= 10% of a core)
+
+
+class LiveTrace:
+    """Writes the trace while the run goes (a thread): every ``every_s`` seconds, or ten times as long
+    as the last write took, this rank's spans so far, and on rank 0 the merge of the rank files there
+    are. ``stop`` before the final write. A write that fails (a full disk) is left to the final one."""
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int, monitor: Monitor, origin: float) -> None:
+        self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
+        self.monitor, self.origin, self.wait_s = monitor, origin, LIVE_EVERY_S
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shardwise-live-trace", daemon=True)
+
+    def start(self) -> LiveTrace:
+        (self.run_dir / "trace" / f"rank{self.rank}.json").unlink(missing_ok=True)  # a run's before
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.wait_s):
+            begun = time.monotonic()
+            try:
+                write_rank(self.run_dir, self.rank, self.monitor, self.origin)
+                if self.rank == 0:
+                    merge(self.run_dir, self.world_size)
+            except (OSError, ValueError):  # the disk, or a rank file from a run before: the end says
+                continue
+            self.wait_s = max(LIVE_EVERY_S, 10 * (time.monotonic() - begun))
 
 
 def trace_blocks(blocks: nn.ModuleList | nn.Sequential | nn.ModuleDict, monitor: Monitor) -> list[Any]:

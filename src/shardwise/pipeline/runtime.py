@@ -2,13 +2,16 @@
 
 A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
 
-1. ``engine.begin_step`` (the loss divisor); the tied weight's copy on the last stage refreshed from
-   the first stage (one send, when the two ends are on different ranks);
+1. every micro-batch read as its stages will read it (``Split.inputs``: the token ids and the keys
+   the blocks use, a key no stage honours refused before any message is sent); ``engine.begin_step``
+   (the loss divisor); the tied weight's copy on the last stage refreshed from the first stage (one
+   send, when the two ends are on different ranks);
 2. every receive of the step posted at once (``irecv``, tagged by the message's key: what, stage,
    micro-batch; ``actions.transfers`` derives them), so a peer's send never waits on this rank;
 3. the actions in order, all under ``engine.no_sync()``: ``F`` runs the stage on its input (the
    micro-batch's token ids on the first stage, the received activation elsewhere, a leaf that
-   requires grad) and sends its output asynchronously (``isend``); the last stage's ``F`` computes
+   requires grad; every stage also reads the micro-batch's mask, positions and segment ids itself)
+   and sends its output asynchronously (``isend``); the last stage's ``F`` computes
    the summed loss / divisor. ``B`` runs backward (``engine.backward`` on the last stage, so the loss
    scale applies; ``torch.autograd.backward(output, received_grad)`` elsewhere) and sends the input's
    gradient back. ``I`` computes only the input's gradient (``torch.autograd.grad(inputs=[input])``,
@@ -26,7 +29,9 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    data-parallel exchange, once per step, each stage over its own dp group.
 
 Empty micro-batches (a dp rank's share smaller than the micro-batch count) are skipped by every stage
-alike: each pp rank draws the same micro-batches. The loss exists on the last stage only; that rank
+alike: each pp rank draws the same micro-batches (the samplers shard by dp rank; a user's own
+``batches=`` stream must be the same on the pp ranks of one pipeline), so only activations and their
+gradients travel. The loss exists on the last stage only; that rank
 returns its share and every other rank 0, so the shares still sum, over all ranks that train, to the
 global mean (``Engine.loss_comm`` is the group they sum over). Communication: point-to-point between
 adjacent stages' ranks over the pp axis (Narayanan et al. 2021, arXiv:2104.04473; Qi et al. 2023,
@@ -44,10 +49,10 @@ import torch
 
 from shardwise.collectives.api import Comm
 from shardwise.collectives.p2p import Done, Work
-from shardwise.engine.loss import model_inputs, rows
+from shardwise.engine.loss import rows
 from shardwise.observe.monitor import MONITOR
 from shardwise.pipeline.actions import Action, Kind, Transfer, transfers
-from shardwise.pipeline.split import Split
+from shardwise.pipeline.split import Split, StageInputs
 
 if TYPE_CHECKING:
     from shardwise.engine.base import Engine
@@ -70,14 +75,15 @@ class PipelineRunner:
 
     # -- the step -------------------------------------------------------------------------------
     def forward_backward(self, engine: Engine, micro_batches: Sequence[Any], global_count: float) -> float:
+        # read (and checked) before any message: every pp rank refuses the same batch at the same place
+        given = [self.split.inputs(batch) for batch in micro_batches]
         divisor = engine.begin_step(micro_batches, global_count)
         self._refresh_tied(engine)
         m = len(micro_batches)
         plan = transfers(self.comm.rank, self.schedule(m), self.placement)
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
-        pending = self._post_receives(plan, micro_batches, empty, engine)
-        state = _StepState(pending)
-        state.m = m
+        pending = self._post_receives(plan, given, empty, engine)
+        state = _StepState(pending, given)
         with engine.no_sync():
             for action, recvs, sends in plan:
                 if action.microbatch in empty:
@@ -93,7 +99,7 @@ class PipelineRunner:
         return 0.0
 
     def _post_receives(
-        self, plan: list[tuple[Action, list[Transfer], list[Transfer]]], batches: Sequence[Any],
+        self, plan: list[tuple[Action, list[Transfer], list[Transfer]]], given: Sequence[StageInputs],
         empty: set[int], engine: Engine,
     ) -> dict[tuple[str, int, int], tuple[torch.Tensor, Work]]:  # fmt: skip
         dtype = _dtype(engine)
@@ -102,13 +108,13 @@ class PipelineRunner:
             if action.microbatch in empty:
                 continue
             for t in recvs:
-                shape = self._hidden_shape(batches[t.microbatch])
+                shape = self._hidden_shape(given[t.microbatch])
                 buffer = torch.empty(shape, dtype=dtype)
-                pending[t.key] = (buffer, self.comm.irecv(buffer, t.peer, message_tag(t, len(batches))))
+                pending[t.key] = (buffer, self.comm.irecv(buffer, t.peer, message_tag(t, len(given))))
         return pending
 
-    def _hidden_shape(self, batch: Any) -> tuple[int, int, int]:
-        ids = model_inputs(batch)[0][0] if not isinstance(batch, dict) else batch["input_ids"]
+    def _hidden_shape(self, given: StageInputs) -> tuple[int, int, int]:
+        ids = given.ids
         return (int(ids.shape[0]), int(ids.shape[1]), self.split.hidden_size)  # (batch, seq, hidden)
 
     def _run(
@@ -177,14 +183,15 @@ class PipelineRunner:
     def _forward(self, engine: Engine, action: Action, batch: Any, divisor: float, state: _StepState) -> None:
         stage = self.split.stages[action.stage]
         key = (action.stage, action.microbatch)
+        given = state.given[action.microbatch]
         if stage.first:
-            x = model_inputs(batch)[0][0] if not isinstance(batch, dict) else batch["input_ids"]
+            x = given.ids
         else:
             received = self._incoming(action, "activation", action.stage - 1, state)
             assert received is not None, f"no activation for {action}"
             x = received.detach().requires_grad_(True)
         with _autocast(engine):
-            out = stage(x)
+            out = stage(x, given)
         state.inputs[key] = x
         if stage.last:
             loss = engine.loss(out, batch) / divisor
@@ -237,17 +244,18 @@ class PipelineRunner:
     def evaluate(self, engine: Engine, batches: Sequence[Any]) -> tuple[float, int]:
         """The summed loss and the items it counts over ``batches``, forward only, stage after stage
         (the same on every pp rank: the last stage's sum is all-reduced over the pp axis)."""
+        given = [self.split.inputs(batch) for batch in batches]  # checked before any message
         total = torch.zeros((), dtype=torch.float64)
         items = 0
         self._refresh_tied(engine)  # the update since the step began changed the first stage's weight
         with torch.no_grad():
-            for batch in batches:
-                total += self._evaluate_one(engine, batch)
+            for batch, inputs in zip(batches, given, strict=True):
+                total += self._evaluate_one(engine, batch, inputs)
                 items += engine.loss.count(batch)
         self.comm.all_reduce(total)
         return float(total), items
 
-    def _evaluate_one(self, engine: Engine, batch: Any) -> torch.Tensor:
+    def _evaluate_one(self, engine: Engine, batch: Any, given: StageInputs) -> torch.Tensor:
         hidden: torch.Tensor | None = None
         sends: list[Work] = []
         loss = torch.zeros((), dtype=torch.float64)
@@ -257,14 +265,14 @@ class PipelineRunner:
                 continue
             stage = self.split.stages[s]
             if stage.first:
-                x = model_inputs(batch)[0][0] if not isinstance(batch, dict) else batch["input_ids"]
+                x = given.ids
             elif self.placement[s - 1] == me and hidden is not None:
                 x = hidden
             else:
-                x = torch.empty(self._hidden_shape(batch), dtype=_dtype(engine))
+                x = torch.empty(self._hidden_shape(given), dtype=_dtype(engine))
                 self.comm.recv(x, self.placement[s - 1], s)
             with _autocast(engine), engine.pipeline_stage(self.split.params[s]):
-                hidden = stage(x)
+                hidden = stage(x, given)
             if stage.last:
                 loss = engine.loss(hidden, batch).detach().to(torch.float64)
             elif self.placement[s + 1] != me:
@@ -304,9 +312,12 @@ class PipelineRunner:
 class _StepState:
     """What one step keeps between actions: inputs and outputs by (stage, mb), messages, the loss."""
 
-    def __init__(self, pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]]) -> None:
+    def __init__(
+        self, pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]], given: list[StageInputs]
+    ) -> None:
         self.pending = pending
-        self.m = 0
+        self.given = given  # by micro-batch: the token ids and extras every stage reads of it
+        self.m = len(given)
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}

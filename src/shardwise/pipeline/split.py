@@ -10,8 +10,9 @@ block's parameters keep their names (``blocks.5.attn.qkv.weight``), and checkpoi
 ``full_parameters`` stay in the model's own naming. (Balancing by measured per-block time is not built
 yet.) Each ``Stage`` is a callable: the micro-batch's token ids (first stage) or the hidden state (any
 other) in, the hidden state (or, on the last, the logits) out. What every block needs besides the hidden
-state (Llama's rotary embeddings, its causal mask, position ids) is computed on each
-stage from the hidden state's shape, so nothing but the hidden state crosses a stage boundary.
+state (the causal mask with the batch's padding, position ids, Llama's rotary tables) is derived on
+each stage from the micro-batch (``StageInputs``), as the whole model's forward derives it, so nothing
+but the hidden state crosses a stage boundary (``pipeline/adapters.py``, one adapter per family).
 
 A weight tied across the first and the last stage (the GPT's embedding used as its head) stays a
 parameter of the first stage only; the last stage's head reads a plain-tensor copy (``Split.tied``)
@@ -21,7 +22,8 @@ gradients, is updated once and written to checkpoints once (Narayanan et al. 202
 copies' gradients instead; the sum is the same). Where one rank holds both ends (the V schedules)
 the weight stays tied as in the plain model.
 
-Supported models: the built-in GPT (``models/gpt.py``) and Hugging Face GPT-2 and Llama causal LMs.
+Supported models: the built-in GPT (``models/gpt.py``) and Hugging Face GPT-2 and Llama causal LMs, or
+subclasses that keep their forward (a forward of one's own is refused by name: a stage would skip it).
 No communication here.
 """
 
@@ -34,11 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.config import ConfigError
+from shardwise.pipeline.adapters import Adapter, SplitError, StageInputs, adapter_for
+from shardwise.pipeline.adapters import get_module as _get
 
-
-class SplitError(ConfigError):
-    """A model that cannot be split as asked; the message says why and what to do."""
+__all__ = ["Adapter", "Split", "SplitError", "Stage", "StageInputs", "Tied", "adapter_for", "split_model"]
 
 
 @dataclass
@@ -47,174 +48,6 @@ class Tied:
 
     owner_name: str
     copy: torch.Tensor  # a leaf that requires grad like the parameter; refreshed every step
-
-
-class Adapter:
-    """How one model family runs piece by piece: embed, one block, head; and which modules are which."""
-
-    first_modules: tuple[str, ...] = ()  # attribute paths kept on the first stage only
-    last_modules: tuple[str, ...] = ()  # ... on the last stage only
-    shared_modules: tuple[str, ...] = ()  # ... on every stage (parameter-free helpers: rotary tables)
-    blocks_path: str = "blocks"
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model: Any = model  # attribute paths differ per family: typed loosely on purpose
-
-    @property
-    def hidden_size(self) -> int:
-        raise NotImplementedError
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def context(self, hidden: torch.Tensor) -> dict[str, Any]:
-        """What every block needs besides the hidden state, from the hidden state's shape."""
-        return {}
-
-    def block(self, index: int, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def tied_pair(self) -> tuple[str, str] | None:
-        """(owner on the first stage, user on the last stage) of a weight tied across them, or None."""
-        return None
-
-    def blocks(self) -> Any:
-        return _get(self.model, self.blocks_path)
-
-
-class GPTAdapter(Adapter):
-    """The built-in GPT: ``wte``/``wpe`` embeddings, ``blocks``, ``ln_f`` and ``head``."""
-
-    first_modules = ("wte", "wpe", "drop")
-    last_modules = ("ln_f", "head")
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.model.config.d_model)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        positions = torch.arange(ids.shape[1], device=ids.device)  # (seq,)
-        return m.drop(m.wte(ids) + m.wpe(positions))  # (batch, seq, d_model)
-
-    def block(self, index: int, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        return self.model.blocks[str(index)](hidden)
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.head(self.model.ln_f(hidden))  # (batch, seq, vocab)
-
-    def tied_pair(self) -> tuple[str, str] | None:
-        return ("wte.weight", "head.weight") if self.model.config.tie_weights else None
-
-
-class HFGPT2Adapter(Adapter):
-    """Hugging Face ``GPT2LMHeadModel``: ``transformer.{wte, wpe, drop, h, ln_f}`` and ``lm_head``."""
-
-    first_modules = ("transformer.wte", "transformer.wpe", "transformer.drop")
-    last_modules = ("transformer.ln_f", "lm_head")
-    blocks_path = "transformer.h"
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.model.config.n_embd)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        t = self.model.transformer
-        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # (1, seq)
-        return t.drop(t.wte(ids) + t.wpe(positions))
-
-    def context(self, hidden: torch.Tensor) -> dict[str, Any]:
-        from transformers.masking_utils import create_causal_mask
-
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.model.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-            position_ids=positions,
-        )  # fmt: skip
-        return {"mask": mask, "positions": positions}
-
-    def block(self, index: int, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        out = self.model.transformer.h[str(index)](
-            hidden, None, None, context["mask"], position_ids=context["positions"]
-        )
-        return out[0] if isinstance(out, tuple) else out
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.transformer.ln_f(hidden))
-
-    def tied_pair(self) -> tuple[str, str] | None:
-        tied = self.model.lm_head.weight is self.model.transformer.wte.weight
-        return ("transformer.wte.weight", "lm_head.weight") if tied else None
-
-
-class LlamaAdapter(Adapter):
-    """Hugging Face ``LlamaForCausalLM``: ``model.{embed_tokens, layers, norm, rotary_emb}``, ``lm_head``."""
-
-    first_modules = ("model.embed_tokens",)
-    last_modules = ("model.norm", "lm_head")
-    shared_modules = ("model.rotary_emb",)
-    blocks_path = "model.layers"
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.model.config.hidden_size)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(ids)
-
-    def context(self, hidden: torch.Tensor) -> dict[str, Any]:
-        from transformers.masking_utils import create_causal_mask
-
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, seq)
-        mask = create_causal_mask(
-            config=self.model.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-            position_ids=positions,
-        )  # fmt: skip
-        rotary = self.model.model.rotary_emb(hidden, position_ids=positions)  # (cos, sin)
-        return {"mask": mask, "positions": positions, "rotary": rotary}
-
-    def block(self, index: int, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        out = self.model.model.layers[str(index)](
-            hidden,
-            attention_mask=context["mask"],
-            position_ids=context["positions"],
-            position_embeddings=context["rotary"],
-        )
-        return out[0] if isinstance(out, tuple) else out
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(hidden))
-
-    def tied_pair(self) -> tuple[str, str] | None:
-        tied = self.model.lm_head.weight is self.model.model.embed_tokens.weight
-        return ("model.embed_tokens.weight", "lm_head.weight") if tied else None
-
-
-def adapter_for(model: nn.Module) -> Adapter:
-    """The adapter of ``model``'s family, or a ``SplitError`` naming the families that split."""
-    from shardwise.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return GPTAdapter(model)
-    kind = getattr(getattr(model, "config", None), "model_type", None)
-    if kind == "gpt2" and hasattr(model, "transformer"):
-        return HFGPT2Adapter(model)
-    if kind == "llama" and hasattr(model, "model"):
-        return LlamaAdapter(model)
-    raise SplitError(
-        f"a {type(model).__name__} cannot be split into pipeline stages: pp > 1 runs the built-in GPT and "
-        "Hugging Face GPT-2 and Llama models; set parallel.pp = 1"
-    )
-
-
-def _get(root: nn.Module, path: str) -> nn.Module:
-    module = root
-    for part in path.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def _drop(root: nn.Module, path: str) -> None:
@@ -313,9 +146,12 @@ class Stage:
     last: bool
     adapter: Adapter
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.adapter.embed(x) if self.first else x  # (batch, seq, hidden)
-        context = self.adapter.context(hidden) if self.blocks else {}
+    def __call__(self, x: torch.Tensor, inputs: StageInputs | None = None) -> torch.Tensor:
+        """``x``: the token ids (first stage) or the hidden state; ``inputs``: the micro-batch's (its
+        extras: the mask, positions and segment ids the blocks read), None for token ids alone."""
+        extras = inputs.extras if inputs is not None else {}
+        hidden = self.adapter.embed(x, extras) if self.first else x  # (batch, seq, hidden)
+        context = self.adapter.context(hidden, extras) if self.blocks else {}
         for index in self.blocks:
             hidden = self.adapter.block(index, hidden, context)
         return self.adapter.head(hidden) if self.last else hidden
@@ -332,6 +168,10 @@ class Split:
     tied_owner: nn.Parameter | None = None  # on the first stage's rank in that case
     params: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # stage -> its trainable ones
     shared_buffers: set[str] = field(default_factory=set)  # buffers every stage holds (written once)
+
+    def inputs(self, batch: Any) -> StageInputs:
+        """What every stage of this rank reads of ``batch`` (a key no stage honours: ``SplitError``)."""
+        return next(iter(self.stages.values())).adapter.inputs(batch)
 
 
 def split_model(

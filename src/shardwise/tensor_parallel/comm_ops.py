@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from shardwise.collectives.api import Comm
+from shardwise.config import ConfigError
 
 
 def _all_reduce(x: torch.Tensor, comm: Comm, label: str) -> torch.Tensor:
@@ -39,11 +40,13 @@ def _all_reduce(x: torch.Tensor, comm: Comm, label: str) -> torch.Tensor:
 
 
 def sequence_length_share(length: int, comm: Comm) -> int:
-    """``length / tp``, refused with the arithmetic when tp does not divide it."""
+    """``length / tp``, refused with the arithmetic when tp does not divide it: the batch's own width,
+    seen where it is cut (every tp rank holds the same batch, so all refuse alike, before any transfer)."""
     if length % comm.world_size:
-        raise ValueError(
-            f"sequence length {length} is not divisible by tp {comm.world_size}; "
-            "sequence parallelism needs a sequence length that tp divides"
+        raise ConfigError(
+            f"sequence parallelism cuts the sequence over tp: a batch of sequence length {length} is not "
+            f"divisible by tp {comm.world_size}; pad the batches to a multiple of {comm.world_size} "
+            "positions, or set parallel.sequence_parallel = false"
         )
     return length // comm.world_size
 

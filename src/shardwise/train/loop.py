@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from shardwise.collectives.api import Comm
-from shardwise.config import ConfigError, TrainConfig, to_dict
+from shardwise.config import ConfigError, TrainConfig, describe_layout, to_dict
 from shardwise.data.corpus import load_corpus
 from shardwise.data.dataset import DatasetSampler, IterableSampler, MapDataset, check_rows
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
@@ -445,7 +445,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
     ranks = len(history[-1].peak_rss_mb_by_rank)
     return {
         "strategy": config.strategy,
-        "layout": trainer.mesh.dims.label,
+        "layout": describe_layout(config, trainer.mesh.dims),
         "compute_dtype": str(trainer.engine.compute_dtype).removeprefix("torch."),
         "world_size": dist.get_world_size(),
         "training_ranks": ranks,

@@ -1,4 +1,5 @@
-"""The run's observers around the loop: the hang watchdog, and the trace when ``--trace`` is on.
+"""The run's observers around the loop: the hang watchdog, and the trace when ``--trace`` is on
+(written every few seconds while the run goes, ``observe.trace.LiveTrace``, and once more at the end).
 
 Communication: with tracing, one world barrier at the start (every rank's clock origin) and one at the
 end (every rank's trace file written before rank 0 merges them); the watchdog talks only to the job's
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.observe.monitor import MONITOR
-from shardwise.observe.trace import merge, trace_blocks, write_rank
+from shardwise.observe.trace import LiveTrace, merge, trace_blocks, write_rank
 from shardwise.observe.watchdog import Watchdog
 
 
@@ -36,18 +37,22 @@ def observing(trainer: Any, blocks: nn.ModuleList | nn.Sequential | None) -> Ite
         store = dist.distributed_c10d._get_default_store()
         watchdog = Watchdog(store, world.rank, world.world_size, config.hang_timeout_s).start()
     handles = trace_blocks(blocks, MONITOR) if config.trace and blocks is not None else []
+    run_dir = Path(config.run_dir)
+    live = LiveTrace(run_dir, world.rank, world.world_size, MONITOR, origin).start() if config.trace else None
     completed = False
     try:
         yield
         completed = True
     finally:
+        if live is not None:
+            live.stop()
         if watchdog is not None:
             watchdog.stop()
         for handle in handles:
             handle.remove()
         MONITOR.set_phase("idle")
         if config.trace and completed:
-            _write_trace(Path(config.run_dir), world, origin)
+            _write_trace(run_dir, world, origin)
         MONITOR.tracing = False
 
 
