@@ -74,6 +74,12 @@ def add_plan_parser(sub: Any) -> None:
         action="store_true",
         help="run each strategy here on --nproc local ranks; predicted beside measured memory and time",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run one rank of the layout --strategies/--pp/--tp name on --devices (up to 1024) here, on the "
+        "meta device with a fake process group: what it holds after a step beside the planner",
+    )
     p.add_argument("--nproc", type=int, default=2, help="--check: local ranks (default 2)")
     p.add_argument("--steps", type=int, default=5, help="--check: timed steps per layout (default 5)")
     p.add_argument("--pp", help="pipeline degrees to search, e.g. 1,2 (default: every one the devices take)")
@@ -200,6 +206,10 @@ def plan_command(args: argparse.Namespace) -> int:
     strategies = _strategies(args)
     if args.check:
         return check_command(args, model, training, strategies)
+    if args.dry_run:
+        from shardwise.commands.plan_dry_run import dry_run_command
+
+        return dry_run_command(args, model, training, strategies)
     machine = machine_from_args(args)
     overhead = 0.0 if args.overhead is None else parse_bytes(args.overhead, "--overhead", zero_ok=True)
     calibration = Calibration(
