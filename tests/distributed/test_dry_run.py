@@ -49,7 +49,9 @@ def test_a_70b_llama_on_512_devices_at_dp_pp_tp() -> None:
 
 
 def test_one_layout_is_asked_for() -> None:
-    result = shardwise("plan", "--dry-run", "--devices", "8", "--preset", "tiny", "--strategies", "zero1,zero2")
+    result = shardwise(
+        "plan", "--dry-run", "--devices", "8", "--preset", "tiny", "--strategies", "zero1,zero2"
+    )  # fmt: skip
     assert result.returncode == 2 and "give one strategy" in result.stderr
     result = shardwise("plan", "--dry-run", "--devices", "2048", "--preset", "tiny", "--strategies", "ddp")
     assert result.returncode == 2 and "1 to 1024 devices" in result.stderr
