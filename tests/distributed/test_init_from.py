@@ -160,8 +160,9 @@ def test_an_init_from_without_safetensors_is_one_line_before_any_rank_starts(tmp
 
 @pytest.mark.slow
 def test_a_shardwise_export_is_a_starting_point_too(tmp_path: Path) -> None:
-    """Train, export the checkpoint to one file, load it: the parameters are the trained ones (the
-    tied head is in the file once, as wte.weight)."""
+    """Train, export the checkpoint to one file, load it, or load the checkpoint itself: the parameters
+    are the trained ones (the tied head is in the file once, as wte.weight); verify from the checkpoint
+    under tp 2 (each rank reading its boxes) equals one process."""
     from shardwise.checkpoint.pretrained import load_pretrained
     from shardwise.train.loop import param_digest
 
@@ -173,6 +174,14 @@ def test_a_shardwise_export_is_a_starting_point_too(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     exported = tmp_path / "model.safetensors"
     assert shardwise("ckpt", "export", str(run), str(exported)).returncode == 0
-    model = build_model(load_config(None, {"model.preset": "tiny"}).model, meta=True)
-    load_pretrained(model, str(exported))
-    assert param_digest(dict(model.named_parameters())) == last_json(result)["final_param_digest"]
+    for source in (exported, run / "checkpoints"):  # the export, or the checkpoint itself
+        model = build_model(load_config(None, {"model.preset": "tiny"}).model, meta=True)
+        load_pretrained(model, str(source))
+        assert param_digest(dict(model.named_parameters())) == last_json(result)["final_param_digest"]
+    # the checkpoint read box by box into another layout's parts (tp 2), against one process reading it
+    result = shardwise(
+        "verify", "--preset", "tiny", "--init-from", str(run / "checkpoints"), "--strategy", "zero3",
+        "--tp", "2", "--nproc", "2", "--json",
+    )  # fmt: skip
+    report = last_json(result)
+    assert result.returncode == 0 and report["ok"] and report["layout"] == "dp1 x pp1 x tp2", report
