@@ -41,8 +41,9 @@ def weight_source(
         source = given
     elif config.model.init_from:
         source = open_weights(config.model.init_from, model)
-    else:
-        record = record_initialisation(model)
+    else:  # a model passed in built keeps its values, even one built_model made
+        meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        record = record_initialisation(model) if meta else None
         if record is None:
             yield None
             return

@@ -185,3 +185,9 @@ def test_a_shardwise_export_is_a_starting_point_too(tmp_path: Path) -> None:
     )  # fmt: skip
     report = last_json(result)
     assert result.returncode == 0 and report["ok"] and report["layout"] == "dp1 x pp1 x tp2", report
+    result = shardwise(  # the exported file, each pipeline stage reading its own tensors
+        "verify", "--preset", "tiny", "--init-from", str(exported), "--strategy", "zero1", "--pp", "2",
+        "--nproc", "2", "--json",
+    )  # fmt: skip
+    report = last_json(result)
+    assert result.returncode == 0 and report["ok"] and report["layout"].startswith("dp1 x pp2 x tp1"), report

@@ -28,8 +28,9 @@ pipeline reduces after its last backward, so ZeRO's reduce buffers come at the s
 steps one tensor at a time and makes two temporaries of it (``_optimizer_temporaries``: a parameter
 for DDP, a bucket's or unit's shard for ZeRO).
 
-**Phases.** Not everything is alive at once: the peak is the largest of five phases: the build (every
-rank makes the whole model, then keeps its part: ``_build_bytes``), the end of forward (every
+**Phases.** Not everything is alive at once: the peak is the largest of five phases: the build (the
+model is made on the meta device and each rank materialises only its part: ``_build_bytes``), the
+end of forward (every
 activation, the logits peak at the loss), backward (activations, the buffers gradients fill), the step's
 reductions (ZeRO-2/3's gradient shards and stage 1's fp32 slice, which arrive as the activations go,
 and the buffers they came through) and the update (the optimizer's temporaries, once those buffers
@@ -327,7 +328,7 @@ def logits_peak_bytes(tokens: int, vocab: int, compute_bytes: int, loss_bytes: i
 
 # the end of forward (at the loss), backward, the step's reductions, the optimizer's update
 ALWAYS = ("forward", "backward", "step", "update")
-PHASES = ("build", *ALWAYS)  # build: every rank makes the whole model, then keeps its part
+PHASES = ("build", *ALWAYS)  # build: each rank materialises its part of the model (made on meta)
 STEP = ("step", "update")  # from the end of backward through the update
 
 

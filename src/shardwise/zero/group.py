@@ -66,7 +66,7 @@ class FlatGroup:
         self.params = [p for _, p in named]
         self.comm, self.precision = comm, precision
         self.layout: FlatLayout = layout_of(named, comm.world_size)
-        if weights is not None and not whole:
+        if weights is not None and not whole and all(weights.knows(n) for n in self.names):
             master = self._read_shard(weights)
         else:
             master = self._flatten_params(alias_master, weights)
@@ -97,9 +97,10 @@ class FlatGroup:
         source = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=device)
         for name, slot, p in zip(self.names, self.layout.slots, self.params, strict=True):
             into = source[slot.offset : slot.offset + slot.numel]
-            if p.is_meta and weights is not None:
+            if weights is not None and weights.knows(name):
                 weights.read(name, 0, slot.numel, into)
-                materialize(p, torch.empty(0, dtype=p.dtype, device=device))  # a view of the buffer below
+                if p.is_meta:
+                    materialize(p, torch.empty(0, dtype=p.dtype, device=device))  # a view of the buffer below
             else:
                 into.copy_(p.detach().reshape(-1))
         # (padded_numel,) in the compute dtype; parameters are views of it
