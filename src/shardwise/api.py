@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.config import ConfigError
+from shardwise.device import check_device
 from shardwise.engine.base import NonFiniteStop
 from shardwise.engine.full_state import StateMismatchError
 from shardwise.engine.loss import LossError
@@ -27,22 +28,24 @@ from shardwise.launcher import LaunchError, init_distributed, launch_local, runn
 from shardwise.train.checkpointing import CheckpointWriteError
 
 
-def init(timeout_s: float = 300.0) -> int:
+def init(timeout_s: float = 300.0, device: str = "auto") -> int:
     """Join the job's process group (torchrun's or shardwise's launcher's environment; none: a world
-    of one) if this process has not yet; returns this rank. Idempotent."""
-    init_distributed(timeout_s)
+    of one) if this process has not yet; returns this rank. Idempotent. ``device`` (auto | cpu | cuda,
+    as the config's ``device``) picks the backend: ``cpu:gloo,cuda:nccl`` bound to this local rank's
+    GPU, or gloo (``shardwise.device``); a config asking for CUDA later needs a group that has it."""
+    init_distributed(timeout_s, device)
     return dist.get_rank()
 
 
 class _Joined:
     """``fn`` run on a rank after joining the process group, which it leaves afterwards."""
 
-    def __init__(self, fn: Callable[..., Any], timeout_s: float) -> None:
-        self.fn, self.timeout_s = fn, timeout_s
+    def __init__(self, fn: Callable[..., Any], timeout_s: float, device: str) -> None:
+        self.fn, self.timeout_s, self.device = fn, timeout_s, device
         functools.update_wrapper(self, fn)  # the agent names the entry point by its __qualname__
 
     def __call__(self, *args: Any) -> Any:
-        init(self.timeout_s)
+        init(self.timeout_s, self.device)
         try:
             return self.fn(*args)
         finally:
@@ -51,7 +54,12 @@ class _Joined:
 
 
 def launch(
-    fn: Callable[..., Any], nproc: int = 2, *args: Any, max_restarts: int = 0, timeout_s: float = 300.0
+    fn: Callable[..., Any],
+    nproc: int = 2,
+    *args: Any,
+    max_restarts: int = 0,
+    timeout_s: float = 300.0,
+    device: str = "auto",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks and return what each returned, by rank.
 
@@ -62,14 +70,16 @@ def launch(
     torchrun; any other failure is a ``LaunchError`` holding the failed rank's traceback. ``fn`` and
     ``args`` must pickle by reference (``fn`` a top-level function of an importable script, which
     guards its own start with ``if __name__ == "__main__":``, and is not defined inside that block);
-    else ``LaunchError`` says so at once.
+    else ``LaunchError`` says so at once. ``device``: as ``init``'s; ``cuda`` on a machine without
+    it, or more ranks than GPUs, is a one-line ``ConfigError`` before any rank starts.
     """
     if running_under_torchrun() or dist.is_initialized():
-        init(timeout_s)
+        init(timeout_s, device)
         return [fn(*args)]
     _check_sendable(fn, args)
+    check_device(device, nproc)
     try:
-        results = launch_local(_Joined(fn, timeout_s), args, nproc, max_restarts)
+        results = launch_local(_Joined(fn, timeout_s, device), args, nproc, max_restarts)
     except LaunchError as failed:
         if failed.user_error is None or failed.error_type is None:
             raise

@@ -21,6 +21,7 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--steps": ("steps", {"help": "optimizer steps"}),
     "--seed": ("seed", {}),
     "--dtype": ("dtype", {"help": "float32 | float64"}),
+    "--device": ("device", {"help": "auto | cpu | cuda (auto: a GPU per local rank when there are GPUs)"}),
     "--model": (
         "model.kind",
         {"help": "gpt | mlp | hf:PATH/config.json | hf:tiny-gpt2 | hf:tiny-llama | package.module:function"},
@@ -90,7 +91,12 @@ class CLIError(Exception):
 
 def add_train_flags(parser: argparse.ArgumentParser, defaults: dict[str, str] | None = None) -> None:
     parser.add_argument("--config", help="TOML file; flags override it")
-    parser.add_argument("--nproc", type=int, default=1, help="local ranks (ignored under torchrun)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks (ignored under torchrun; default: one per GPU on a GPU machine, else 1)",
+    )
     base = TrainConfig()
     for flag, (key, kwargs) in TRAIN_FLAGS.items():
         default = (defaults or {}).get(key, _get(base, key))
@@ -187,10 +193,18 @@ def _differ(key: str, first: str, second: str) -> bool:
     return _get(set_key(base, key, first), key) != _get(set_key(base, key, second), key)
 
 
+def _nproc(args: argparse.Namespace, config: TrainConfig) -> int:
+    """``--nproc``, or where it is not given one rank per GPU (device auto or cuda, on a GPU machine)."""
+    from shardwise.device import default_nproc
+
+    return int(args.nproc) if args.nproc is not None else default_nproc(config.device)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from shardwise.commands.train import train_command
 
-    return train_command(config_from_args(args), args.nproc, args.json)
+    config = config_from_args(args)
+    return train_command(config, _nproc(args, config), args.json)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -198,7 +212,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     first = config_from_args(args, VERIFY_DEFAULTS)  # the defaults depend on the model and strategy
     defaults = verify_defaults(first.model.kind, first.strategy)
-    return verify_command(config_from_args(args, defaults), args.nproc, args.json)
+    config = config_from_args(args, defaults)
+    return verify_command(config, _nproc(args, config), args.json)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -397,6 +397,9 @@ class TrainConfig:
     steps: int = checked(40, Range(ge=1))
     seed: int = checked(0, Range(ge=0, le=MAX_SEED))
     dtype: str = checked("float32", OneOf(("float32", "float64")))
+    # where each rank computes: auto = the GPU of its local rank when the machine has GPUs, else the CPU
+    # (shardwise.device: the process group follows it, cpu:gloo,cuda:nccl on GPUs)
+    device: str = checked("auto", OneOf(("auto", "cpu", "cuda")))
     eval_every: int = checked(10, Range(ge=0))  # 0: no held-out evaluation
     eval_batches: int = checked(4, Range(ge=1))
     log_every: int = checked(1, Range(ge=1))

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise import procstart, signals
+from shardwise.device import prepare_rank, process_group_args
 from shardwise.observe.watchdog import HANG_REPORT_ENV
 from shardwise.rendezvous import bound_store, is_loopback, register_loopback
 
@@ -279,10 +280,15 @@ def _describe_failure(exc: Any) -> str:
     return f"rank {rank} failed (exit code {failure.exitcode}):\n{_failure_text(failure)}{also}"
 
 
-def init_distributed(timeout_s: float = 300.0, backend: str = "gloo") -> None:
-    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_*)."""
+def init_distributed(timeout_s: float = 300.0, device: str = "auto") -> None:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_*).
+
+    The backend follows ``device`` (``shardwise.device``): a CUDA rank first sets its GPU from
+    ``LOCAL_RANK`` and joins ``cpu:gloo,cuda:nccl`` bound to it (``device_id``), a CPU rank joins gloo.
+    """
     if dist.is_initialized():
         return
+    prepare_rank(device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", threads_per_rank(1))))
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -298,7 +304,8 @@ def init_distributed(timeout_s: float = 300.0, backend: str = "gloo") -> None:
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             store = dist.PrefixStore(f"shardwise/attempt-{attempt}", store)
             _warn_shared_store_multinode(rank)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    args = process_group_args(device)  # backend (and device_id on CUDA)
+    dist.init_process_group(store=store, rank=rank, world_size=world_size, timeout=timeout, **args)
 
 
 def _job_store(hosts: bool, world_size: int, timeout: timedelta) -> dist.Store:

@@ -16,10 +16,11 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from shardwise.checkpoint.pretrained import open_weights
-from shardwise.checkpoint.source import HOST, META, HeldWeights, NoValues, WeightSource
+from shardwise.checkpoint.source import META, HeldWeights, NoValues, WeightSource
 from shardwise.config import TrainConfig
 from shardwise.mesh import Mesh
 from shardwise.models.init_replay import RandomInit, record_initialisation
@@ -62,17 +63,19 @@ def held_weights(
     model: nn.Module,
     layout: TensorParallelLayout | None,
     runner: PipelineRunner | None,
+    device: torch.device,
     overwrite: bool,
 ) -> HeldWeights:
     """What this rank reads of ``source``: its tensors as tp and the pipeline left them (each tp shard
     a set of boxes of its global tensor), and a pipeline's last-stage copy of a tied weight (read under
-    its owner's name); the copy is filled here, the rest by the data-parallel engine."""
+    its owner's name), materialised on ``device`` (a ``NoValues`` source: left on meta); the copy is
+    filled here, the rest by the data-parallel engine."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
     tied = runner.split.tied if runner is not None else None
     if tied is not None and tied.copy.is_meta:
         tensors.append((tied.owner_name, tied.copy))
     placements = {n: shard.placements for n, shard in layout.params.items()} if layout is not None else {}
-    device = META if isinstance(source, NoValues) else HOST
+    device = META if isinstance(source, NoValues) else device
     held = HeldWeights.of(source, tensors, placements, device, overwrite=overwrite)
     if tied is not None and tied.copy.is_meta:
         held.fill(tied.owner_name, tied.copy)

@@ -8,6 +8,10 @@ run's ``CommConfig`` (its algorithm and, for ``auto``, the saved cost profile). 
 world ``Comm`` (checkpoints, agreement on restarts), the trainers' ``Comm`` (per-step metrics over the
 ranks that train) and the servers' ``Comm``.
 
+The mesh is made for the device (``device_type``): ``DeviceMesh("cuda", ...)`` on GPUs, whose groups
+inherit the default group's ``cpu:gloo,cuda:nccl`` (``shardwise.device``), and every ``Comm`` knows it
+(NCCL refuses the explicit algorithms).
+
 Every rank builds the same groups and ``Comm``s in the same order (process groups and message tag
 slots are agreed by order), which is why this module is the one place that builds them.
 """
@@ -22,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.collectives.api import Comm, CommSettings
 from shardwise.config import CommConfig, ConfigError, ParallelDims, TrainConfig
+from shardwise.device import HOST
+from shardwise.device import device_type as resolve_device_type
 
 AXES = ("dp", "pp", "tp")
 HYBRID_AXES = ("dp_shard", "dp_replicate")  # the dp axis cut in two for hybrid sharding
@@ -94,22 +100,28 @@ def build_mesh(
     if isinstance(dims, TrainConfig):
         comm_config = comm_config or dims.comm
         dp_replicate = dims.parallel.dp_replicate
+        device_type = resolve_device_type(dims.device)
         dims = dims.validate(world_size).dims(world_size)
     if dims.world_size != world_size:
         raise ValueError(f"the mesh describes {dims.world_size} ranks, but the world has {world_size}")
     settings = comm_config or CommConfig()
-    world = Comm.from_config(None, settings, "world")
+    world = Comm.from_config(None, settings, "world", device_type)
     first = dims.servers
-    ranks = torch.arange(first, world_size).view(dims.shape)
+    ranks = torch.arange(first, world_size, device=HOST).view(dims.shape)  # global rank ids
     device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=AXES)  # every rank builds every group
     trainer_group = dist.new_group(list(range(first, world_size))) if first else None
     server_group = dist.new_group(list(range(first))) if first else None
     rank = dist.get_rank()
     trains = rank >= first
-    trainers = (Comm.from_config(trainer_group, settings, "trainers") if first else world) if trains else None
-    servers = Comm.from_config(server_group, settings, "servers") if first and not trains else None
+    trainers = (
+        (Comm.from_config(trainer_group, settings, "trainers", device_type) if first else world)
+        if trains
+        else None
+    )
+    serving = first and not trains
+    servers = Comm.from_config(server_group, settings, "servers", device_type) if serving else None
     comms = (
-        {axis: Comm.from_config(device_mesh.get_group(axis), settings, axis) for axis in AXES}
+        {axis: Comm.from_config(device_mesh.get_group(axis), settings, axis, device_type) for axis in AXES}
         if trains
         else {}
     )
@@ -118,7 +130,7 @@ def build_mesh(
             mine = [dist.new_group(g) for g in groups]  # every rank builds every group, in one order
             for members, group in zip(groups, mine, strict=True):
                 if rank in members:
-                    comms[axis] = Comm.from_config(group, settings, axis)
+                    comms[axis] = Comm.from_config(group, settings, axis, device_type)
     return Mesh(dims, world, trainers, servers, device_mesh, comms)
 
 

@@ -1,6 +1,8 @@
 """``parallelize(model, mesh, config)``: every configured kind of parallelism, applied from outside.
 
-The steps run in one fixed order (torchtitan's ``parallelize``), each on its own mesh axis:
+The steps run in one fixed order (torchtitan's ``parallelize``), each on its own mesh axis, after the
+model is moved to this rank's device (``config.device`` in the joined group: its GPU or the CPU;
+parameters still on meta are materialised there by whoever reads them):
 
 1. tensor parallelism over ``tp``: parameters become local shards;
 2. the pipeline split over ``pp``: this rank keeps its stage(s), parameter names preserved;
@@ -35,6 +37,7 @@ from shardwise.checkpoint.source import NoValues, WeightSource
 from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
+from shardwise.device import cuda_backend, device_type, joined_device, place_model
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import AutoLoss, CausalLMLoss, Loss, TokenLoss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
@@ -74,6 +77,7 @@ def check(config: TrainConfig) -> None:
     _check_hybrid(config)
     _check_tensor_parallel(config)
     _check_pipeline(config)
+    _check_pipeline_on_nccl(config.parallel.pp, device_type(config.device))
 
 
 def _check_hybrid(config: TrainConfig) -> None:
@@ -189,6 +193,17 @@ def _check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
             )
 
 
+def _check_pipeline_on_nccl(pp: int, device: str) -> None:
+    """The pipeline tells its messages apart by tag and posts a step's receives up front; NCCL ignores
+    tags and pairs a peer's sends and receives in order, so on NCCL it is refused until each action's
+    transfers are posted together, in the same order on both peers (``batch_isend_irecv``)."""
+    if pp > 1 and device == "cuda" and cuda_backend() == "nccl":
+        raise NotBuiltError(
+            f"pipeline parallelism (parallel.pp = {pp}) over NCCL is not built yet (its transfers rely on "
+            "tags, which NCCL ignores); run it with --device cpu, or set parallel.pp = 1"
+        )
+
+
 def apply_tensor_parallel(
     model: nn.Module, mesh: Mesh, config: TrainConfig
 ) -> TensorParallelLayout | None:
@@ -199,8 +214,8 @@ def apply_tensor_parallel(
         return None
     plan = plan_for(model)
     try:
-        sp = config.parallel.sequence_parallel
-        return apply_tp_plan(model, mesh.comm("tp"), plan, sequence_parallel=sp, seed=config.seed)
+        sp, device = config.parallel.sequence_parallel, joined_device(config.device)
+        return apply_tp_plan(model, mesh.comm("tp"), plan, sp, config.seed, device)
     except ValueError as exc:  # a width tp does not divide: the arithmetic, in one line
         raise ConfigError(f"tensor parallelism: {exc}") from None
 
@@ -255,6 +270,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Pipelin
     if parallel.pp == 1 or not mesh.in_mesh:
         return None
     comm = mesh.comm("pp")
+    _check_pipeline_on_nccl(parallel.pp, comm.device_type)
     name, pp, virtual = parallel.schedule, parallel.pp, parallel.stages_per_rank
     placement = stage_placement(name, pp, virtual)
     split = split_model(model, placement, comm.rank, parallel.pp_split)
@@ -355,6 +371,8 @@ def parallelize(
             "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
             "to train; leave some unfrozen"
         )
+    device = joined_device(config.device)
+    place_model(model, device)  # a model built with values (yours) moved first; tensors on meta stay
     with weight_source(model, mesh, config, weights) as source:
         layout = apply_tensor_parallel(model, mesh, config)  # on meta, where the model was built there
         runner = apply_pipeline(model, mesh, config)
@@ -362,7 +380,7 @@ def parallelize(
         apply_batchnorm(model, mesh, config)
         held = None
         if source is not None:  # each rank materialises only what it holds, from the one source
-            held = held_weights(source, model, layout, runner, overwrite=bool(config.model.init_from))
+            held = held_weights(source, model, layout, runner, device, bool(config.model.init_from))
         engine = build_data_parallel(config, model, mesh, share_gradients, held)
     if (left := meta_parameters(model)) and not isinstance(weights, NoValues):  # never train on no data
         raise RuntimeError(f"{config.strategy} left parameters on the meta device: {', '.join(left[:3])}")

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint.pretrained import open_weights
-from shardwise.collectives.api import load_profile
+from shardwise.collectives.api import check_algorithm, load_profile
 from shardwise.compression import check_compress
 from shardwise.config import ConfigError, TrainConfig
+from shardwise.device import check_device, device_type
 from shardwise.models import build_model, check_model_config
 from shardwise.observe.tensorboard import available as tensorboard_available
 from shardwise.parallelism import check as check_parallelism
@@ -34,6 +35,8 @@ def preflight(config: TrainConfig, world_size: int, writes_run_files: bool = Tru
     ``verify`` does not).
     """
     config = config.validate(world_size)
+    check_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    check_algorithm(config.comm.algorithm, device_type(config.device))
     if config.tensorboard and not tensorboard_available():
         raise ConfigError("--tensorboard needs tensorboardX: pip install shardwise[tensorboard]")
     if config.zero.precision != "fp32":

@@ -162,7 +162,7 @@ def torch_worker(config: TrainConfig, powersgd_rank: int) -> dict[str, float] | 
     from shardwise.models import build_model
     from shardwise.train.loop import seed_everything
 
-    init_distributed(config.timeout_s)
+    init_distributed(config.timeout_s, config.device)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         seed_everything(config.seed)

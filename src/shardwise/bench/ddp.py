@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from shardwise.config import TrainConfig, load_config
+from shardwise.device import HOST, to_device
 from shardwise.launcher import init_distributed, launch_local
 from shardwise.observe.watchdog import Watchdog
 from shardwise.preflight import preflight
@@ -42,9 +43,9 @@ def bench_worker(impl: str, config: TrainConfig) -> dict[str, Any]:
     """Run ``config.steps`` steps of one implementation; return median step time and peak RSS."""
     import torch.distributed as dist
 
-    from shardwise.train.metrics import peak_rss_mb
+    from shardwise.device import joined_device, memory_mb
 
-    init_distributed(config.timeout_s)
+    init_distributed(config.timeout_s, config.device)
     watchdog = None
     if impl == "shardwise":  # as in training: the hang watchdog watches
         store = dist.distributed_c10d._get_default_store()
@@ -56,12 +57,16 @@ def bench_worker(impl: str, config: TrainConfig) -> dict[str, Any]:
             start = time.perf_counter()
             step_fn(step)
             times.append(time.perf_counter() - start)
-        mine = torch.tensor([statistics.median(times[WARMUP_STEPS:]), peak_rss_mb()], dtype=torch.float64)
+        memory = memory_mb(joined_device(config.device))  # a GPU's allocator peak, or peak RSS
+        figures = [statistics.median(times[WARMUP_STEPS:]), memory["peak_mb"], memory["peak_rss_mb"]]
+        mine = torch.tensor(figures, dtype=torch.float64, device=HOST)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         return {
             "step_s": max(float(t[0]) for t in everyone),
-            "peak_rss_mb": max(float(t[1]) for t in everyone),
+            "peak_memory_mb": max(float(t[1]) for t in everyone),
+            "peak_rss_mb": max(float(t[2]) for t in everyone),
+            "memory": "max_memory_allocated" if "max_memory_allocated_mb" in memory else "rss",
         }
     finally:
         if watchdog is not None:
@@ -74,12 +79,13 @@ def _setup(config: TrainConfig) -> tuple[torch.nn.Module, Any, int]:
 
     from shardwise.data.corpus import load_corpus
     from shardwise.data.sampler import DataSampler, split_counts
+    from shardwise.device import joined_device
     from shardwise.models import build_model
     from shardwise.train.loop import seed_everything
 
     config = config.validate(dist.get_world_size())
     seed_everything(config.seed)
-    model = build_model(config.model)
+    model = build_model(config.model).to(joined_device(config.device))
     counts = split_counts(config.data.global_batch, [1.0] * dist.get_world_size())
     corpus = load_corpus(config.data.corpus_bytes)
     sampler = DataSampler(
@@ -110,11 +116,13 @@ def _torch_ddp(config: TrainConfig) -> Any:
     from shardwise.engine.optim import build_optimizer, named
 
     model, sampler, _ = _setup(config)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=config.ddp.bucket_mb)
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=config.ddp.bucket_mb)
     optimizer = build_optimizer(named(ddp), config.optim)
 
     def step(i: int) -> None:
-        inputs, targets = sampler.local_batch(i)
+        inputs, targets = to_device(sampler.local_batch(i), device)
         loss = loss_sum(ddp(inputs), targets) / targets.numel()  # local mean; DDP averages over ranks
         loss.backward()
         optimizer.step()
@@ -154,10 +162,12 @@ def run_ddp_bench(
             "tokens_per_s": tokens / step_s,
             "step_s": step_s,
             "peak_rss_mb": statistics.median(row["peak_rss_mb"] for row in rows),
+            "peak_memory_mb": statistics.median(row["peak_memory_mb"] for row in rows),
+            "memory": rows[0]["memory"],
             "runs": rows,
         }
     result["speed_ratio"] = result["shardwise"]["tokens_per_s"] / result["torch"]["tokens_per_s"]
-    result["memory_ratio"] = result["shardwise"]["peak_rss_mb"] / result["torch"]["peak_rss_mb"]
+    result["memory_ratio"] = result["shardwise"]["peak_memory_mb"] / result["torch"]["peak_memory_mb"]
     if watchdog:
         without = result["shardwise-no-watchdog"]["tokens_per_s"]
         result["watchdog_speed_ratio"] = result["shardwise"]["tokens_per_s"] / without
@@ -172,7 +182,7 @@ def render_ddp(result: dict[str, Any]) -> None:
         row = result[impl]
         print(
             f"  {impl:9s} {row['tokens_per_s']:>10,.0f} tokens/s  {row['step_s'] * 1e3:8.1f} ms/step  "
-            f"peak RSS {row['peak_rss_mb']:.0f} MB"
+            f"peak {'GPU' if row['memory'] != 'rss' else 'RSS'} {row['peak_memory_mb']:.0f} MB"
         )
     print(f"  speed ratio {result['speed_ratio']:.3f}   memory ratio {result['memory_ratio']:.3f}")
     if "watchdog_speed_ratio" in result:

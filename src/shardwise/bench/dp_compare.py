@@ -27,6 +27,7 @@ from shardwise.collectives.api import Comm, CommStats
 from shardwise.config import OptimizerConfig, PSConfig
 from shardwise.data_parallel.param_server import ParamServerEngine
 from shardwise.data_parallel.single_process import SingleProcessDPEngine
+from shardwise.device import HOST
 from shardwise.engine.base import Batch
 from shardwise.engine.optim import attach_optimizers, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
@@ -55,12 +56,12 @@ def tiny_model(vocab: int, dim: int, seed: int = 0) -> TinyLM:
 def markov_batches(vocab: int, batch: int, seq_len: int, count: int, seed: int) -> list[Batch]:
     """Sequences from a fixed, peaked Markov chain (learnable; loss floor above zero)."""
     chain = torch.Generator().manual_seed(1234)
-    transition = torch.softmax(3.0 * torch.randn(vocab, vocab, generator=chain), dim=1)
+    transition = torch.softmax(3.0 * torch.randn(vocab, vocab, generator=chain, device=HOST), dim=1)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
-        tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
+        tokens = torch.empty(batch, seq_len + 1, dtype=torch.long, device=HOST)
+        tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=gen, device=HOST)
         for t in range(seq_len):
             tokens[:, t + 1] = torch.multinomial(transition[tokens[:, t]], 1, generator=gen).squeeze(1)
         out.append((tokens[:, :-1], tokens[:, 1:]))
@@ -70,7 +71,7 @@ def markov_batches(vocab: int, batch: int, seq_len: int, count: int, seed: int) 
 def share(batch: Batch, part: int, parts: int) -> Batch:
     """This rank's rows of ``batch`` (contiguous, as even as possible)."""
     inputs, targets = batch
-    rows = torch.arange(inputs.size(0)).tensor_split(parts)[part]
+    rows = torch.arange(inputs.size(0), device=inputs.device).tensor_split(parts)[part]
     return inputs[rows], targets[rows]
 
 

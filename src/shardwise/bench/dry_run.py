@@ -14,53 +14,42 @@ same layout (``planner.memory.model_states`` through ``estimate_memory``).
 The rank run is the first rank of the heaviest pipeline stage (the most parameters: its blocks and
 the end it holds), as the planner plans for. Reads of values that do not exist (a loss, a norm, a
 non-finite flag) are answered by ``MetaReads``: 0 for a number, True for a truth (finite), zeros for
-a small copy to the host; a large tensor that shardwise makes without naming a device (an activation
-buffer) is made on meta, small ones (counts, flags) and torch's own (Adam's step count) stay real. No real
+a small copy to the host. Every tensor the library makes is on its parameters' or batch's device
+(meta here: the engine's ``device``), or on the host for bookkeeping, which stays real. No real
 communication.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
 
-import shardwise
 from shardwise.checkpoint.source import META, NoValues
 from shardwise.config import ConfigError, TrainConfig
+from shardwise.device import HOST
 from shardwise.mesh import build_mesh
 from shardwise.planner.memory import Layout, Training, estimate_memory
 from shardwise.planner.model import ModelShape
 
 MAX_DEVICES = 1024
-SOURCE_ROOT = str(Path(shardwise.__file__).resolve().parent)
 SMALL = 4096  # elements: a meta tensor this small copied to the host becomes zeros there
 STATE_PARTS = ("params", "master_params", "grads", "optimizer_state")
 
 
 class MetaReads(TorchFunctionMode):
-    """Answers reads of meta tensors' values; makes shardwise's device-less tensors on meta."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._factories = _device_constructors()
+    """Answers reads of meta tensors' values (module docstring)."""
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = dict(kwargs or {})
-        made_here = sys._getframe(1).f_code.co_filename.startswith(SOURCE_ROOT)
-        if func in self._factories and kwargs.get("device") is None and _numel(args) > SMALL and made_here:
-            kwargs["device"] = META  # an activation's buffer (a pipeline's receives), not bookkeeping
         name = getattr(func, "__name__", "")
         target = args[0] if args else None
         if isinstance(target, torch.Tensor) and target.is_meta:
@@ -71,18 +60,12 @@ class MetaReads(TorchFunctionMode):
             if name in ("item", "__int__", "__index__"):
                 return 0
             if name == "tolist":
-                return torch.zeros(target.shape, device="cpu").tolist()
+                return torch.zeros(target.shape, device=HOST).tolist()
             if _to_host(name, args, kwargs) and target.numel() <= SMALL:
                 given = [a for a in args if isinstance(a, torch.dtype)]
                 dtype = kwargs.get("dtype") or (given[0] if given else target.dtype)
-                return torch.zeros(target.shape, dtype=dtype, device="cpu")
+                return torch.zeros(target.shape, dtype=dtype, device=HOST)
         return func(*args, **kwargs)
-
-
-def _numel(args: tuple[Any, ...]) -> int:
-    """Elements of a factory call's size (``empty(2, 3)`` or ``empty((2, 3))``); 0 for data."""
-    dims = args[0] if args and isinstance(args[0], tuple | list | torch.Size) else args
-    return math.prod(dims) if dims and all(isinstance(d, int) for d in dims) else 0
 
 
 def _to_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -36,6 +36,7 @@ import torch
 from shardwise.collectives.api import load_profile
 from shardwise.collectives.cost import CostProfile
 from shardwise.config import TrainConfig
+from shardwise.device import HOST, joined_device, memory_mb, reset_peak_memory
 from shardwise.launcher import init_distributed, launch_local
 from shardwise.planner.calibration import Calibration
 from shardwise.planner.memory import Layout, Training, estimate_memory
@@ -78,7 +79,7 @@ def _model_probe(config: TrainConfig, model: ModelShape, batch: int, checkpointe
         found = resolve_units(net, config.zero.unit)
         for block in found.blocks if found else []:
             checkpoint_forward(block)
-    tokens = torch.randint(0, model.vocab, (batch, config.model.seq_len + 1))
+    tokens = torch.randint(0, model.vocab, (batch, config.model.seq_len + 1), device=HOST)  # CPU probes
     mixed = config.precision != "fp32"
 
     def run() -> None:
@@ -94,7 +95,7 @@ def _probes(config: TrainConfig, model: ModelShape, batch: int) -> list[Probe]:
     """The calibration's probes, in the order of ``Calibration``'s rates: the model's training compute,
     the same with activation checkpointing, and an in-place add over 16M floats (reads two, writes one)
     for memory bandwidth."""
-    x, y = torch.zeros(1 << 24), torch.ones(1 << 24)
+    x, y = torch.zeros(1 << 24, device=HOST), torch.ones(1 << 24, device=HOST)
     return [
         _model_probe(config, model, batch, checkpointed=False),
         _model_probe(config, model, batch, checkpointed=True),
@@ -115,7 +116,7 @@ def measure_rates(config: TrainConfig, model: ModelShape, repeats: int) -> list[
     probes = _probes(config, model, batch)
     for probe in probes:  # warm-up: first-touch allocation, lazy initialisation
         probe.run()
-    mine = torch.zeros(repeats, len(probes), dtype=torch.float64)
+    mine = torch.zeros(repeats, len(probes), dtype=torch.float64, device=HOST)
     for i in range(repeats):
         for j, probe in enumerate(probes):
             dist.barrier()
@@ -157,20 +158,24 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int, timed: bool
 
     from shardwise.train.loop import Trainer
 
-    init_distributed(config.timeout_s)
+    init_distributed(config.timeout_s, config.device)
     try:
         rates = measure_rates(config, model, CALIBRATION_REPEATS) if timed else []
+        reset_peak_memory(joined_device(config.device))  # a GPU's peaks: the counted steps' own
         with TensorBytes() as counted:
             with TensorBytes() as built:  # parallelize: the model made on meta, each rank's part read
                 trainer = Trainer.build(config)
             records = [trainer.step(step) for step in range(MEMORY_STEPS)]
+        device_memory = memory_mb(trainer.engine.device)  # the allocator's peaks on a GPU, RSS here
         trainer.engine.close()
         del trainer
         if timed:
             trainer = Trainer.build(config)
             records = [trainer.step(step) for step in range(steps)]
             trainer.engine.close()
-        mine = torch.tensor([counted.peak, built.peak], dtype=torch.float64)
+        keys = sorted(k for k in device_memory if k != "rss_mb")
+        figures = [counted.peak, built.peak, *(device_memory[k] for k in keys)]
+        mine = torch.tensor(figures, dtype=torch.float64, device=HOST)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         kept = records[1:] if len(records) > 1 else records  # the first step warms up
@@ -178,6 +183,8 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int, timed: bool
             "rates": rates,
             "peak_bytes": max(float(t[0]) for t in everyone),
             "build_bytes": max(float(t[1]) for t in everyone),
+            # the largest rank's: max_memory_allocated/reserved on a GPU, peak RSS on the CPU
+            "memory_mb": {k: max(float(t[2 + i]) for t in everyone) for i, k in enumerate(keys)},
             "step_s": [r.step_s for r in kept] if timed else [],
             "comm_s": [r.comm_s for r in kept] if timed else [],
             "bytes_sent": max(float(b) for b in kept[-1].bytes_sent),
@@ -303,6 +310,7 @@ def compare(
         "predicted_build_bytes": memory.device["model_build"],
         "measured_build_bytes": measured["build_bytes"],
         "build_ratio": memory.device["model_build"] / measured["build_bytes"],
+        "measured_memory_mb": measured.get("memory_mb"),  # the device's own figures (device.memory_mb)
         "predicted_step_s": None if note else time_.total_s,  # no calibration was measured
         "measured_step_s": None if note else best,
         "measured_step_s_median": None if note else median,

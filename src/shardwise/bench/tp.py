@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from shardwise.device import HOST
 from shardwise.models.gpt import GPT, CausalSelfAttention
 from shardwise.testing.harness import run_on_ranks
 from shardwise.testing.memory import TensorBytes
@@ -275,7 +276,7 @@ def _dtensor(config: Any, world_size: int) -> Callable[[torch.Tensor, torch.Tens
 def _batch(settings: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The same tokens on every tp rank (they share one batch)."""
     gen = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 256, (settings["batch"], settings["seq_len"] + 1), generator=gen)
+    data = torch.randint(0, 256, (settings["batch"], settings["seq_len"] + 1), generator=gen, device=HOST)
     return data[:, :-1], data[:, 1:]
 
 

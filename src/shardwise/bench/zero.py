@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import OptimizerConfig, ZeroConfig
+from shardwise.device import HOST
 from shardwise.engine.loss import loss_sum
 from shardwise.engine.optim import attach_optimizers, optimizer_factory
 from shardwise.testing.harness import run_on_ranks
@@ -56,7 +57,7 @@ class BenchGPT(nn.Module):
         self.head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -130,7 +131,8 @@ def _bench_rank(
     model = BenchGPT(shape["vocab"], shape["dim"], shape["layers"], shape["seq_len"])
     psi = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(rank)
-    data = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq_len"] + 1), generator=gen)
+    size = (shape["batch"], shape["seq_len"] + 1)
+    data = torch.randint(0, shape["vocab"], size, generator=gen, device=HOST)
     x, y = data[:, :-1], data[:, 1:]
     global_tokens = y.numel() * world_size
     out: dict[str, Any] = {"psi": psi}
@@ -230,7 +232,7 @@ def _offload_rank(rank: int, world_size: int, stage: int, offload: str, folder: 
     factory = optimizer_factory(OptimizerConfig(name="adamw", lr=1e-4))
     config = ZeroConfig(offload=offload, offload_dir=folder)
     engine = attach_optimizers(build_zero_engine(model, Comm(), stage, config), factory)
-    data = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq_len"] + 1))
+    data = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq_len"] + 1), device=HOST)
     for _ in range(shape.get("steps", 2)):
         engine.forward_backward([(data[:, :-1], data[:, 1:])], data[:, 1:].numel() * world_size)
         state = model_state_bytes(engine)

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from shardwise.checkpoint.manager import Piece, save
 from shardwise.checkpoint.reader import load
 from shardwise.collectives.api import Comm
+from shardwise.device import HOST
 from shardwise.testing import run_on_ranks
 
 PHASES = ("raw_save", "ours_save", "dcp_save", "ours_load", "dcp_load")
@@ -51,7 +52,7 @@ def _bench_rank(rank: int, world_size: int, size_mb: float, repeats: int, root: 
     comm = Comm()
     per_tensor = int(size_mb * 1e6 / 4 / world_size / N_TENSORS)  # float32 elements per rank per tensor
     gen = torch.Generator().manual_seed(rank)
-    mine = [torch.randn(per_tensor, generator=gen) for _ in range(N_TENSORS)]
+    mine = [torch.randn(per_tensor, generator=gen, device=HOST) for _ in range(N_TENSORS)]
     span = (rank * per_tensor, (rank + 1) * per_tensor)
     pieces = [Piece(f"t{i}", (world_size * per_tensor,), *span, t) for i, t in enumerate(mine)]
     times: dict[str, list[float]] = {p: [] for p in PHASES}

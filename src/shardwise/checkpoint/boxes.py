@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.device import HOST
+
 Segment = tuple["Box", int]  # a box and where its row-major elements start in some 1-D storage
 
 
@@ -171,16 +173,16 @@ def box_runs(outer: Box, inner: Box) -> tuple[torch.Tensor, int]:
     the last dim is one run per row; the tensor holds one entry per run, never one per element.
     """
     if inner.volume == 0:
-        return torch.zeros(0, dtype=torch.int64), 0
+        return torch.zeros(0, dtype=torch.int64, device=HOST), 0  # host index arithmetic
     ndim = inner.ndim
     k = max(ndim - 1, 0)
     while k > 0 and inner.lengths[k] == outer.lengths[k]:
         k -= 1
     run = math.prod(inner.lengths[k:])
     step = strides(outer.lengths)
-    starts = torch.tensor([flat_offset(outer, inner.offsets)], dtype=torch.int64)
+    starts = torch.tensor([flat_offset(outer, inner.offsets)], dtype=torch.int64, device=HOST)
     for d in range(k):
-        steps = torch.arange(inner.lengths[d], dtype=torch.int64) * step[d]
+        steps = torch.arange(inner.lengths[d], dtype=torch.int64, device=HOST) * step[d]
         starts = (starts[:, None] + steps[None, :]).reshape(-1)
     return starts, run
 

@@ -234,7 +234,7 @@ class TensorRecord:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
+        return torch_dtype(self.dtype).itemsize
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -40,6 +40,7 @@ from shardwise.checkpoint.format import (
 from shardwise.checkpoint.layout import prune, publish, step_dir_name, tmp_dir_name
 from shardwise.checkpoint.shardfile import write_shard_file
 from shardwise.collectives.api import Comm
+from shardwise.device import HOST
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ class CheckpointWriter:
 
     # -- internals --------------------------------------------------------------------------------
     def _agree_token(self) -> str:
-        token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        token = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=HOST)  # host: gloo
         if self.comm and self.world_size > 1:
             self.comm.broadcast(token, src=0)
         return f"{int(token.item()):016x}"

@@ -43,6 +43,7 @@ from shardwise.checkpoint.format import (
 from shardwise.checkpoint.layout import clean_tmp as _clean_tmp
 from shardwise.checkpoint.layout import list_steps
 from shardwise.collectives.api import Comm
+from shardwise.device import HOST
 
 Request = tuple[int, int] | Box | None  # a flat range [start, stop), a box, or None: the whole tensor
 Requests = Mapping[str, Request] | Iterable[str]
@@ -217,7 +218,7 @@ def _copies(pieces: list[Segment], wants: list[Segment]) -> list[_Copy]:
 
 
 def _empty(manifest: Manifest, name: str, want: _Want) -> torch.Tensor:
-    return torch.empty(_volume(want.shape), dtype=torch_dtype(manifest.tensors[name].dtype))
+    return torch.empty(_volume(want.shape), dtype=torch_dtype(manifest.tensors[name].dtype), device=HOST)
 
 
 def _volume(shape: tuple[int, ...]) -> int:
@@ -231,7 +232,7 @@ def _assemble(
     if len(parts) == 1 and parts[0][1].numel() == stop - start:
         out = parts[0][1]  # one piece covers the request: no extra copy
     else:
-        out = torch.empty(stop - start, dtype=torch_dtype(manifest.tensors[name].dtype))
+        out = torch.empty(stop - start, dtype=torch_dtype(manifest.tensors[name].dtype), device=HOST)
         for lo, data in parts:
             out[lo - start : lo - start + data.numel()] = data
     return out.reshape(want.shape)
@@ -248,13 +249,13 @@ def _read_copies(
     out: torch.Tensor,
 ) -> None:
     """Copy every intersection from one piece into ``out``, reading only the chunks they touch."""
-    chunk_elems = chunk_bytes // torch.empty((), dtype=torch_dtype(dtype)).element_size()
+    chunk_elems = chunk_bytes // torch_dtype(dtype).itemsize
     runs = _touched_chunks(piece, copies, chunk_elems)
     base, end = runs[0][0] * chunk_elems, min(runs[-1][1] * chunk_elems, piece.numel)
     if len(runs) == 1:
         buffer = _read_range(f, piece, base, end, dtype, chunk_bytes, verify, label)
     else:
-        buffer = torch.empty(end - base, dtype=torch_dtype(dtype))
+        buffer = torch.empty(end - base, dtype=torch_dtype(dtype), device=HOST)
         for first, last in runs:
             a, b = first * chunk_elems, min(last * chunk_elems, piece.numel)
             buffer[a - base : b - base] = _read_range(f, piece, a, b, dtype, chunk_bytes, verify, label)
@@ -269,7 +270,7 @@ def _read_copies(
 def _touched_chunks(piece: PieceRecord, copies: list[_Copy], chunk_elems: int) -> list[tuple[int, int]]:
     """Maximal runs ``[first, last)`` of the piece's checksum chunks that hold an element of ``copies``."""
     count = len(piece.checksums)
-    marks = torch.zeros(count + 1, dtype=torch.int64)
+    marks = torch.zeros(count + 1, dtype=torch.int64, device=HOST)
     for copy in copies:
         starts, run = box_runs(copy.src[0], copy.part)
         starts += copy.src[1]
@@ -313,7 +314,7 @@ def _read_range(
     sl = _slice(f, piece, dtype, label)
     if not verify:
         return sl[a:b]  # type: ignore[index]
-    itemsize = torch.empty((), dtype=torch_dtype(dtype)).element_size()
+    itemsize = torch_dtype(dtype).itemsize
     chunk_elems = chunk_bytes // itemsize
     first, last = chunk_span(a, b, chunk_elems)
     s0, s1 = first * chunk_elems, min(last * chunk_elems, piece.numel)
@@ -424,7 +425,7 @@ def load_latest(
             result = Loaded(step_dir, manifest, load(step_dir, wanted, manifest=manifest))
         except CheckpointError as err:
             error = err
-        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=HOST)  # host: gloo
         if comm is not None:
             comm.all_reduce(failed, op="max")
         if int(failed.item()) == 0:

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint.boxes import Box, Placement, flat_segments, index_of
+from shardwise.device import HOST  # where sources read to
 
-HOST = torch.device("cpu")  # where sources read to
 META = torch.device("meta")
 
 

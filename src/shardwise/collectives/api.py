@@ -15,6 +15,12 @@ without a variant of its own for an op runs the one in ``explicit.ALGORITHM_FOR`
 ``avg`` is a sum followed by a division (floor division for integer tensors). bf16 and fp16 are reduced
 in their own dtype, so their sums may differ from the backend's by rounding.
 
+On a GPU (``device_type = "cuda"``, a ``cpu:gloo,cuda:nccl`` group): the explicit algorithms are refused
+(``check_algorithm``: they tell messages apart by tag, which NCCL ignores, pairing a peer's sends and
+receives in order) and ``auto`` means native. NCCL's ``wait()`` only makes the current stream wait, so
+the time a call blocks is measured there, with CUDA events around the wait, settled when the stats are
+read (once a step); and the call stays known to the hang watchdog until its work completes.
+
 Message tags: a caller's own ``send``/``recv`` use tags below ``p2p.TAG_BASE``; each ``Comm`` built on a
 process group takes the next tag slot of that group (``tag_slot``), and its algorithms' messages carry
 tags inside it, so two ``Comm``s on one group (the world and a data-parallel axis as wide as the world,
@@ -24,12 +30,7 @@ group must build its ``Comm``s on that group in the same order: the mesh builds 
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,13 @@ from shardwise.collectives import cost, explicit
 from shardwise.collectives.comm_thread import CommThread
 from shardwise.collectives.explicit import EXPLICIT, divide
 from shardwise.collectives.p2p import MAX_SLOTS, P2P, TAG_BASE, Done, Work
+from shardwise.collectives.profile import CommSettings, load_profile
+from shardwise.collectives.waiting import CommStats, Inline, Then, Watched, required
 from shardwise.config import ConfigError
+from shardwise.device import HOST
 from shardwise.observe.monitor import MONITOR, Call
+
+__all__ = ["Comm", "CommSettings", "CommStats", "Work", "check_algorithm", "load_profile", "next_tag_slot"]
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -49,50 +55,25 @@ _OPS = {
 }
 
 
-class _Then:
-    """Backend work followed by a local step (averaging) once it completes."""
+def _then(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
+    """The local steps that are given, run in order once a work completes (None: there are none)."""
+    todo = [step for step in steps if step is not None]
+    if not todo:
+        return None
 
-    def __init__(self, work: dist.Work, after: Callable[[], None]) -> None:
-        self._work, self._after, self._done = work, after, False
+    def run() -> None:
+        for step in todo:
+            step()
 
-    def wait(self) -> bool:
-        if not self._done:
-            self._work.wait()
-            self._after()
-            self._done = True
-        return True
+    return run
 
 
-@dataclass
-class CommStats:
-    calls: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    blocked_s: float = 0.0  # time spent inside synchronous calls and waits
-    ops: dict[str, int] = field(default_factory=dict)  # calls that communicated, by op ("all_reduce", ...)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, sent: int = 0, received: int = 0, blocked_s: float = 0.0) -> None:
-        """Count from any thread (the communication thread counts its messages here too)."""
-        with self._lock:
-            if sent:
-                self.bytes_sent += sent
-            if received:
-                self.bytes_received += received
-            if blocked_s:
-                self.blocked_s += blocked_s
-
-    def snapshot(self) -> CommStats:
-        return CommStats(self.calls, self.bytes_sent, self.bytes_received, self.blocked_s, dict(self.ops))
-
-    def since(self, earlier: CommStats) -> CommStats:
-        return CommStats(
-            self.calls - earlier.calls,
-            self.bytes_sent - earlier.bytes_sent,
-            self.bytes_received - earlier.bytes_received,
-            self.blocked_s - earlier.blocked_s,
-            {op: n - earlier.ops.get(op, 0) for op, n in self.ops.items() if n != earlier.ops.get(op, 0)},
-        )
+def _cuda_backend(group: dist.ProcessGroup | None) -> str:
+    """The backend that carries ``group``'s CUDA tensors: nccl under ``cpu:gloo,cuda:nccl``, gloo
+    where one backend carries every device (``SHARDWISE_CUDA_BACKEND=gloo``: ranks sharing a GPU)."""
+    backend = str(dist.get_backend(group))
+    pairs = dict(pair.split(":", 1) for pair in backend.split(",") if ":" in pair)
+    return pairs.get("cuda", backend)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -110,57 +91,20 @@ def next_tag_slot(group: dist.ProcessGroup | None) -> int:
     return count % MAX_SLOTS
 
 
+def check_algorithm(algorithm: str, device_type: str) -> None:
+    """The explicit algorithms run on tagged point-to-point messages; NCCL ignores tags (it pairs a
+    peer's sends and receives in order), so on CUDA they are refused in one line."""
+    if device_type == "cuda" and algorithm in EXPLICIT:
+        raise ConfigError(
+            f"comm.algorithm = {algorithm} runs on tagged send/recv, which NCCL does not keep apart: on "
+            "cuda use native (or auto, which is native there), or run with --device cpu"
+        )
+
+
 def _caller_tag(tag: int) -> int:
     if not 0 <= tag < TAG_BASE:
         raise ValueError(f"send/recv tags must be in [0, {TAG_BASE}); higher ones belong to the algorithms")
     return tag
-
-
-class CommSettings(Protocol):
-    """What a ``Comm`` reads from the config (``config.CommConfig``)."""
-
-    @property
-    def algorithm(self) -> str: ...
-
-    @property
-    def profile(self) -> str: ...
-
-
-MAX_PROFILE_BYTES = 1 << 20  # a profile `shardwise bench comm` writes is a few kB
-
-
-def load_profile(path: str) -> cost.CostProfile | None:
-    """The cost-model profile at ``path``; with no path, the one ``shardwise bench comm`` saved here, if any.
-
-    A path that was named but does not exist, or a file that is no profile (not a regular file, not
-    JSON, a value of the wrong kind), is a one-line ``ConfigError`` naming it (``preflight`` calls this
-    before any rank starts).
-    """
-    where = Path(path or cost.DEFAULT_PROFILE_PATH)
-    named = f"comm.profile {path}" if path else f"the saved comm profile {where}"
-    if not where.exists():
-        if path:
-            raise ConfigError(f"comm.profile {path} does not exist; `shardwise bench comm` makes one")
-        return None
-    if not where.is_file():  # a folder, /dev/zero, a pipe: nothing to read, or no end to it
-        raise ConfigError(f"{named} is not a regular file; give the JSON file `shardwise bench comm` writes")
-    if where.stat().st_size > MAX_PROFILE_BYTES:
-        raise ConfigError(
-            f"{named} has {where.stat().st_size} bytes, more than a profile's {MAX_PROFILE_BYTES}; "
-            "give the JSON file `shardwise bench comm` writes"
-        )
-    try:
-        profile = cost.CostProfile.load(str(where))
-        numbers = [getattr(profile, f.name) for f in fields(profile) if f.type in (float, "float")]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
-            raise TypeError("a constant is not a number")
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        reason = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever json says
-        raise ConfigError(
-            f"{named} is not a cost profile ({reason}); run `shardwise bench comm` again, or give "
-            "another comm.profile"
-        ) from None
-    return profile
 
 
 class Comm:
@@ -177,11 +121,15 @@ class Comm:
         algorithm: str = "native",
         profile: cost.CostProfile | None = None,
         name: str = "",
+        device_type: str = "cpu",
     ) -> None:
         self.group = group
         self.name = name or "world"  # the mesh axis, for messages
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.device_type = device_type  # where its heavy tensors live: cuda means NCCL (module doc)
+        self.cuda_over_gloo = device_type == "cuda" and _cuda_backend(group) == "gloo"
+        check_algorithm(algorithm, device_type)
         self.algorithm = self._check(algorithm)
         self.profile = profile or cost.CostProfile()
         self.stats = CommStats()
@@ -191,10 +139,12 @@ class Comm:
         self.seq = 0  # calls issued on this group: the watchdog's and the trace's numbering
 
     @classmethod
-    def from_config(cls, group: dist.ProcessGroup | None, config: CommSettings, name: str = "") -> Comm:
+    def from_config(
+        cls, group: dist.ProcessGroup | None, config: CommSettings, name: str = "", device_type: str = "cpu"
+    ) -> Comm:
         """A ``Comm`` from a ``CommConfig``: its algorithm, and for "auto" the profile named there, else
         the one ``shardwise bench comm`` saved on this machine, else the built-in constants."""
-        return cls(group, config.algorithm, load_profile(config.profile), name)
+        return cls(group, config.algorithm, load_profile(config.profile), name, device_type)
 
     @staticmethod
     def _check(algorithm: str) -> str:
@@ -205,6 +155,9 @@ class Comm:
     def resolve(self, op: str, nbytes: int, algorithm: str | None = None) -> str:
         """The algorithm a call of ``op`` on ``nbytes`` runs: "native" or an explicit one."""
         name = self._check(algorithm or self.algorithm)
+        if self.device_type == "cuda":
+            check_algorithm(name, "cuda")  # named per call: refused here too
+            return "native"  # auto: the cost model's profile is gloo's; NCCL runs its own algorithms
         if name == "auto":
             return cost.choose(op, nbytes, self.world_size, self.profile)
         return name
@@ -220,11 +173,17 @@ class Comm:
         return MONITOR.issue(self.name, op, self.seq, label, peer)
 
     def _finish(
-        self, work: dist.Work | None, async_op: bool, after: Callable[[], None] | None, call: Call
+        self,
+        work: dist.Work | None,
+        async_op: bool,
+        after: Callable[[], None] | None,
+        call: Call,
+        tensor: torch.Tensor,
     ) -> Work:
         if work is None:
             return Done()
-        watched = _Watched(_Then(work, after) if after else work, self.stats, call)
+        cuda = tensor.is_cuda and not self.cuda_over_gloo  # NCCL: wait() lets the host go on
+        watched = Watched(Then(work, after) if after else work, self.stats, call, cuda, work)
         if async_op:
             return watched
         watched.wait()
@@ -235,12 +194,12 @@ class Comm:
         or when others are still queued, else here and now."""
         self.stats.calls += 1
         if async_op or not self._thread.idle():
-            pending = _Watched(self._thread.submit(run), self.stats, call)
+            pending = Watched(self._thread.submit(run), self.stats, call)
             if async_op:
                 return pending
             pending.wait()
             return Done()
-        _Watched(_Inline(run), self.stats, call).wait()
+        Watched(Inline(run), self.stats, call).wait()
         return Done()
 
     def global_rank(self, group_rank: int) -> int:
@@ -267,7 +226,7 @@ class Comm:
         self._count(2 * (n - 1) / n * size, 2 * (n - 1) / n * size)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
         after = (lambda: divide(tensor, n)) if op == "avg" else None
-        return self._finish(work, async_op, after, call)
+        return self._finish(work, async_op, after, call, tensor)
 
     def broadcast(
         self,
@@ -288,7 +247,7 @@ class Comm:
             return self._explicit(lambda: explicit.broadcast(tensor, self._p2p, src, name), async_op, call)
         self._count(size if self.rank == src else 0, 0 if self.rank == src else size)
         work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
-        return self._finish(work, async_op, None, call)
+        return self._finish(work, async_op, None, call, tensor)
 
     def reduce(
         self,
@@ -310,9 +269,10 @@ class Comm:
             return self._explicit(lambda: explicit.reduce(tensor, self._p2p, dst, op, name), async_op, call)
         self._count(0 if self.rank == dst else size, (n - 1) * size if self.rank == dst else 0)
         target = tensor if self.rank == dst else tensor.clone()
+        target, back = self._via_host(target, tensor if self.rank == dst else None)
         work = dist.reduce(target, dst=self.global_rank(dst), op=_OPS[op], group=self.group, async_op=True)
-        after = (lambda: divide(tensor, n)) if op == "avg" and self.rank == dst else None
-        return self._finish(work, async_op, after, call)
+        average = (lambda: divide(tensor, n)) if op == "avg" and self.rank == dst else None
+        return self._finish(work, async_op, _then(back, average), call, tensor)
 
     def all_gather(
         self,
@@ -333,8 +293,9 @@ class Comm:
         if name != "native":
             return self._explicit(lambda: explicit.all_gather(output, shard, self._p2p, name), async_op, call)
         self._count((n - 1) * size, (n - 1) * size)
-        work = dist.all_gather_single(output, shard, group=self.group, async_op=True)
-        return self._finish(work, async_op, None, call)
+        into, back = self._via_host(output, output, fill=False)
+        work = dist.all_gather_single(into, self._via_host(shard)[0], group=self.group, async_op=True)
+        return self._finish(work, async_op, back, call, output)
 
     def reduce_scatter(
         self,
@@ -358,9 +319,11 @@ class Comm:
                 lambda: explicit.reduce_scatter(shard, full, self._p2p, op, name), async_op, call
             )
         self._count((n - 1) * size, (n - 1) * size)
-        work = dist.reduce_scatter_single(shard, full, op=_OPS[op], group=self.group, async_op=True)
-        after = (lambda: divide(shard, n)) if op == "avg" else None
-        return self._finish(work, async_op, after, call)
+        into, back = self._via_host(shard, shard, fill=False)
+        source = self._via_host(full)[0]
+        work = dist.reduce_scatter_single(into, source, op=_OPS[op], group=self.group, async_op=True)
+        average = (lambda: divide(shard, n)) if op == "avg" else None
+        return self._finish(work, async_op, _then(back, average), call, shard)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()
@@ -372,52 +335,38 @@ class Comm:
         """Non-blocking send; bytes are counted when posted. ``wait()`` raises if the peer is gone."""
         self._count(_nbytes(tensor), 0)
         call = self._issue("send", peer=dst)
-        work = dist.isend(tensor, self.global_rank(dst), group=self.group, tag=_caller_tag(tag))
-        return _Watched(_required(work), self.stats, call)
+        data = self._via_host(tensor)[0]
+        work = required(dist.isend(data, self.global_rank(dst), group=self.group, tag=_caller_tag(tag)))
+        return Watched(work, self.stats, call, data.is_cuda, work)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         """Non-blocking receive from group rank ``src``; bytes are counted when posted."""
         self._count(0, _nbytes(tensor))
         call = self._issue("recv", peer=src)
-        work = dist.irecv(tensor, self.global_rank(src), group=self.group, tag=_caller_tag(tag))
-        return _Watched(_required(work), self.stats, call)
+        into, back = self._via_host(tensor, tensor, fill=False)
+        work = required(dist.irecv(into, self.global_rank(src), group=self.group, tag=_caller_tag(tag)))
+        return Watched(Then(work, back) if back else work, self.stats, call, into.is_cuda, work)
+
+    def _via_host(
+        self, tensor: torch.Tensor, result: torch.Tensor | None = None, fill: bool = True
+    ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """Where gloo carries CUDA tensors (``cuda_over_gloo``), the ops it runs on host memory only
+        (all but all-reduce and broadcast) go through a host copy of ``tensor`` (``fill``: with its
+        values), copied back into ``result`` once the work completes. Elsewhere ``tensor`` itself."""
+        if not (self.cuda_over_gloo and tensor.is_cuda):
+            return tensor, None
+        host = tensor.to(HOST) if fill else torch.empty_like(tensor, device=HOST)
+        if result is None:
+            return host, None
+        target = result
+
+        def back() -> None:
+            target.copy_(host)
+
+        return host, back
 
     def barrier(self, label: str = "") -> None:
         if self.world_size > 1:
             call = self._issue("barrier", label)
             work = dist.barrier(group=self.group, async_op=True)
-            _Watched(_required(work), self.stats, call).wait()
-
-
-def _required(work: dist.Work | None) -> Work:
-    if work is None:
-        raise RuntimeError("a point-to-point call returned no work: this rank is not in the group")
-    return work
-
-
-class _Watched:
-    """Waiting on ``work``: the time is charged to the layer's blocked time, and the monitor knows
-    which call this rank waits in (the hang watchdog's and the trace's source)."""
-
-    def __init__(self, work: Work, stats: CommStats, call: Call) -> None:
-        self._work, self._stats, self._call = work, stats, call
-
-    def wait(self) -> object:
-        start = time.perf_counter()
-        MONITOR.wait_start(self._call)
-        try:
-            return self._work.wait()
-        finally:
-            self._stats.add(blocked_s=time.perf_counter() - start)
-            MONITOR.wait_end(self._call)
-
-
-class _Inline:
-    """An explicit algorithm run on the caller's thread: waiting for it is running it."""
-
-    def __init__(self, run: Callable[[], None]) -> None:
-        self._run = run
-
-    def wait(self) -> bool:
-        self._run()
-        return True
+            Watched(required(work), self.stats, call).wait()

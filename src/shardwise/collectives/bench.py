@@ -29,6 +29,7 @@ from shardwise.collectives.calibrate import (
     step_calls,
 )
 from shardwise.collectives.timing import STATISTIC, interleaved_times, quantile
+from shardwise.device import HOST
 from shardwise.testing import run_on_ranks
 
 DEFAULT_SIZES = [4096 * 4**i for i in range(9)]  # 4 KB ... 256 MB
@@ -59,18 +60,18 @@ def _call(comm: Comm, op: str, algorithm: str, nbytes: int) -> Callable[[], obje
     p = comm.world_size
     numel = max(p, nbytes // 4 // p * p)
     if op == "all_reduce":
-        x = torch.ones(numel)
+        x = torch.ones(numel, device=HOST)  # gloo's collectives, on the host
         return lambda: comm.all_reduce(x, "sum", algorithm=algorithm)
     if op == "broadcast":
-        x = torch.ones(numel)
+        x = torch.ones(numel, device=HOST)
         return lambda: comm.broadcast(x, 0, algorithm=algorithm)
     if op == "reduce":
-        x = torch.ones(numel)
+        x = torch.ones(numel, device=HOST)
         return lambda: comm.reduce(x, 0, "sum", algorithm=algorithm)
     if op == "all_gather":
-        out, shard = torch.empty(numel), torch.ones(numel // p)
+        out, shard = torch.empty(numel, device=HOST), torch.ones(numel // p, device=HOST)
         return lambda: comm.all_gather(out, shard, algorithm=algorithm)
-    full, shard = torch.ones(numel), torch.empty(numel // p)
+    full, shard = torch.ones(numel, device=HOST), torch.empty(numel // p, device=HOST)
     return lambda: comm.reduce_scatter(shard, full, "sum", algorithm=algorithm)
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from shardwise.collectives import cost
 from shardwise.collectives.timing import interleaved_times, quantile
+from shardwise.device import HOST
 from shardwise.testing import run_on_ranks
 
 SIZES = (4, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
@@ -68,7 +69,7 @@ HALVE = {"exchange": 2, "one_way": 2, "reduce": 1, "copy": 1}  # message steps a
 def step_calls(rank: int, partner: int | None, nbytes: int) -> dict[str, Callable[[], None]]:
     """The timed steps at ``nbytes`` (divide their times by ``HALVE``); no messages without a partner."""
     numel = max(1, nbytes // 4)
-    data, into = torch.ones(numel), torch.zeros(numel)
+    data, into = torch.ones(numel, device=HOST), torch.zeros(numel, device=HOST)  # gloo: the host
 
     def exchange() -> None:
         for _ in range(2):

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from shardwise.device import HOST
+
 QUANTILE = 0.25
 STATISTIC = "lower quartile of per-call times (slowest rank), the compared calls taking turns"
 
@@ -34,7 +36,7 @@ def interleaved_times(calls: Mapping[str, Callable[[], object]], samples: int) -
     functions = list(calls.values())
     for fn in functions:  # warm-up: buffers touched, connections made
         fn()
-    times = torch.zeros(len(calls), samples, dtype=torch.float64)
+    times = torch.zeros(len(calls), samples, dtype=torch.float64, device=HOST)
     order = random.Random(samples)  # the same shuffles on every rank
     for sample in range(samples):
         for index in order.sample(range(len(functions)), len(functions)):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from shardwise.commands.output import write_json as _write
 
 
 def _kind(kinds: Any, name: str, help: str, run: Callable[[argparse.Namespace], int], nproc: int) -> Any:
@@ -98,9 +98,16 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     ckpt.add_argument("--size-mb", type=float, default=64.0, help="total state, split over the ranks")
     ckpt.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians reported")
     ckpt.add_argument("--dir", help="where to write (default: a temporary folder)")
+    from shardwise.commands.bench_gpu import add_gpu_parser
+
+    add_gpu_parser(kinds, run)
 
 
 def bench_command(args: argparse.Namespace) -> int:
+    if args.kind == "gpu":
+        from shardwise.commands.bench_gpu import bench_gpu_command
+
+        return bench_gpu_command(args)
     if args.kind == "ddp":
         from shardwise.bench.ddp import render_ddp, run_ddp_bench
 
@@ -206,15 +213,6 @@ def _save_and_emit(
         _write(args.out, result)
     emit(result, args.json, render)
     return 0
-
-
-def _write(path: str, result: dict[str, Any]) -> None:
-    """``result`` as JSON at ``path``, replaced whole (a temporary file renamed), never half-written."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp")
-    temporary.write_text(json.dumps(result, indent=2))
-    temporary.replace(target)
 
 
 def _compress_link(args: argparse.Namespace) -> int:

@@ -111,21 +111,25 @@ def collect_run(config: TrainConfig) -> dict[str, Any] | None:
         trainer.engine.close()
     if not trainer.engine.role.reports:
         return None
-    return {
+    return {  # on the host, beside the one-process reference (which runs on the CPU)
         "losses": [r.loss for r in records],
         "grad_norms": [r.grad_norm for r in records],
         "lrs": [r.lr for r in records],
-        "grads": grads,
-        "params": params,
-        "buffers": {n: b.detach().clone() for n, b in trainer.engine.model.named_buffers()},
+        "grads": _on_host(grads),
+        "params": _on_host(params),
+        "buffers": _on_host({n: b.detach() for n, b in trainer.engine.model.named_buffers()}),
     }
+
+
+def _on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
 
 
 def verify_worker(config: TrainConfig) -> dict[str, Any] | None:
     """What every rank runs under the launcher."""
     import torch.distributed as dist
 
-    init_distributed(config.timeout_s)
+    init_distributed(config.timeout_s, config.device)
     try:
         return collect_run(config)
     finally:

@@ -26,7 +26,7 @@ class IdentityCodec(MessageCodec):
         return x.clone(), x  # the all-reduce sums the wire in place; x stays this rank's own
 
     def wire_like(self, state: CodecState) -> torch.Tensor:
-        return torch.empty(state.numel, dtype=state.dtype)
+        return torch.empty(state.numel, dtype=state.dtype, device="meta")
 
     def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
         total.add_(wire)  # total starts at zero: 0 + w == w exactly
@@ -47,7 +47,7 @@ class CastCodec(MessageCodec):
         return wire, wire.to(x.dtype)
 
     def wire_like(self, state: CodecState) -> torch.Tensor:
-        return torch.empty(state.numel, dtype=self.wire_dtype)
+        return torch.empty(state.numel, dtype=self.wire_dtype, device="meta")
 
     def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
         total.add_(wire.view(self.wire_dtype).to(total.dtype))

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from shardwise.collectives.api import Comm, Work
+from shardwise.device import HOST
 
 Rounds = Generator[Work, None, "Reduced"]
 
@@ -134,7 +135,8 @@ class Codec(ABC):
         raise NotImplementedError(f"the {self.name} codec has no single-message form")
 
     def wire_like(self, state: CodecState) -> torch.Tensor:
-        """An empty message of the size and dtype ``encode`` makes for the bucket of ``state``."""
+        """The size and dtype of the message ``encode`` makes for the bucket of ``state``, as a tensor
+        on the meta device (a description: no data)."""
         raise NotImplementedError(f"the {self.name} codec has no single-message form")
 
     def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
@@ -150,7 +152,7 @@ class Codec(ABC):
     def unpack(self, data: torch.Tensor, state: CodecState) -> torch.Tensor:
         """A received message (uint8) decoded to a dense (numel,) tensor of the bucket's dtype."""
         like = self.wire_like(state)
-        total = torch.zeros(state.numel, dtype=state.dtype)
+        total = torch.zeros(state.numel, dtype=state.dtype, device=data.device)
         self.accumulate(total, data.view(like.dtype).view(like.shape), state)
         return total
 
@@ -195,7 +197,7 @@ def split_bytes(data: torch.Tensor, *parts: tuple[int, torch.dtype]) -> list[tor
     """The inverse of ``concat_bytes``: ``parts`` are (numel, dtype) in order; views where aligned."""
     out, offset = [], 0
     for numel, dtype in parts:
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         chunk = data[offset : offset + numel * itemsize]
         # a view needs an address aligned to the element size (a gathered row may not be): else copy
         out.append(chunk.view(dtype) if chunk.data_ptr() % itemsize == 0 else chunk.clone().view(dtype))
@@ -249,7 +251,7 @@ class Chunks:
 
     def ids(self) -> torch.Tensor:
         """(numel,) int64 each element's chunk (for inspection: the codecs never gather)."""
-        return self.spread(torch.arange(self.count))
+        return self.spread(torch.arange(self.count, device=HOST))
 
 
 def chunks_for(state: CodecState, size: int) -> Chunks:

@@ -104,9 +104,9 @@ class CompressedComm:
         residual = x - sent
         for a, b in state.gaps:
             residual[a:b] = 0
-        if not bool(torch.isfinite(residual).all()):
-            # an overflow (fp16 loss scaling, say) would poison every later step: start afresh
-            residual.zero_()
+        # an overflow (fp16 loss scaling, say) would poison every later step: start afresh (decided
+        # where the residual is, without reading it on the host)
+        residual.masked_fill_(~torch.isfinite(residual).all(), 0.0)
         state.residual = residual
 
     # -- point to point (parameter-server pushes) ------------------------------------------------------

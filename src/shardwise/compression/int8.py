@@ -88,8 +88,8 @@ class Int8Codec(Codec):
 
     def wire_like(self, state: CodecState) -> torch.Tensor:
         chunks = chunks_for(state, self.chunk).count
-        scale_bytes = chunks * torch.empty(0, dtype=wire_float(state.dtype)).element_size()
-        return torch.empty(scale_bytes + state.numel, dtype=torch.uint8)
+        scale_bytes = chunks * wire_float(state.dtype).itemsize
+        return torch.empty(scale_bytes + state.numel, dtype=torch.uint8, device="meta")
 
     def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
         chunks = chunks_for(state, self.chunk).count

@@ -36,6 +36,7 @@ import torch
 
 from shardwise.collectives.api import Comm
 from shardwise.compression.codec import AllOf, Codec, CodecState, Reduced, Rounds
+from shardwise.device import HOST
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> None:
     if rank <= 2 or matrix.dtype in (torch.float16, torch.bfloat16):
         _gram_schmidt(matrix, epsilon)
     else:
-        torch.linalg.qr(matrix, out=(matrix, torch.empty(1, rank, rank, dtype=matrix.dtype)))
+        r = torch.empty(1, rank, rank, dtype=matrix.dtype, device=matrix.device)
+        torch.linalg.qr(matrix, out=(matrix, r))
 
 
 def _gram_schmidt(matrix: torch.Tensor, epsilon: float) -> None:
@@ -142,7 +144,8 @@ class PowerSGDCodec(Codec):
         q_mem = x.new_empty(plan.q_numel)
         generator = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
         for _, _, q in self._views(plan, x, x.new_empty(plan.p_numel), q_mem):
-            q.copy_(torch.randn(*q.shape, generator=generator, dtype=x.dtype))
+            # drawn on the host (a CPU generator, as torch's hook): the same Q on any device
+            q.copy_(torch.randn(*q.shape, generator=generator, dtype=x.dtype, device=HOST))
             orthogonalize(q, self.epsilon)
         state.extra["q"] = q_mem
         return q_mem

@@ -27,19 +27,27 @@ from shardwise.compression.codec import (
     wire_float,
 )
 
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: made once
+
+
+def _bits_and_shifts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each bit's value (8,) and position (8,) as uint8, on ``device`` (the data's: made there once)."""
+    if device not in _CONSTANTS:
+        bits = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+        _CONSTANTS[device] = bits, torch.arange(8, dtype=torch.uint8, device=device)
+    return _CONSTANTS[device]
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Booleans (numel,) as bytes (ceil(numel / 8),), element i in bit i % 8 of byte i // 8."""
     padded = torch.nn.functional.pad(bits.to(torch.uint8), (0, (-bits.numel()) % 8))
-    return (padded.view(-1, 8) * _BITS).sum(dim=1, dtype=torch.uint8)
+    return (padded.view(-1, 8) * _bits_and_shifts(bits.device)[0]).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(data: torch.Tensor, numel: int) -> torch.Tensor:
     """The inverse of ``pack_bits``: (numel,) booleans."""
-    return (data[:, None] >> _SHIFTS).bitwise_and_(1).view(torch.bool).reshape(-1)[:numel]
+    shifts = _bits_and_shifts(data.device)[1]
+    return (data[:, None] >> shifts).bitwise_and_(1).view(torch.bool).reshape(-1)[:numel]
 
 
 class SignCodec(MessageCodec):
@@ -65,8 +73,8 @@ class SignCodec(MessageCodec):
 
     def wire_like(self, state: CodecState) -> torch.Tensor:
         chunks = chunks_for(state, self.chunk).count
-        scale_bytes = chunks * torch.empty(0, dtype=wire_float(state.dtype)).element_size()
-        return torch.empty(scale_bytes + -(-state.numel // 8), dtype=torch.uint8)
+        scale_bytes = chunks * wire_float(state.dtype).itemsize
+        return torch.empty(scale_bytes + -(-state.numel // 8), dtype=torch.uint8, device="meta")
 
     def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
         numel = total.numel()

@@ -73,11 +73,10 @@ class TopKCodec(MessageCodec):
 
     def prepare(self, grad: torch.Tensor, state: CodecState, comm: Comm) -> torch.Tensor:
         """DGC: clip this rank's bucket, then fold it into the velocity that is accumulated and sent."""
-        if self.clip_norm > 0:
+        if self.clip_norm > 0:  # decided on the gradient's device, in float64 (no read on the host)
             threshold = self.clip_norm / math.sqrt(comm.world_size)
-            norm = float(grad.norm())
-            if norm > threshold:
-                grad = grad * (threshold / (norm + 1e-6))
+            norm = grad.norm().double()
+            grad = grad * torch.where(norm > threshold, threshold / (norm + 1e-6), 1.0)
         if self.momentum <= 0:
             return grad
         velocity = state.extra.get("velocity")
@@ -95,7 +94,7 @@ class TopKCodec(MessageCodec):
                 part = x[seg.offset : seg.offset + seg.numel].abs()
                 top = torch.topk(part, self.count(seg.numel, density), sorted=False).indices
                 picked.append(top + seg.offset)
-        return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long)
+        return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long, device=x.device)
 
     def encode(self, x: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
         index = self.select(x, state, self.density(state))  # (k,) int64, distinct
@@ -115,7 +114,7 @@ class TopKCodec(MessageCodec):
         """The message size once the warm-up is over (a receiver preallocates it: no warm-up there)."""
         k = sum(self.count(seg.numel, self.ratio) for seg in state.segments if seg.numel)
         per = _itemsize(state.dtype) + _itemsize(self._index_dtype(state.numel))
-        return torch.empty(k * per, dtype=torch.uint8)
+        return torch.empty(k * per, dtype=torch.uint8, device="meta")
 
     def accumulate(self, total: torch.Tensor, wire: torch.Tensor, state: CodecState) -> None:
         index_dtype = self._index_dtype(total.numel())
@@ -126,4 +125,4 @@ class TopKCodec(MessageCodec):
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import default_collate
 
 from shardwise.config import ConfigError
+from shardwise.device import HOST
 
 
 class MapDataset(Protocol):
@@ -32,7 +33,7 @@ class MapDataset(Protocol):
 def _permutation(seed: int, epoch: int, size: int) -> torch.Tensor:
     digest = hashlib.sha256(f"shardwise-dataset:{seed}:{epoch}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.randperm(size, generator=generator)
+    return torch.randperm(size, generator=generator, device=HOST)  # batches are made on the host
 
 
 def global_indices(seed: int, step: int, global_batch: int, size: int) -> list[int]:

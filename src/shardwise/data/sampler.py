@@ -16,6 +16,7 @@ import torch
 
 from shardwise.config import ConfigError
 from shardwise.config import split_counts as split_counts  # the shares' arithmetic, kept with the config
+from shardwise.device import HOST
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: (batch, seq_len) int64 each
 
@@ -33,12 +34,13 @@ def batch_offsets(seed: int, step: int, global_batch: int, n_tokens: int, seq_le
     """
     if n_tokens < seq_len + 1:
         raise ConfigError(f"{n_tokens} tokens cannot hold one window of seq_len({seq_len}) + 1 tokens")
-    return torch.randint(0, n_tokens - seq_len, (global_batch,), generator=_generator(seed, step))
+    generator = _generator(seed, step)
+    return torch.randint(0, n_tokens - seq_len, (global_batch,), generator=generator, device=HOST)
 
 
 def make_batch(tokens: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> Batch:
     """Cut windows at ``offsets``: inputs tokens[o : o+seq_len], targets tokens[o+1 : o+seq_len+1]."""
-    index = offsets.long().unsqueeze(1) + torch.arange(seq_len + 1)  # (batch, seq_len + 1)
+    index = offsets.long().unsqueeze(1) + torch.arange(seq_len + 1, device=HOST)  # (batch, seq_len + 1)
     windows = tokens[index].long()
     return windows[:, :-1], windows[:, 1:]
 
@@ -133,5 +135,6 @@ def eval_batches(val_tokens: torch.Tensor, seq_len: int, batch: int, n_batches: 
     if last_start < 0:
         raise ConfigError(f"{len(val_tokens)} held-out tokens cannot hold a window of {seq_len} + 1")
     total = batch * n_batches
-    offsets = torch.tensor([i * last_start // max(total - 1, 1) for i in range(total)], dtype=torch.long)
+    starts = [i * last_start // max(total - 1, 1) for i in range(total)]
+    offsets = torch.tensor(starts, dtype=torch.long, device=HOST)
     return [make_batch(val_tokens, chunk, seq_len) for chunk in offsets.split(batch)]

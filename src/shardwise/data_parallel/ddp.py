@@ -48,7 +48,8 @@ from shardwise.collectives.api import Comm, Work
 from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.compression import CodecState, CompressedComm, Segment
 from shardwise.config import DDPConfig
-from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
+from shardwise.device import HOST
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, all_finite, sq_sum
 from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import full_state_tensors, load_full_state, replicated_pieces
 from shardwise.engine.precision import LOSS_SCALE
@@ -215,7 +216,8 @@ class DDPEngine(Engine):
 
     def _drop_globally_unused(self) -> None:
         """A parameter no rank used keeps ``grad = None``, so the optimizer skips it as in one process."""
-        used = torch.tensor([float(self._got_grad(p)) for p in self.params], dtype=torch.float32)
+        flags = [float(self._got_grad(p)) for p in self.params]
+        used = torch.tensor(flags, dtype=torch.float32, device=HOST)  # known on the host: over gloo
         self.comm.all_reduce(used, "max")
         for p, flag in zip(self.params, used.tolist(), strict=True):
             if not flag:
@@ -233,17 +235,18 @@ class DDPEngine(Engine):
         return [p.grad for p in self.params if p.grad is not None]
 
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
-        return sq_sum(self._grad_tensors()), None  # every rank holds the whole, reduced gradient
+        return sq_sum(self._grad_tensors(), self.device), None  # every rank holds the whole, reduced gradient
 
     def prepare_update(self) -> bool:
         """fp16: unscale the reduced gradients; an inf or NaN skips the update and lowers the scale.
         The buckets are the same on every rank after the all-reduce, so every rank agrees alone."""
         if not self.scaler.enabled:
             return True
+        grads = self._grad_tensors()
         finite = True
-        for grad in self._grad_tensors():
-            grad.div_(self.scaler.scale)
-            finite = finite and bool(torch.isfinite(grad).all())
+        if grads:
+            torch._foreach_div_(grads, self.scaler.scale)
+            finite = bool(all_finite(grads))  # stacked on the device, read once
         self.scaler.update(found_inf=not finite)
         return finite
 

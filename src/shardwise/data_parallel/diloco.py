@@ -49,6 +49,7 @@ from shardwise.collectives.api import Comm
 from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.compression import CodecState, CompressedComm, segments_of
 from shardwise.config import DiLoCoConfig
+from shardwise.device import HOST
 from shardwise.engine.base import Engine, NamedTensors, Role, Span, StateReader, grad_sq_sum
 from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import full_state_tensors, load_named_state, replicated_pieces
@@ -102,8 +103,9 @@ class DiLoCoEngine(Engine):
         return local / self.share if self.share > 0 else local
 
     def begin_step(self, micro_batches: Sequence[Any], global_count: float) -> float:
-        """Each rank minimises its own mean loss: the divisor is its own item count."""
-        local = float(sum(self.loss.count(batch) for batch in micro_batches))
+        """Each rank minimises its own mean loss: the divisor is its own item count (counted on the
+        host before the batches moved: ``local_count``)."""
+        local = self.local_count
         self.window_items += local
         return max(local, 1.0)
 
@@ -118,7 +120,7 @@ class DiLoCoEngine(Engine):
         return [[(self._names[id(p)], p) for p in self.params]]
 
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
-        return grad_sq_sum(self.params), None  # local: clipping must not communicate
+        return grad_sq_sum(self.params, self.device), None  # local: clipping must not communicate
 
     def after_update(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -129,7 +131,7 @@ class DiLoCoEngine(Engine):
     # -- the outer step ----------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Average the pseudo-gradients (weighted by items), step the outer optimizer, restart from it."""
-        count = torch.tensor([self.window_items], dtype=torch.float64)
+        count = torch.tensor([self.window_items], dtype=torch.float64, device=HOST)  # host: over gloo
         self.comm.all_reduce(count)
         weight = self.window_items / float(count) if float(count) > 0 else 1.0 / self.comm.world_size
         with torch.no_grad():

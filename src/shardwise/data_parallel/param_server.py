@@ -33,6 +33,12 @@ message with its header beside it; the start, the end and a resume stay uncompre
 :mod:`shardwise.data_parallel.ps_codec`: error feedback per worker and server shard for pushes, and
 for pulls the update since the last message to that worker (per worker async, per shard sync).
 
+Devices: the traffic stays on the host, over gloo, explicitly. Messages are host tensors (``HOST``): a
+worker on a GPU packs its gradients there once per push and unpacks each reply into its parameters; a
+server keeps the parameters it serves, and their optimizer, in host memory (``serve_on_host``) and
+steps them there. Every send and receive is then a CPU tensor, which a ``cpu:gloo,cuda:nccl`` group
+sends over gloo: NCCL has no tags and no any-source receive, and the servers wait on many workers.
+
 Message layout: :mod:`shardwise.data_parallel.ps_messages`. Roles: servers serve (``serve``), the first
 worker reports, the optimizer runs on the servers (``optimizer_runs``) through the same
 ``Engine.run_optimizers`` every strategy uses.
@@ -68,6 +74,7 @@ from shardwise.data_parallel.ps_messages import (
     used_flags,
 )
 from shardwise.data_parallel.ps_state import load_ps_state, ps_state_pieces
+from shardwise.device import HOST
 from shardwise.engine.base import (
     Engine,
     NamedTensors,
@@ -129,6 +136,8 @@ class ParamServerEngine(Engine):
         role = Role(
             steps=not serves, serves=serves, reports=comm.rank == config.servers, reporter=config.servers
         )
+        if serves:  # a server steps on the host, beside its messages (the module docstring)
+            model.to(HOST)
         super().__init__(model, role)
         if config.mode not in ("sync", "async"):
             raise ConfigError(f"ps.mode must be sync or async, got {config.mode!r}")
@@ -166,8 +175,9 @@ class ParamServerEngine(Engine):
         self._step_start = comm.stats.snapshot()
         self._steps_done, self._finished = 0, False
         self._micro: Sequence[Any] = ()
-        self._global_tokens, self._local_tokens, self._loss_share = 1.0, 0, 0.0
+        self._global_tokens, self._local_tokens, self._loss_share = 1.0, 0.0, 0.0
         self._replies: list[torch.Tensor] = []
+        self._loss_sum: torch.Tensor | None = None  # this step's loss share where it was computed
         # comm.compress: pushes and pulls through the codec layer (see ps_codec); None: dense messages
         self.codec = PSCodec(compressor, self.shards, self._dtype()) if compressor is not None else None
         self._distribute_initial()
@@ -183,24 +193,33 @@ class ParamServerEngine(Engine):
         self._require_worker()
         self._step_start = self.comm.stats.snapshot()
         self._micro, self._global_tokens = micro_batches, global_count
-        self._local_tokens = sum(self.loss.count(batch) for batch in micro_batches)
+        self._local_tokens = self.local_count  # counted on the host before the batches moved
         self._loss_share = 0.0
+        self._loss_sum = None
         return global_count
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)
-        self._loss_share += float(loss.detach())  # the push carries it (a recomputed batch: anew)
+        # the push carries it (a recomputed batch: anew); summed where it is, read once at the push
+        detached = loss.detach().to(torch.float64)
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+
+    def _read_loss(self) -> float:
+        """This step's summed loss share, read on the host once (the push needs it)."""
+        if self._loss_sum is not None:
+            self._loss_share, self._loss_sum = float(self._loss_sum), None
+        return self._loss_share
 
     def step_loss(self, share: float) -> float:
         """The loss of the batch the servers took (an asynchronous push refused and recomputed: the
         recomputed one)."""
-        return self._loss_share
+        return self._read_loss()
 
     def recompute(self) -> None:
         """Forward and backward of this step's micro-batches again, on the weights just pulled
         (an asynchronous push the servers refused as too stale)."""
         self.model.zero_grad(set_to_none=True)
-        self._loss_share = 0.0
+        self._loss_share, self._loss_sum = 0.0, None
         run_passes(self, self._micro, self._global_tokens)
 
     def finish_grads(self) -> None:
@@ -225,7 +244,7 @@ class ParamServerEngine(Engine):
             raise RuntimeError("the parameter server's gradient norm is taken on the servers, not workers")
         if len(self.servers) > 1 and self.server_comm is None:
             raise RuntimeError("with several parameter servers, build the engine with server_comm")
-        return grad_sq_sum(self.own), self.server_comm
+        return grad_sq_sum(self.own, self.device), self.server_comm
 
     def after_update(self) -> None:
         self._require_worker()
@@ -262,7 +281,7 @@ class ParamServerEngine(Engine):
         if scale != 1.0:
             message.mul_(scale)  # the used flags stay non-zero exactly where they were
         message[-3:] = torch.tensor(
-            [self._loss_share * scale, self.server_versions[s], KIND_GRAD], dtype=message.dtype
+            [self._read_loss() * scale, self.server_versions[s], KIND_GRAD], dtype=message.dtype, device=HOST
         )
         return self._wire_push(s, message)
 
@@ -271,8 +290,8 @@ class ParamServerEngine(Engine):
 
     def _notice(self, s: int, kind: float, done: int = 0) -> torch.Tensor:
         """A push without a gradient (done, pause) to server ``s``, as it travels."""
-        notice = torch.zeros(push_numel(self.shards[s]), dtype=self._dtype())
-        notice[-2:] = torch.tensor([done, kind], dtype=notice.dtype)
+        notice = torch.zeros(push_numel(self.shards[s]), dtype=self._dtype(), device=HOST)
+        notice[-2:] = torch.tensor([done, kind], dtype=notice.dtype, device=HOST)
         return self._wire_push(s, notice)
 
     def undo_push(self, s: int) -> None:
@@ -283,10 +302,11 @@ class ParamServerEngine(Engine):
     def recv_reply(self, s: int) -> torch.Tensor:
         """Receive server ``s``'s reply; returned dense (``[weights..., header]``) whatever travelled."""
         if self.codec is None:
-            reply = torch.zeros(sum(p.numel() for p in self.shards[s]) + REPLY_EXTRA, dtype=self._dtype())
+            numel = sum(p.numel() for p in self.shards[s]) + REPLY_EXTRA
+            reply = torch.zeros(numel, dtype=self._dtype(), device=HOST)
             self.comm.recv(reply, s)
             return reply
-        wire = torch.zeros(self.codec.reply_bytes(s), dtype=torch.uint8)
+        wire = torch.zeros(self.codec.reply_bytes(s), dtype=torch.uint8, device=HOST)
         self.comm.recv(wire, s)
         return self.codec.decode_reply(s, wire)
 
@@ -303,7 +323,7 @@ class ParamServerEngine(Engine):
         self.max_staleness_seen = max(self.max_staleness_seen, staleness)
 
     def _recv_gradients(self, s: int) -> None:
-        buf = torch.zeros(sum(p.numel() for p in self.shards[s]), dtype=self._dtype())
+        buf = torch.zeros(sum(p.numel() for p in self.shards[s]), dtype=self._dtype(), device=HOST)
         self.comm.recv(buf, s)
         grads = [torch.empty_like(p) for p in self.shards[s]]
         unflatten_into(buf, grads)
@@ -400,8 +420,8 @@ class ParamServerEngine(Engine):
     def push_buffer(self) -> torch.Tensor:
         """Where one push to this server is received (its size never changes)."""
         if self.codec is None:
-            return torch.zeros(push_numel(self.own), dtype=self._dtype())
-        return torch.zeros(self.codec.push_bytes(self.comm.rank), dtype=torch.uint8)
+            return torch.zeros(push_numel(self.own), dtype=self._dtype(), device=HOST)
+        return torch.zeros(self.codec.push_bytes(self.comm.rank), dtype=torch.uint8, device=HOST)
 
     def decode_push(self, worker: int, received: torch.Tensor) -> torch.Tensor:
         """A received push as the dense ``[grads..., used..., loss, version, kind]``."""
@@ -437,7 +457,7 @@ class ParamServerEngine(Engine):
         """Sync: one verdict for all servers (each sees only its parameters): a min over them."""
         if len(self.servers) == 1:
             return loss_ok, first
-        flags = torch.tensor([int(loss_ok), first], dtype=torch.int64)
+        flags = torch.tensor([int(loss_ok), first], dtype=torch.int64, device=HOST)
         if self.server_comm is not None:
             self.server_comm.all_reduce(flags, "min")
         else:  # built without the servers' group (unit tests): through server 0
@@ -458,7 +478,7 @@ class ParamServerEngine(Engine):
 
     def _agreed_stop(self) -> NonFinite | None:
         """Async, after the loop: whether any server stopped the run (each saw only its own pushes)."""
-        stopped = torch.tensor([int(self._found is not None)], dtype=torch.int64)
+        stopped = torch.tensor([int(self._found is not None)], dtype=torch.int64, device=HOST)
         if len(self.servers) > 1:
             if self.server_comm is not None:
                 self.server_comm.all_reduce(stopped, "max")
@@ -495,7 +515,7 @@ class ParamServerEngine(Engine):
         message = flatten(list(self.own), REPLY_EXTRA)
         bad = bad if status != FINITE and bad < len(self.trainable_names) else -1
         header = [self.last_grad_norm, status, bad, self.version, staleness, float(accepted), loss_total]
-        message[-REPLY_EXTRA:] = torch.tensor(header, dtype=message.dtype)
+        message[-REPLY_EXTRA:] = torch.tensor(header, dtype=message.dtype, device=HOST)
         return message
 
     # -- weights at the start and at the end ------------------------------------------------------------

@@ -47,6 +47,7 @@ from shardwise.data_parallel.ps_messages import (
     MAX_ATTEMPTS,
     STOPPED,
 )
+from shardwise.device import HOST
 from shardwise.engine.base import NonFinite, describe_nonfinite
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ Arrival = tuple[int, "torch.Tensor | None", str]  # worker, message (None when i
 def push_until_accepted(engine: ParamServerEngine) -> None:
     """Worker side of one asynchronous step: push to every server, recompute and re-push when refused."""
     scale = engine._global_tokens / max(engine._local_tokens, 1)
-    replies: list[torch.Tensor] = [torch.empty(0)] * len(engine.servers)
+    replies: list[torch.Tensor] = [torch.empty(0, device=HOST)] * len(engine.servers)
     pending, attempts = list(engine.servers), 0
     while pending:
         attempts += 1

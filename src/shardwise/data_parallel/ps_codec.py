@@ -39,6 +39,7 @@ from torch import nn
 from shardwise.compression import CodecState, CompressedComm, segments_of
 from shardwise.compression.codec import concat_bytes, split_bytes
 from shardwise.data_parallel.ps_messages import KIND_GRAD, PUSH_EXTRA, REPLY_EXTRA, flatten
+from shardwise.device import HOST
 
 SYNC = -1  # the pull key of a synchronous server: one state for every worker
 
@@ -83,7 +84,7 @@ class PSCodec:
         return self._decoders[key]
 
     def _header_bytes(self, count: int) -> int:
-        return count * torch.empty(0, dtype=self.dtype).element_size()
+        return count * self.dtype.itemsize
 
     # -- pushes ------------------------------------------------------------------------------------
     def push_bytes(self, s: int) -> int:
@@ -133,7 +134,8 @@ class PSCodec:
 
     def start_pulls(self, s: int, keys: Sequence[int]) -> None:
         """Server ``s``: every worker (``keys``) holds the shard as it is now; no pull residual."""
-        weights = flatten(list(self.shards[s]), 0) if self.shards[s] else torch.zeros(0, dtype=self.dtype)
+        shard = list(self.shards[s])
+        weights = flatten(shard, 0) if shard else torch.zeros(0, dtype=self.dtype, device=HOST)
         self.pull = {key: self.new_state(s) for key in keys}
         self.base = {key: weights.clone() for key in keys}
 

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from shardwise.device import HOST
+
 PUSH_EXTRA = 3  # loss, version, kind
 REPLY_EXTRA = 7  # grad_norm, nonfinite, bad parameter, version, staleness, accepted, loss_total
 KIND_GRAD, KIND_DONE, KIND_PAUSE = 0.0, 1.0, 2.0
@@ -27,10 +29,11 @@ MAX_ATTEMPTS = 3  # async: pushes of one batch before a worker gives it up (see 
 
 
 def flatten(tensors: Sequence[torch.Tensor], extra: int) -> torch.Tensor:
-    """One flat buffer holding ``tensors`` followed by ``extra`` header slots (left zero)."""
+    """One flat host buffer holding ``tensors`` followed by ``extra`` header slots (left zero)."""
     parts = [t.detach().reshape(-1) for t in tensors]
     dtype = tensors[0].dtype if tensors else torch.float64
-    return torch.cat([*parts, torch.zeros(extra, dtype=dtype)])
+    device = tensors[0].device if tensors else HOST
+    return torch.cat([*parts, torch.zeros(extra, dtype=dtype, device=device)]).to(HOST)
 
 
 def push_numel(params: Sequence[torch.Tensor]) -> int:
@@ -39,11 +42,13 @@ def push_numel(params: Sequence[torch.Tensor]) -> int:
 
 
 def pack_push(params: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """A push of ``params``' gradients (zeros where None) and their used flags; the header left zero."""
+    """A push of ``params``' gradients (zeros where None) and their used flags; the header left zero.
+    Packed where the gradients are and copied to the host once (the message travels over gloo)."""
+    device = params[0].device if params else HOST
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    used = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype)
+    used = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)
     parts = [g.detach().reshape(-1).to(dtype) for g in grads]
-    return torch.cat([*parts, used, torch.zeros(PUSH_EXTRA, dtype=dtype)])
+    return torch.cat([*parts, used, torch.zeros(PUSH_EXTRA, dtype=dtype, device=device)]).to(HOST)
 
 
 def used_flags(message: torch.Tensor, params: Sequence[torch.Tensor]) -> list[bool]:
@@ -53,7 +58,9 @@ def used_flags(message: torch.Tensor, params: Sequence[torch.Tensor]) -> list[bo
 
 
 def unflatten_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
-    """Copy the leading part of ``flat`` into ``targets`` in order."""
+    """Copy the leading part of ``flat`` into ``targets`` in order (moved to their device once)."""
+    if targets and flat.device != targets[0].device:
+        flat = flat[: sum(t.numel() for t in targets)].to(targets[0].device)
     offset = 0
     for t in targets:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -20,6 +20,7 @@ import torch
 
 from shardwise.checkpoint.manager import Piece
 from shardwise.compression import CodecState
+from shardwise.device import HOST
 from shardwise.engine.base import StateReader
 from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import load_named_state
@@ -53,7 +54,8 @@ def ps_state_pieces(engine: ParamServerEngine) -> list[Piece]:
     served = _served(engine)
     out = [Piece.full(f"model/{n}", p.detach()) for n, p in served.items()]
     s, servers = engine.comm.rank, len(engine.servers)
-    out.append(Piece(VERSION, (servers,), s, s + 1, torch.tensor([engine.version], dtype=torch.int64)))
+    version = torch.tensor([engine.version], dtype=torch.int64, device=HOST)
+    out.append(Piece(VERSION, (servers,), s, s + 1, version))
     for optimizer in engine.optimizers:
         for name, param in served.items():
             for key, value in optimizer.state.get(param, {}).items():

@@ -92,7 +92,7 @@ class SingleProcessDPEngine(Engine):
         return [trainable(self.model)]  # the master's optimizer
 
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
-        return grad_sq_sum([p for _, p in trainable(self.model)]), None
+        return grad_sq_sum([p for _, p in trainable(self.model)], self.device), None
 
     def after_update(self) -> None:
         self.model.zero_grad(set_to_none=True)

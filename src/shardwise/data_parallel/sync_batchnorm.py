@@ -47,7 +47,7 @@ class _SyncNorm(torch.autograd.Function):
         stats_out: list[torch.Tensor],
     ) -> torch.Tensor:
         rows = _channels_last(x)  # (rows, C)
-        count = torch.full((1,), float(rows.size(0)), dtype=torch.float64)
+        count = torch.full((1,), float(rows.size(0)), dtype=torch.float64, device=rows.device)
         sums = torch.cat([count, rows.sum(0).double(), rows.pow(2).sum(0).double()])
         comm.all_reduce(sums)  # [N, S (C), Q (C)] over the data-parallel ranks
         channels = x.size(1)

@@ -48,6 +48,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
+from shardwise.device import HOST, to_device
 from shardwise.engine.loss import Loss, TokenLoss, check_summed, run_model
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.engine.step import MicroBatchLoop, StepRunner
@@ -132,11 +133,18 @@ def describe_nonfinite(loss_ok: bool, grad_name: str | None) -> str:
 
 
 def first_nonfinite(named: Sequence[tuple[str, torch.Tensor | None]]) -> str | None:
-    """The first name whose tensor has a NaN or inf (a missing tensor counts finite)."""
-    for name, tensor in named:
-        if tensor is not None and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
+    """The first name whose tensor has a NaN or inf (a missing tensor counts finite). One flag per
+    tensor, stacked where the tensors are and read once (no host synchronisation per tensor)."""
+    present = [(name, t) for name, t in named if t is not None and t.numel()]
+    if not present:
+        return None
+    finite = torch.stack([torch.isfinite(t).all() for _, t in present]).tolist()
+    return next((name for (name, _), ok in zip(present, finite, strict=True) if not ok), None)
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool tensor on the tensors' device: every element of every one of ``tensors`` is finite."""
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
 def trainable(model: nn.Module) -> NamedTensors:
@@ -144,21 +152,23 @@ def trainable(model: nn.Module) -> NamedTensors:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def grad_sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def grad_sq_sum(tensors: Sequence[torch.Tensor], device: torch.device = HOST) -> torch.Tensor:
     """Sum of squared gradient elements of ``tensors`` (missing gradients count zero), as float64."""
-    return sq_sum([t.grad for t in tensors if t.grad is not None])
+    return sq_sum([t.grad for t in tensors if t.grad is not None], device)
 
 
-def sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of the squares of every element of ``tensors``, as a float64 scalar.
+def sq_sum(tensors: Sequence[torch.Tensor], device: torch.device = HOST) -> torch.Tensor:
+    """Sum of the squares of every element of ``tensors``, as a float64 scalar on their device.
 
     Each tensor's norm is taken in its own dtype (no float64 copy of a large gradient), as
     ``torch.nn.utils.clip_grad_norm_`` does; only the per-tensor norms are squared in float64.
+    ``device``: where the zero of no tensors lives (the engine's, so that every rank's share is
+    summed over the same backend).
     """
     if not tensors:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch._foreach_norm([t.detach() for t in tensors])
-    return torch.stack([n.double().cpu() for n in norms]).pow(2).sum()
+    return torch.stack(norms).double().pow(2).sum()  # on the tensors' device: read once, by the caller
 
 
 def predicted_tokens(model_kind: str, batch: int, seq_len: int) -> int:
@@ -194,13 +204,17 @@ class Engine(ABC):
         self.scaler = LossScaler(False)
         self.last_grad_norm = float("nan")  # the global norm before clipping, of the last update
         self.runner: StepRunner = MicroBatchLoop()  # who runs a step's micro-batches (engine.step)
+        self.local_count = 0.0  # the items of this rank's micro-batches this step (forward_backward)
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, micro_batches: Sequence[Any]) -> float:
         """One whole step on this rank's micro-batches: the global item count (one all-reduce),
-        forward, backward, gradient exchange, update. Returns the global mean loss (every rank)."""
+        forward, backward, gradient exchange, update. Returns the global mean loss (every rank).
+        The count and the loss, read on the host, are summed on the host side (gloo)."""
         count = self.global_count(micro_batches)
-        share = torch.tensor([self.forward_backward(micro_batches, max(count, 1.0))], dtype=torch.float64)
+        share = torch.tensor(
+            [self.forward_backward(micro_batches, max(count, 1.0))], dtype=torch.float64, device=HOST
+        )
         loss_comm = self.loss_comm or self.count_comm
         if loss_comm is not None:
             loss_comm.all_reduce(share)
@@ -209,9 +223,10 @@ class Engine(ABC):
 
     def global_count(self, micro_batches: Sequence[Any]) -> float:
         """Items the loss counts in this step's micro-batches over every rank that shares the batch
-        (one all-reduce of one number, before any backward, so every rank divides by the same)."""
+        (one all-reduce of one number, before any backward, so every rank divides by the same).
+        Counted on the host, before the batches move to the device: host bookkeeping, over gloo."""
         count = torch.tensor(
-            [float(sum(self.loss.count(batch) for batch in micro_batches))], dtype=torch.float64
+            [float(sum(self.loss.count(batch) for batch in micro_batches))], dtype=torch.float64, device=HOST
         )
         if self.count_comm is not None:
             self.count_comm.all_reduce(count)
@@ -225,8 +240,24 @@ class Engine(ABC):
         ``no_sync`` / ``compute_loss`` / ``backward``, then ``finish_grads`` and ``step_loss``.
         ``global_count``: the items counted by the loss over every micro-batch of every rank this
         step. Returns this rank's share of the global mean loss (the shares sum to the global mean).
+
+        The micro-batches are counted here on the host (``local_count``, for engines that divide by
+        their own items) and then moved to the engine's device (pinned, without blocking the host).
         """
-        return self.runner.forward_backward(self, micro_batches, global_count)
+        self.local_count = float(sum(self.loss.count(batch) for batch in micro_batches))
+        device = self.device
+        moved = [to_device(batch, device) for batch in micro_batches]
+        return self.runner.forward_backward(self, moved, global_count)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes: its parameters' device (the CPU for a rank that holds none; the
+        meta device for a rank whose parameters all are: ``plan --dry-run``)."""
+        params = list(self.model.parameters())
+        for p in params:
+            if not p.is_meta:
+                return p.device
+        return params[0].device if params else HOST
 
     def begin_step(self, micro_batches: Sequence[Any], global_count: float) -> float:
         """Before the step's first forward: the engine's preparation (gradient buffers attached,

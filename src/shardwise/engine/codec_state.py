@@ -31,6 +31,7 @@ from shardwise.checkpoint.manager import Piece
 from shardwise.checkpoint.reader import CheckpointWarning
 from shardwise.collectives.api import Comm
 from shardwise.compression import CodecState, CompressedComm
+from shardwise.device import HOST
 from shardwise.engine.base import StateReader
 
 PREFIX = "codec/"
@@ -56,7 +57,8 @@ def codec_pieces(states: Sequence[CodecState], layout: str, rank: int) -> list[P
     out = []
     base = _prefix(layout, rank)
     for i, state in enumerate(states):
-        out.append(Piece.full(f"{base}{i}/reductions", torch.tensor(state.reductions, dtype=torch.int64)))
+        reductions = torch.tensor(state.reductions, dtype=torch.int64, device=HOST)
+        out.append(Piece.full(f"{base}{i}/reductions", reductions))
         if state.residual is not None:
             out.append(Piece.full(f"{base}{i}/residual", state.residual.detach()))
         for key, value in state.extra.items():

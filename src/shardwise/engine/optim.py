@@ -29,11 +29,10 @@ OptimizerFactory = Callable[[NamedParams], torch.optim.Optimizer]
 def build_optimizer(named: NamedParams, config: OptimizerConfig) -> torch.optim.Optimizer:
     """An optimizer over the tensors of ``named`` (names are for factories that group by name)."""
     params = [p for _, p in named]
-    # foreach=False: the per-tensor loop gives bit-identical updates whether parameters are whole or
-    # flattened shards, which the parity tests rely on.
+    fast = _on_gpu(params)
     if config.name == "sgd":
         return torch.optim.SGD(
-            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay, foreach=False
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay, foreach=fast
         )
     cls = torch.optim.AdamW if config.name == "adamw" else torch.optim.Adam
     return cls(
@@ -41,8 +40,18 @@ def build_optimizer(named: NamedParams, config: OptimizerConfig) -> torch.optim.
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         weight_decay=config.weight_decay,
-        foreach=False,
+        **({"fused": True} if fast else {"foreach": False}),
     )
+
+
+def _on_gpu(params: Sequence[torch.Tensor]) -> bool:
+    """Whether the update takes torch's GPU paths (fused Adam/AdamW, foreach SGD: a few kernels for
+    every tensor instead of several per tensor): tensors on CUDA, in a dtype other than float64.
+
+    Elsewhere (the CPU, float64 on any device) ``foreach=False``: the per-tensor loop gives
+    bit-identical updates whether parameters are whole or flattened shards, which the parity tests
+    rely on; a CPU-offloaded ZeRO shard is stepped there too."""
+    return bool(params) and all(p.is_cuda and p.dtype != torch.float64 for p in params)
 
 
 def optimizer_factory(config: OptimizerConfig) -> OptimizerFactory:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.device import HOST
+
 _COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LOSS_SCALE = "precision/loss_scale"  # fp16: the loss scaler's state (LossScaler.state), written by rank 0
 
@@ -74,7 +76,8 @@ class LossScaler:
 
     def state(self) -> torch.Tensor:
         """``[scale, clean steps since the last change, skipped steps]`` as float64 (exact integers)."""
-        return torch.tensor([self.scale, self._clean_steps, self.skipped_steps], dtype=torch.float64)
+        state = [self.scale, self._clean_steps, self.skipped_steps]
+        return torch.tensor(state, dtype=torch.float64, device=HOST)  # host figures, for checkpoints
 
     def load(self, state: torch.Tensor) -> None:
         scale, clean, skipped = state.double().tolist()

@@ -45,7 +45,7 @@ class StepRunner(Protocol):
 def run_passes(engine: Engine, micro_batches: Sequence[Any], divisor: float) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn, every backward but the last under
     ``no_sync``; returns the sum of the micro-batches' losses divided by ``divisor`` (float64, 0-d)."""
-    share = torch.zeros((), dtype=torch.float64)
+    share = torch.zeros((), dtype=torch.float64, device=engine.device)  # read once, after the step
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         with engine.no_sync() if i < last else nullcontext():

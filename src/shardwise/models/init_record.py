@@ -41,9 +41,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from shardwise.checkpoint.boxes import Box, unravel
+from shardwise.device import HOST
 
 META = torch.device("meta")
-HOST = torch.device("cpu")
 
 DRAWS = {
     "normal_", "uniform_", "bernoulli_", "exponential_", "log_normal_", "cauchy_", "geometric_", "random_",

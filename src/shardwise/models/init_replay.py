@@ -29,7 +29,8 @@ from torch import nn
 from shardwise.checkpoint.boxes import Box, index_of, intersect
 from shardwise.checkpoint.source import HeldWeights
 from shardwise.config import ConfigError
-from shardwise.models.init_record import HOST, InitRecord, Op, Recorder, TensorInit, record_of
+from shardwise.device import HOST
+from shardwise.models.init_record import InitRecord, Op, Recorder, TensorInit, record_of
 
 CHUNK_ELEMENTS = 1 << 20  # about 4 MB of float32: one chunk is all a read holds besides its output
 CHUNK_WIDTH = 1024  # along the last dim: a column shard touches only its own chunks

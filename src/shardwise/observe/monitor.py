@@ -7,6 +7,13 @@ and reads the other ranks'; the tracer (``observe.trace``) takes the spans recor
 ``tracing`` is on. No communication here: plain attribute writes on the hot path (a few hundred
 nanoseconds per call), read by the watchdog's thread without locks (a torn read only ever shows a
 state one call old).
+
+On a GPU, NCCL's ``wait()`` returns at once (the stream waits, not the host), so a call that never
+completes would leave no trace of it where the host later blocks (reading the loss, say). Such calls
+are kept ``in_flight`` with their backend work until it reports completion (``is_completed``, a query
+of a CUDA event: no synchronisation); while the main thread is not blocked in a wait of its own, the
+oldest call still in flight is what the snapshot says this rank waits in, so the watchdog still names
+the stuck rank and collective.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class Monitor:
         self.last: dict[str, Call] = {}  # group -> the newest call issued on it
         self.blocked: Call | None = None  # the call the main thread waits in, if any
         self.blocked_since = 0.0
+        self.pending: list[tuple[Call, Any]] = []  # GPU calls waited for but not yet complete (doc)
         self.step_times: list[float] = []
         self.tracing = False
         self.spans: list[Span] = []
@@ -86,6 +94,20 @@ class Monitor:
                 Span(call.describe(), "comm", f"comm {call.group}", call.issued, now - call.issued)
             )
 
+    def in_flight(self, call: Call, work: Any) -> None:
+        """A call whose ``wait()`` returned before it completed (NCCL): kept until ``work`` says it did.
+        The completed ones are dropped here, on the main thread, so the list stays short."""
+        if work is None or not hasattr(work, "is_completed"):
+            return
+        self.pending = [(c, w) for c, w in self.pending if not w.is_completed()] + [(call, work)]
+
+    def _oldest_in_flight(self) -> Call | None:
+        """The oldest call still running on the GPU (read from the watchdog's thread: a copy)."""
+        for call, work in list(self.pending):
+            if not work.is_completed():
+                return call
+        return None
+
     def set_phase(self, phase: str, step: int | None = None) -> None:
         """Enter ``phase`` (forward, backward, optimizer, checkpoint, eval, ...) of ``step``."""
         now = time.monotonic()
@@ -104,7 +126,9 @@ class Monitor:
     def snapshot(self) -> dict[str, Any]:
         """A JSON-ready picture of this rank now (its main thread's innermost frames included)."""
         now = time.monotonic()
-        blocked = self.blocked
+        blocked, since = self.blocked, self.blocked_since
+        if blocked is None and (stuck := self._oldest_in_flight()) is not None:
+            blocked, since = stuck, stuck.issued  # NCCL: the host went on, the collective did not
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -112,7 +136,7 @@ class Monitor:
             "phase": self.phase,
             "phase_for_s": round(now - self.phase_since, 3),
             "blocked": _call_json(blocked) if blocked else None,
-            "blocked_for_s": round(now - self.blocked_since, 3) if blocked else 0.0,
+            "blocked_for_s": round(now - since, 3) if blocked else 0.0,
             "last": {group: _call_json(call) for group, call in list(self.last.items())},
             "frame": self.main_frame(),
         }

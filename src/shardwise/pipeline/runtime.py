@@ -83,7 +83,7 @@ class PipelineRunner:
         plan = transfers(self.comm.rank, self.schedule(m), self.placement)
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
         pending = self._post_receives(plan, given, empty, engine)
-        state = _StepState(pending, given)
+        state = _StepState(pending, given, engine.device)
         with engine.no_sync():
             for action, recvs, sends in plan:
                 if action.microbatch in empty:
@@ -109,7 +109,7 @@ class PipelineRunner:
                 continue
             for t in recvs:
                 shape = self._hidden_shape(given[t.microbatch])
-                buffer = torch.empty(shape, dtype=dtype)
+                buffer = torch.empty(shape, dtype=dtype, device=engine.device)  # the stage's device
                 pending[t.key] = (buffer, self.comm.irecv(buffer, t.peer, message_tag(t, len(given))))
         return pending
 
@@ -245,7 +245,7 @@ class PipelineRunner:
         """The summed loss and the items it counts over ``batches``, forward only, stage after stage
         (the same on every pp rank: the last stage's sum is all-reduced over the pp axis)."""
         given = [self.split.inputs(batch) for batch in batches]  # checked before any message
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=engine.device)
         items = 0
         self._refresh_tied(engine)  # the update since the step began changed the first stage's weight
         with torch.no_grad():
@@ -258,7 +258,7 @@ class PipelineRunner:
     def _evaluate_one(self, engine: Engine, batch: Any, given: StageInputs) -> torch.Tensor:
         hidden: torch.Tensor | None = None
         sends: list[Work] = []
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         me = self.comm.rank
         for s in range(self.last_stage + 1):
             if self.placement[s] != me:
@@ -269,7 +269,7 @@ class PipelineRunner:
             elif self.placement[s - 1] == me and hidden is not None:
                 x = hidden
             else:
-                x = torch.empty(self._hidden_shape(given), dtype=_dtype(engine))
+                x = torch.empty(self._hidden_shape(given), dtype=_dtype(engine), device=engine.device)
                 self.comm.recv(x, self.placement[s - 1], s)
             with _autocast(engine), engine.pipeline_stage(self.split.params[s]):
                 hidden = stage(x, given)
@@ -313,7 +313,10 @@ class _StepState:
     """What one step keeps between actions: inputs and outputs by (stage, mb), messages, the loss."""
 
     def __init__(
-        self, pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]], given: list[StageInputs]
+        self,
+        pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]],
+        given: list[StageInputs],
+        device: torch.device,
     ) -> None:
         self.pending = pending
         self.given = given  # by micro-batch: the token ids and extras every stage reads of it
@@ -323,7 +326,7 @@ class _StepState:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.seeds: dict[tuple[int, int], torch.Tensor] = {}
         self.sends: list[Work] = []
-        self.share = torch.zeros((), dtype=torch.float64)
+        self.share = torch.zeros((), dtype=torch.float64, device=device)
 
     def forget(self, key: tuple[int, int]) -> None:
         """Free a stage's activations for a micro-batch once its backward is done."""

@@ -59,7 +59,7 @@ def attach_tensor_parallel(engine: Engine, layout: TensorParallelLayout) -> None
     def grad_norm_sq() -> tuple[torch.Tensor, Comm | None]:
         share, comm = local_norm()
         if tp.rank != 0:  # a replicated parameter counts once, on the first tp rank
-            share = share - sq_sum(engine.held_grads(replicated))
+            share = share - sq_sum(engine.held_grads(replicated), share.device)
         if comm is not None:
             comm.all_reduce(share)
         return share, tp

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.checkpoint.boxes import Box, Placement
+from shardwise.device import HOST
 
 
 def even_share(size: int, tp: int, what: str) -> int:
@@ -124,7 +125,7 @@ def assemble(shards: Sequence[ShardedParam], locals_: Sequence[torch.Tensor]) ->
     """
     first = shards[0]
     full = locals_[0].new_empty(first.global_shape)
-    count = torch.zeros(first.global_shape, dtype=torch.int64)
+    count = torch.zeros(first.global_shape, dtype=torch.int64, device=HOST)  # a check, on the host
     for shard, local in zip(shards, locals_, strict=True):
         if shard.global_shape != first.global_shape:
             raise ValueError(f"{first.name}: ranks disagree on the global shape")
@@ -132,7 +133,7 @@ def assemble(shards: Sequence[ShardedParam], locals_: Sequence[torch.Tensor]) ->
             full.copy_(local)
             return full
         shard.put(local, full)
-        ones = torch.ones(shard.local_shape, dtype=torch.int64)
+        ones = torch.ones(shard.local_shape, dtype=torch.int64, device=HOST)
         for p in shard.placements:
             count[_index(p.global_box)] += ones[_index(p.local_box)]
     if not bool((count == 1).all()):

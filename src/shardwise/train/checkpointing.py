@@ -38,6 +38,7 @@ from shardwise.checkpoint.reader import verify_checkpoint
 from shardwise.checkpoint.rng import torch_rng_name
 from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, TrainConfig, to_dict
+from shardwise.device import HOST
 from shardwise.engine.full_state import FolderReader
 from shardwise.launcher import restart_count
 from shardwise.train.metrics import StepRecord
@@ -65,7 +66,7 @@ def write_pid_file(run_dir: str, rank: int) -> Path:
 
 def agreed_restart_count(comm: Comm) -> int:
     """The most restarts any rank's agent has made (a replaced host's agent counts from 0 again)."""
-    count = torch.tensor([restart_count()], dtype=torch.int64)
+    count = torch.tensor([restart_count()], dtype=torch.int64, device=HOST)  # host bookkeeping: gloo
     comm.all_reduce(count, "max")
     return int(count.item())
 
@@ -148,7 +149,7 @@ class TrainCheckpoints:
             clean_tmp(self.root)  # half-written folders of a killed attempt: no save is in flight now
         for step_dir in reversed(self._candidates()):
             error = self._try_load(step_dir)
-            flags = torch.zeros(self.world_size, dtype=torch.int64)
+            flags = torch.zeros(self.world_size, dtype=torch.int64, device=HOST)
             flags[self.rank] = int(error is not None)
             self.trainer.world_comm.all_reduce(flags, "sum")
             if not int(flags.sum()):
@@ -160,10 +161,14 @@ class TrainCheckpoints:
 
     def _candidates(self) -> list[str]:
         steps = [s for s, _ in list_steps(self.root)] if self.rank == 0 else []
-        count = torch.tensor([len(steps)], dtype=torch.int64)
+        count = torch.tensor([len(steps)], dtype=torch.int64, device=HOST)
         comm = self.trainer.world_comm
         comm.broadcast(count, src=0)
-        values = torch.tensor(steps, dtype=torch.int64) if self.rank == 0 else torch.empty(int(count))
+        values = (
+            torch.tensor(steps, dtype=torch.int64, device=HOST)
+            if self.rank == 0
+            else torch.empty(int(count), device=HOST)
+        )
         values = values.to(torch.int64)
         if int(count):
             comm.broadcast(values, src=0)
@@ -295,11 +300,12 @@ class TrainCheckpoints:
 def _broadcast_json(comm: Comm, value: Any, src: int) -> Any:
     """``value`` of rank ``src`` on every rank, as JSON bytes (two broadcasts)."""
     data = json.dumps(value).encode() if comm.rank == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=HOST)
     comm.broadcast(size, src=src)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    empty = torch.empty(0, dtype=torch.uint8, device=HOST)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else empty
     if comm.rank != src:
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=HOST)
     comm.broadcast(buf, src=src)
     return json.loads(bytes(buf.tolist()).decode())
 

@@ -31,6 +31,7 @@ from shardwise.config import ConfigError, TrainConfig, describe_layout, to_dict
 from shardwise.data.corpus import load_corpus
 from shardwise.data.dataset import DatasetSampler, IterableSampler, MapDataset, check_rows
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
+from shardwise.device import Clock, joined_device, memory_mb, to_device
 from shardwise.engine.base import Engine, NonFinite, NonFiniteStop
 from shardwise.engine.loss import AutoLoss, Loss, TokenLoss, as_loss, rows, run_model
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, fast_forward
@@ -46,7 +47,7 @@ from shardwise.train.checkpointing import (
     truncate_metrics,
     write_pid_file,
 )
-from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step, peak_rss_mb, rss_mb
+from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step
 from shardwise.train.nonfinite import agree_nonfinite
 from shardwise.train.observing import observing
 from shardwise.train.progress import Progress
@@ -137,10 +138,14 @@ class Trainer:
         (the parameter server's workers), for ``verify``.
         """
         _refuse_unused(dataset, batches, collate_fn, eval_dataset)
-        init_distributed(config.timeout_s)  # a plain process that did not join a job: a world of one
+        # a plain process that did not join a job: a world of one
+        init_distributed(config.timeout_s, config.device)
         world = dist.get_world_size()
         config = config.validate(world)
-        mesh = build_mesh(config.dims(world), config.comm, dp_replicate=config.parallel.dp_replicate)
+        device = joined_device(config.device)
+        mesh = build_mesh(
+            config.dims(world), config.comm, device.type, dp_replicate=config.parallel.dp_replicate
+        )
         seed_everything(config.seed)
         if model is not None:
             net = apply_freeze(model, config.model.freeze)  # as build_model does for its own models
@@ -188,7 +193,7 @@ class Trainer:
             raise RuntimeError(f"rank {self.mesh.rank} serves; it does not step")
         step_comms = self._step_comms(trainers)
         before = [c.stats.snapshot() for c in step_comms]
-        start = time.perf_counter()
+        clock = Clock(self.engine.device).start()  # CUDA events on a GPU: the kernels' time, not launches
         count = self.engine.global_count(micro)
         share = self.engine.forward_backward(micro, max(count, 1.0))
         if after_backward is not None:
@@ -196,7 +201,7 @@ class Trainer:
         lr = self._lr(step)
         MONITOR.set_phase("optimizer")
         found = self._update(trainers, share)
-        elapsed = time.perf_counter() - start
+        elapsed = clock.seconds()  # the one wait for the device in a step's bookkeeping
         MONITOR.set_phase("metrics")
         comms = [c.stats.since(b) for c, b in zip(step_comms, before, strict=True)]
         values = {
@@ -204,8 +209,7 @@ class Trainer:
             "step_s": elapsed,
             "comm_s": sum(c.blocked_s for c in comms),
             "bytes_sent": sum(c.bytes_sent for c in comms),
-            "rss_mb": (current := rss_mb()),
-            "peak_rss_mb": max(current, peak_rss_mb()),
+            **memory_mb(self.engine.device),
             "samples": sum(rows(batch) for batch in micro),
         }
         record = gather_step(trainers, step, values, count, found)
@@ -245,13 +249,17 @@ class Trainer:
         model.eval()
         total, items = 0.0, 0
         staged = getattr(self.engine.runner, "evaluate", None)  # a pipeline: stage after stage
+        device = self.engine.device
         if staged is not None:
-            total, items = staged(self.engine, self.eval_data or [])
+            total, items = staged(self.engine, [to_device(b, device) for b in self.eval_data or []])
         else:
+            summed = torch.zeros((), dtype=torch.float64, device=device)  # read once, at the end
             with torch.no_grad():
                 for batch in self.eval_data or []:
-                    total += float(loss(run_model(model, batch), batch))
-                    items += loss.count(batch)
+                    items += loss.count(batch)  # on the host, before the batch moves
+                    moved = to_device(batch, device)
+                    summed += loss(run_model(model, moved), moved).to(torch.float64)
+            total = float(summed)
         model.train(was_training)
         return total / max(1, items)
 
@@ -295,7 +303,7 @@ def _eval_from(
 
 def train_worker(config: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
     """What every rank runs (top-level so the agent can start it in a fresh process)."""
-    init_distributed(config.timeout_s)
+    init_distributed(config.timeout_s, config.device)
     try:
         return run_training(config, show_progress=show_progress)
     finally:
@@ -437,6 +445,18 @@ def _serve(trainer: Trainer, ckpt: TrainCheckpoints | None) -> None:
         trainer.engine.close()
 
 
+def _device_memory(record: StepRecord) -> dict[str, Any]:
+    """On a GPU: the allocator's peaks (the largest rank's, and each rank's); nothing on the CPU."""
+    if record.max_memory_allocated_mb_by_rank is None or record.max_memory_reserved_mb_by_rank is None:
+        return {"device": "cpu"}
+    return {
+        "device": "cuda",
+        "max_memory_allocated_mb": max(record.max_memory_allocated_mb_by_rank),
+        "max_memory_reserved_mb": max(record.max_memory_reserved_mb_by_rank),
+        "max_memory_allocated_mb_by_rank": record.max_memory_allocated_mb_by_rank,
+    }
+
+
 def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: str) -> dict[str, Any]:
     """The run's figures; tokens/s leaves out the first step (warm-up)."""
     history, config = trainer.history, trainer.config
@@ -461,6 +481,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
         "comm_s_median": float(np.median([r.comm_s for r in timed])),
         "peak_rss_mb": max(history[-1].peak_rss_mb_by_rank),
         "peak_rss_mb_by_rank": history[-1].peak_rss_mb_by_rank,
+        **_device_memory(history[-1]),
         "samples_per_step_by_rank": history[-1].samples_by_rank,
         "step_s_median_by_rank": [
             float(np.median([r.step_s_by_rank[i] for r in timed])) for i in range(ranks)

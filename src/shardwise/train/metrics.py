@@ -1,43 +1,34 @@
 """Per-step figures: time, tokens/s, communication, memory; gathered from every rank to rank 0.
 
 Each step every rank contributes one small float64 vector (its loss share, step time, time blocked in
-communication, bytes sent, current and peak RSS, samples, and whether it saw a non-finite value: 0
-none, 1 skipped, 2 stop); one all-gather brings them to every rank, which gives the global loss (sum
-of shares), per-rank figures, and one verdict on non-finite values for all (ranks whose verdicts may
-differ, asynchronous parameter-server workers, thus stop in the same step) at the cost of a single
-tiny collective.
+communication, bytes sent, current and peak RSS, on a GPU the allocator's peaks (``device.memory_mb``),
+samples, and whether it saw a non-finite value: 0 none, 1 skipped, 2 stop); one all-gather brings
+them to every rank, which gives the global loss (sum of shares), per-rank figures, and one verdict on
+non-finite values for all (ranks whose verdicts may differ, asynchronous parameter-server workers,
+thus stop in the same step) at the cost of a single tiny collective. These are host figures: the
+vector is a host tensor, gathered over gloo.
 """
 
 from __future__ import annotations
 
 import json
-import resource
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from shardwise.collectives.api import Comm
+from shardwise.device import HOST
 from shardwise.engine.base import NonFinite
 from shardwise.observe.tensorboard import TensorBoard
 
-FIELDS = ("loss_share", "step_s", "comm_s", "bytes_sent", "rss_mb", "peak_rss_mb", "samples", "nonfinite")
+FIELDS = (
+    *("loss_share", "step_s", "comm_s", "bytes_sent", "rss_mb", "peak_rss_mb", "samples", "nonfinite"),
+    *("max_memory_allocated_mb", "max_memory_reserved_mb"),  # 0 on the CPU: only a GPU has them
+)
 # what another rank found not finite, where this one found nothing (asynchronous workers differ)
 ELSEWHERE = "a loss or gradient of another worker"
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set size (Linux reports kilobytes, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
-
-
-def rss_mb() -> float:
-    """Current resident set size (read before the peak, so the peak is never below it)."""
-    return psutil.Process().memory_info().rss / 2**20
 
 
 @dataclass
@@ -53,6 +44,9 @@ class StepRecord:
     rss_mb_by_rank: list[float]
     peak_rss_mb_by_rank: list[float]
     samples_by_rank: list[int]
+    # on a GPU: the caching allocator's peaks per rank (tensors; what it holds); None on the CPU
+    max_memory_allocated_mb_by_rank: list[float] | None = None
+    max_memory_reserved_mb_by_rank: list[float] | None = None
     eval_loss: float | None = None
     grad_norm: float | None = None  # the global gradient norm before clipping
     lr: float | None = None  # the learning rate this step's update used
@@ -69,13 +63,14 @@ def gather_step(
     ``found``: what this rank saw not finite this step; the record's verdict is the gravest of all.
     """
     values = {**values, "nonfinite": 0 if found is None else 2 if found.stop else 1}
-    mine = torch.tensor([float(values[f]) for f in FIELDS], dtype=torch.float64)
-    everyone = torch.empty(comm.world_size * len(FIELDS), dtype=torch.float64)
+    mine = torch.tensor([float(values.get(f, 0.0)) for f in FIELDS], dtype=torch.float64, device=HOST)
+    everyone = torch.empty(comm.world_size * len(FIELDS), dtype=torch.float64, device=HOST)
     comm.all_gather(everyone, mine)
     rows = everyone.view(comm.world_size, len(FIELDS)).T.tolist()
     column = dict(zip(FIELDS, rows, strict=True))
     step_s = max(column["step_s"])
     verdict = int(max(column["nonfinite"]))
+    on_gpu = "max_memory_allocated_mb" in values
     return StepRecord(
         step=step,
         loss=sum(column["loss_share"]),
@@ -88,6 +83,8 @@ def gather_step(
         rss_mb_by_rank=column["rss_mb"],
         peak_rss_mb_by_rank=column["peak_rss_mb"],
         samples_by_rank=[int(s) for s in column["samples"]],
+        max_memory_allocated_mb_by_rank=column["max_memory_allocated_mb"] if on_gpu else None,
+        max_memory_reserved_mb_by_rank=column["max_memory_reserved_mb"] if on_gpu else None,
         nonfinite=(found.what if found else ELSEWHERE) if verdict else None,
         skipped=verdict == 1,
     )

@@ -1,7 +1,9 @@
 """Non-finite losses and gradients: the ranks that step agree, in the same step, to go on, skip or stop.
 
 Communication: one all-reduce (min) of two integers over the ranks that step, between the gradient
-exchange and the update, and only for engines whose optimizer runs on those ranks. (The per-step
+exchange and the update, and only for engines whose optimizer runs on those ranks. The flags are read
+on the host first (each engine stacks its per-tensor checks on the device and reads them once), so the
+all-reduce is host bookkeeping, over gloo. (The per-step
 metrics all-gather cannot carry it: it runs after the update so that it times the whole step, and the
 verdict is needed before.) Each rank contributes whether its loss share is finite and the index of
 the first parameter whose gradient, as it holds it, is not (``Engine.nonfinite_grad``); the minimum
@@ -18,6 +20,7 @@ import math
 import torch
 
 from shardwise.collectives.api import Comm
+from shardwise.device import HOST
 from shardwise.engine.base import Engine, NonFinite, describe_nonfinite, trainable
 
 _NONE_FOUND = 2**62  # no parameter index reaches it
@@ -30,7 +33,8 @@ def agree_nonfinite(comm: Comm, engine: Engine, loss_share: float, policy: str) 
     bad = None if scaled else engine.nonfinite_grad()
     loss_ok = scaled or math.isfinite(loss_share)
     # ranks may hold different parameters (pipeline stages): "none found" is one sentinel for all
-    flags = torch.tensor([int(loss_ok), names.index(bad) if bad else _NONE_FOUND], dtype=torch.int64)
+    first = names.index(bad) if bad else _NONE_FOUND
+    flags = torch.tensor([int(loss_ok), first], dtype=torch.int64, device=HOST)
     comm.all_reduce(flags, "min")
     loss_ok, first = bool(flags[0]), int(flags[1])
     if loss_ok and first == _NONE_FOUND:

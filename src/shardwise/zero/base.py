@@ -24,12 +24,12 @@ from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
-from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, all_finite, sq_sum
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
 from shardwise.zero.memory import memory_report
-from shardwise.zero.offload import CpuOffload, NoOffload, Offload, build_offload
+from shardwise.zero.offload import CpuOffload, HostStaging, NoOffload, Offload, build_offload
 from shardwise.zero.state import gathered_state, load_zero_state, zero_state_pieces
 from shardwise.zero.unused import group_usage, isolated, plan_passes, share, stepped
 
@@ -81,6 +81,7 @@ class ZeroBase(Engine):
         if config.offload == "cpu":  # before any optimizer exists, so its state is made in host memory
             CpuOffload(self.groups)
         self.offload: Offload = NoOffload()  # disk offload needs the optimizers: see attach_optimizers
+        self.staging = HostStaging(len(self.groups))  # gradient shards to a master on the host
         self._memory: dict[str, float] = {}
 
     def use_compression(self, compressor: CompressedComm) -> None:
@@ -128,12 +129,12 @@ class ZeroBase(Engine):
         """Unscale fp16 gradient shards; True (on every rank) when any is inf or NaN."""
         if not self.scaler.enabled:
             return False
-        flag = torch.zeros(1, device=self.groups[0].master.device)
-        for g in self.groups:
-            if g.grad_shard is not None:
-                g.grad_shard.div_(self.scaler.scale)
-                if not torch.isfinite(g.grad_shard).all():
-                    flag.fill_(1.0)
+        shards = [g.grad_shard for g in self.groups if g.grad_shard is not None]
+        device = shards[0].device if shards else self.device
+        flag = torch.zeros(1, device=device)  # on the shards' device: stacked there, read once
+        if shards:
+            torch._foreach_div_(shards, self.scaler.scale)
+            flag.copy_((~all_finite(shards)).to(flag.dtype).reshape(1))
         self.comm.all_reduce(flag, op="max")
         found = bool(flag.item())
         self.scaler.update(found)
@@ -146,7 +147,8 @@ class ZeroBase(Engine):
 
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         """Squares of this rank's gradient shards (padding is zero): each element lives in one shard."""
-        return sq_sum([g.grad_shard for g in self.groups if g.grad_shard is not None]), self.comm
+        shards = [g.grad_shard for g in self.groups if g.grad_shard is not None]
+        return sq_sum(shards, self.device), self.comm
 
     def scale_grads(self, factor: float) -> None:
         for group in self.groups:
@@ -167,14 +169,17 @@ class ZeroBase(Engine):
     def nonfinite_grad(self) -> str | None:
         """This rank's gradient shards (what it holds after ``finish_grads``); of the parameters with a
         NaN or inf in this rank's range, the first in ``named_parameters`` order."""
-        bad: set[str] = set()
-        for group in self.groups:
-            shard = group.grad_shard
-            if shard is None or bool(torch.isfinite(shard).all()):
-                continue
-            for piece in group.layout.pieces(self.comm.rank):
-                if not bool(torch.isfinite(shard[piece.shard_start : piece.shard_end]).all()):
-                    bad.add(piece.name)
+        pieces = [
+            (piece.name, group.grad_shard[piece.shard_start : piece.shard_end])
+            for group in self.groups
+            if group.grad_shard is not None
+            for piece in group.layout.pieces(self.comm.rank)
+        ]
+        if not pieces:
+            return None
+        # one flag per piece, stacked on the device and read once
+        finite = torch.stack([torch.isfinite(t).all() for _, t in pieces]).tolist()
+        bad = {name for (name, _), ok in zip(pieces, finite, strict=True) if not ok}
         return next((name for name, _ in self.trainable if name in bad), None)
 
 
@@ -190,7 +195,7 @@ class ZeroBase(Engine):
         with self.offload.resident(index):
             shard, master = group.grad_shard, group.master
             passes = plan_passes(usage, optimizer.state.get(master, {}))
-            grad = torch.zeros_like(master) if shard is None else shard.to(master.device)
+            grad = torch.zeros_like(master) if shard is None else self.staging.take(index, shard, master)
             master.grad = grad if passes else None  # nothing used anywhere: torch skips the group
             try:
                 for one in passes[:-1]:
@@ -202,6 +207,13 @@ class ZeroBase(Engine):
                 master.grad = None
             stepped(usage)
             self.after_group_step(index)
+
+    def run_optimizers(self, lr_scale: float = 1.0) -> None:
+        """Every group's gradient shard on its way to a master in host memory at once (offload), then
+        the updates in turn, each waiting for its own copy (``zero.offload.HostStaging``)."""
+        # a master on disk is an empty host tensor between updates: its dtype and device are all read
+        self.staging.start([g.grad_shard for g in self.groups], [g.master for g in self.groups])
+        super().run_optimizers(lr_scale)
 
     def after_update(self) -> None:
         for group in self.groups:

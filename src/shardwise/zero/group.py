@@ -29,7 +29,6 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint.source import HeldWeights, materialize
@@ -76,7 +75,10 @@ class FlatGroup:
         self._incoming: torch.Tensor | None = None  # stages 2-3: (padded_numel,) gradients taken so far
         self._pending: list[_Pending] = []
         self._gather_work: list[Work] | None = None
-        self._gloo = comm.world_size > 1 and dist.get_backend(comm.group) == "gloo"
+        # the full buffer's device picks the backend (cpu:gloo,cuda:nccl): host tensors go over gloo,
+        # and so do CUDA ones in the shared-GPU test bed (where gloo's all-reduce and broadcast take them)
+        on_gloo = self.full.device.type == "cpu" or comm.cuda_over_gloo
+        self._gloo = comm.world_size > 1 and on_gloo
         # offload replaces this with a context that maps the master shard in while it is read
         self.resident: Callable[[], AbstractContextManager[None]] = nullcontext
         self.compressor: CompressedComm | None = None  # see compress_with
@@ -185,7 +187,8 @@ class FlatGroup:
 
     def _all_gather(self) -> None:
         with self.resident():
-            shard = self.master.detach().to(self.full.device, self.precision.compute)
+            # a pinned host master (cpu offload) uploads without blocking, on the stream the gather reads
+            shard = self.master.detach().to(self.full.device, self.precision.compute, non_blocking=True)
             if shard.data_ptr() == self.master.data_ptr() and not self._master_is_own():
                 shard = shard.clone()  # the input may not alias the output buffer (nor a mapped file)
         # .data: the in-place write must not bump the version counter autograd checks on saved views

@@ -17,13 +17,12 @@ Frozen parameters are not sharded and are added whole on both sides.
 
 from __future__ import annotations
 
-import resource
-import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
+from shardwise.device import memory_mb, peak_rss_mb
 from shardwise.planner.memory import zero_formula
 
 __all__ = ["memory_report", "model_state_bytes", "peak_memory_bytes", "peak_rss_bytes", "zero_formula"]
@@ -70,16 +69,13 @@ def model_state_bytes(engine: ZeroBase) -> dict[str, int]:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+    """This process's peak resident set size so far (``device.peak_rss_mb``, in bytes)."""
+    return int(peak_rss_mb() * 2**20)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """The allocator's peak on a GPU, peak RSS on the CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return peak_rss_bytes()
+    """The allocator's peak on a GPU, peak RSS on the CPU (``device.memory_mb``'s ``peak_mb``)."""
+    return int(memory_mb(device)["peak_mb"] * 2**20)
 
 
 def memory_report(engine: ZeroBase) -> dict[str, float]:
@@ -91,7 +87,7 @@ def memory_report(engine: ZeroBase) -> dict[str, float]:
     live = model_state_bytes(engine)
     psi = sum(p.numel() for _, p in engine.trainable)
     mixed = engine.precision.compute != engine.precision.master
-    param_bytes = torch.empty((), dtype=engine.precision.master).element_size()
+    param_bytes = engine.precision.master.itemsize
     first_state: dict[str, object] = next((s for opt in engine.optimizers for s in opt.state.values()), {})
     states_per_param = sum(1 for t in first_state.values() if torch.is_tensor(t) and t.dim() > 0)
     frozen = sum(p.numel() * p.element_size() for p in engine.model.parameters() if not p.requires_grad)

@@ -1,8 +1,14 @@
 """Offload of sharded master weights and optimizer state: to CPU memory, or to memory-mapped files.
 
 No communication: offload only moves this rank's own shards. ``cpu`` keeps master shards (and so the
-optimizer state the optimizer creates beside them) in host memory while the model computes on a GPU;
-on a CPU-only machine it changes nothing. ``disk`` keeps each group's master shard and optimizer state
+optimizer state the optimizer creates beside them) in pinned host memory while the model computes on a
+GPU; on a CPU-only machine it changes nothing. The moves never block the host more than they must
+(``HostStaging``): before the update every group's gradient shard is copied, without blocking, into a
+pinned host buffer made once per group and reused every step, and each group's update waits only for
+its own copy (a CUDA event); the updated master goes back to the GPU from pinned memory without
+blocking, on the stream the gather then reads it on. The next update's wait for its own copy, queued
+behind that upload on the same stream, also orders the upload before the host writes the master again.
+``disk`` keeps each group's master shard and optimizer state
 in files under ``offload_dir/rank<r>/`` and maps them (``torch.from_file``, shared) only while that group
 is stepped or gathered, so at most one group's state is resident at a time, in the spirit of
 ZeRO-Infinity's NVMe swapping (Rajbhandari et al., SC 2021). Parameters in stage 3 are the master
@@ -22,6 +28,7 @@ import torch
 from torch.optim import Optimizer
 
 from shardwise.config import ZeroConfig
+from shardwise.device import HOST
 from shardwise.zero.group import FlatGroup
 
 
@@ -39,12 +46,46 @@ class NoOffload:
 
 
 class CpuOffload(NoOffload):
-    """Master shards in host memory; the optimizer then keeps its state there too."""
+    """Master shards in pinned host memory; the optimizer then keeps its state there too."""
 
     def __init__(self, groups: list[FlatGroup]) -> None:
         for group in groups:
             if group.master.device.type != "cpu":
-                group.master.data = group.master.data.to("cpu").pin_memory()
+                group.master.data = group.master.data.to(HOST).pin_memory()
+
+
+class HostStaging:
+    """Gradient shards from the GPU to the host for an update that runs there (see the module doc):
+    one pinned buffer per group, made on first use and reused; one CUDA event per copy in flight."""
+
+    def __init__(self, count: int) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * count
+        self._copied: list[torch.cuda.Event | None] = [None] * count
+
+    def start(self, shards: list[torch.Tensor | None], masters: list[torch.Tensor]) -> None:
+        """Queue every group's copy at once (those already where their master is stay)."""
+        for i, (shard, master) in enumerate(zip(shards, masters, strict=True)):
+            if shard is None or shard.device == master.device or not shard.is_cuda:
+                continue
+            buffer = self._buffers[i]
+            if buffer is None or buffer.shape != shard.shape or buffer.dtype != master.dtype:
+                buffer = self._buffers[i] = torch.empty(
+                    shard.shape, dtype=master.dtype, device=HOST, pin_memory=True
+                )
+            buffer.copy_(shard, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[i] = event
+
+    def take(self, index: int, shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """Group ``index``'s gradient where its master is: the staged copy once it has landed (this
+        group's event only), or the shard itself when both are on one device."""
+        event, buffer = self._copied[index], self._buffers[index]
+        if event is not None and buffer is not None:
+            event.synchronize()
+            self._copied[index] = None
+            return buffer
+        return shard.to(master.device)
 
 
 class DiskOffload:
@@ -79,7 +120,7 @@ class DiskOffload:
                 path = self.dir / f"group{i}.{key}.bin"
                 tensor.detach().cpu().contiguous().numpy().tofile(path)
                 self._files[i][key] = path
-            self._set(i, key, torch.empty(0, dtype=tensor.dtype))
+            self._set(i, key, torch.empty(0, dtype=tensor.dtype, device=HOST))  # in the file now
         if not self._files[i]:
             raise RuntimeError(f"group {i} had nothing to offload")
         assert master.numel() == 0

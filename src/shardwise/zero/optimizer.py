@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 from torch import nn
 
 from shardwise.checkpoint.source import HeldWeights
@@ -81,7 +80,7 @@ class ZeroEngine(ZeroBase):
     def build_groups(self) -> list[FlatGroup]:
         # backward produces gradients roughly in reverse registration order: bucket in that order
         named = list(reversed(self.trainable))
-        element = torch.empty(0, dtype=self.precision.master).element_size()
+        element = self.precision.master.itemsize
         buckets = split_buckets(named, self.config.bucket_mb * 2**20, element)
         alias = self.config.offload == "none"
         return [

@@ -32,6 +32,7 @@ import torch
 from torch.optim import Optimizer
 
 from shardwise.collectives.api import Comm
+from shardwise.device import HOST
 from shardwise.zero.group import FlatGroup
 
 Range = tuple[int, int]  # [start, end) within this rank's shard
@@ -66,7 +67,8 @@ def group_usage(group: FlatGroup) -> GroupUsage:
 def share(usages: list[GroupUsage], comm: Comm, *more: Comm) -> None:
     """All-reduce (max) every group's flags over ``comm`` (and then each of ``more``): a parameter is
     used when any rank used it."""
-    flags = torch.tensor([float(u) for usage in usages for u in usage.used], dtype=torch.float32)
+    used = [float(u) for usage in usages for u in usage.used]
+    flags = torch.tensor(used, dtype=torch.float32, device=HOST)  # known on the host: over gloo
     for group in (comm, *more):
         group.all_reduce(flags, op="max")
     values, start = flags.tolist(), 0
