@@ -1,21 +1,19 @@
 """Start a model from local weights: ``model.init_from`` (``--init-from PATH``).
 
 PATH is a Hugging Face folder (``model.safetensors``, or the ``model-0000x-of-0000y.safetensors``
-shards ``model.safetensors.index.json`` lists) or one safetensors file (``shardwise ckpt export``).
-``PretrainedWeights.open(path, model)`` reads only the files' headers (each tensor's file, shape and
-dtype) and matches them to the model by name: a tied parameter is one tensor with several names, and
-the file may hold it under any of them. It refuses, in one line naming the item and the fix, a path
-that does not exist or holds no safetensors, parameters the file lacks, tensors the model lacks, and
-a shape that differs. Then the model's parameters, built on the meta device, get their values:
+shards ``model.safetensors.index.json`` lists), one safetensors file (``shardwise ckpt export``), or a
+shardwise checkpoint (a ``step-<k>`` folder or a checkpoint root: its ``model/<name>`` tensors, in
+flat ranges or boxes, whatever layout wrote them). ``open_weights(path, model)`` reads only the files'
+headers (or the manifest) and matches them to the model as built, before any split
+(``match_tensors``): a tied parameter is one tensor with several names, and the file may hold it under
+any of them. It refuses, in one line naming the item and the fix, a path that does not exist or holds
+no safetensors, parameters the file lacks, tensors the model lacks, and a shape that differs.
 
-* ``read(name, start, stop)``: a flat range of one parameter, reading only the rows or boxes that
-  range covers (:func:`~shardwise.checkpoint.boxes.flat_segments` through ``safe_open(...).get_slice``):
-  what a ZeRO-3 rank reads for its shard;
-* ``load_whole(model)``: every parameter (and any buffer the file holds) whole, for the strategies
-  whose ranks hold whole tensors (DDP, ZeRO-1/2, the parameter server) and for one process.
-
-Values are cast from the file's dtype to the parameter's (the run's); ``cast_note`` says so. No
-communication: every rank reads what it holds from the same files.
+Both are ``WeightSource`` s (:mod:`shardwise.checkpoint.source`): ``read_box(name, box)`` reads one box
+of one tensor and nothing more (``safe_open(...).get_slice``; the checkpoint reader, CRC-checked), so
+a rank reads only its tp shards, its stage's tensors or its ZeRO-3 shard. ``load_pretrained`` loads a
+whole model in one process. Values are cast from the file's dtype to the parameter's (the run's);
+``cast_note`` says so. No communication: every rank reads what it holds from the same files.
 """
 
 from __future__ import annotations
