@@ -438,10 +438,11 @@ def apply_tensor_parallel(
 ) -> TensorParallelLayout:
     """Cut ``model`` in place over ``comm`` (the tp axis) as ``plan`` says; returns the layout.
 
-    Every rank must hold the same full model (built under the same seed). ``seed`` seeds the tracker's
-    per-rank state (``seed + 2718 + tp_rank``) on ``device`` (default: the parameters'). Each pattern must
-    match a module and no module may
-    match two patterns; a split tp does not divide is refused with the arithmetic.
+    Every rank must hold the same full model (built under the same seed), or the model on the meta
+    device (its values read afterwards, each rank its boxes). ``seed`` seeds the tracker's per-rank
+    state (``seed + 2718 + tp_rank``) on ``device`` (default: the parameters'). Each pattern must match
+    a module and no module may match two patterns; a split tp does not divide is refused with the
+    arithmetic.
     """
     if sequence_parallel and plan.no_sequence_parallel:
         raise ValueError(
