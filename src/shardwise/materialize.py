@@ -42,7 +42,7 @@ def weight_source(
         source = given
     elif config.model.init_from:
         source = open_weights(config.model.init_from, model)
-    else:  # a model passed in built keeps its values, even one built_model made
+    else:  # a model passed in built keeps its values, even one build_model made
         meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         record = record_initialisation(model) if meta else None
         if record is None:
