@@ -171,3 +171,14 @@ def test_a_model_a_user_built_on_meta_is_recorded_through_reset_parameters() -> 
         plain = _Plain()
     with pytest.raises(ConfigError, match="custom"):
         materialize_whole(plain)
+
+
+def test_a_factory_that_reads_its_values_is_built_whole_and_said(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = load_config(None, {"model.kind": "tests.unit.meta_factories:reads_its_values"}).model
+    torch.manual_seed(5)
+    model = build_model(cfg, meta=True)  # asked for on meta, built whole instead
+    assert not any(p.is_meta for p in model.parameters()) and record_of(model) is None
+    assert "cannot be built on the meta device" in capsys.readouterr().err
+    torch.manual_seed(5)
+    again = build_model(cfg)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))

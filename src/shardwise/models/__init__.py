@@ -13,6 +13,8 @@ strategies distribute it afterwards. Parameter counts at vocab 256, seq_len 64 (
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -98,10 +100,28 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, meta: b
     every tensor is given its recorded values, drawn on the chunk grid of
     :mod:`shardwise.models.init_replay` under the caller's torch seed, then cast to ``dtype`` (so a
     float64 model holds exactly the float32 model's values): what every layout's ranks read parts of.
+    A factory whose build needs real values (it reads one) is built whole, as a model passed in built
+    is, said once on stderr.
     """
     if model_source(cfg.kind) in ("hf", "factory"):
         load_transformers_init()  # a Hugging Face model's init functions, to be recorded
-    model = build_recorded(lambda: _construct(cfg))
+    state = torch.random.get_rng_state()
+    try:
+        model = build_recorded(lambda: _construct(cfg))
+    except ConfigError:
+        raise
+    except Exception as exc:  # a factory that needs real values while it builds: built whole, as before
+        torch.random.set_rng_state(state)
+        model = _construct(cfg)
+        if os.environ.get("RANK", "0") == "0":
+            reason = " ".join(str(exc).split())[:160]
+            what = f"{type(exc).__name__}: {reason}"
+            print(
+                f"shardwise: model.kind {cfg.kind!r} cannot be built on the meta device ({what}); it is "
+                "built whole on each rank, from the torch seed",
+                file=sys.stderr,
+                flush=True,
+            )
     model.to(dtype)  # on meta: dtypes only; values are drawn in the dtype the record has, then cast
     apply_freeze(model, cfg.freeze)
     if not meta:

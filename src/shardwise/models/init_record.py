@@ -201,7 +201,9 @@ class Recorder(TorchFunctionMode):
     def _setitem(self, target: torch.Tensor, index: Any, value: Any) -> None:
         view = target[index]
         number = _scalar(value)
-        if number is not None:
+        if view.untyped_storage()._cdata != target.untyped_storage()._cdata:  # a mask: no region
+            self.add(target, Op("unknown", "__setitem__", region=Region.of(target)))
+        elif number is not None:
             self.add(target, Op("pointwise", "fill_", (number,), region=Region.of(view)))
         elif isinstance(value, torch.Tensor) and not value.is_meta:
             self.value(view, value.expand(view.shape))
