@@ -46,12 +46,3 @@ def test_a_70b_llama_on_512_devices_at_dp_pp_tp() -> None:
     assert 0.97 <= got["ratio"] <= 1.03, got
     for part in ("params", "master_params", "grads", "optimizer_state"):
         assert 0.97 <= got["held_bytes"][part] / got["planner_model_state"][part] <= 1.03, part
-
-
-def test_one_layout_is_asked_for() -> None:
-    result = shardwise(
-        "plan", "--dry-run", "--devices", "8", "--preset", "tiny", "--strategies", "zero1,zero2"
-    )  # fmt: skip
-    assert result.returncode == 2 and "give one strategy" in result.stderr
-    result = shardwise("plan", "--dry-run", "--devices", "2048", "--preset", "tiny", "--strategies", "ddp")
-    assert result.returncode == 2 and "1 to 1024 devices" in result.stderr
