@@ -354,7 +354,8 @@ class ZeroConfig:
     bucket_mb: float = checked(25.0, Range(gt=0))
     prefetch: bool = True
     # dotted path of the list whose children are the stage-3 units, each all-gathered as one
-    # ("transformer.h"); empty: the largest ModuleList/Sequential of one class of blocks (zero/units.py)
+    # ("transformer.h"); empty: the model's adapter's block list, else the largest ModuleList/Sequential
+    # of one class of blocks (models/adapters/blocks.py)
     unit: str = ""
 
 

@@ -37,29 +37,28 @@ from shardwise.checkpoint.source import NoValues, WeightSource
 from shardwise.collectives.api import Comm
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.data_parallel.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
-from shardwise.device import cuda_backend, device_type, joined_device, place_model
+from shardwise.device import joined_device, place_model
 from shardwise.engine.base import Engine
 from shardwise.engine.loss import AutoLoss, CausalLMLoss, Loss, TokenLoss, as_loss
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, attach_optimizers, optimizer_factory
 from shardwise.engine.schedule import is_constant, schedule_factory
 from shardwise.materialize import held_weights, weight_source
 from shardwise.mesh import Mesh
-from shardwise.models import PRESETS, build_model
-from shardwise.models.family import GPT, HF_GPT2, HF_LLAMA, family_of
+from shardwise.models import build_model
+from shardwise.models.adapters import adapter_for, config_blocks
 from shardwise.models.meta import meta_parameters
 from shardwise.pipeline.engine import attach_pipeline
 from shardwise.pipeline.runtime import PipelineRunner
-from shardwise.pipeline.schedules import ScheduleConfigError, stage_placement
+from shardwise.pipeline.schedules import SCHEDULES, ScheduleConfigError, stage_placement
 from shardwise.pipeline.schedules import build as build_schedule
 from shardwise.pipeline.schedules import check as check_schedule
 from shardwise.pipeline.split import plan_stages, split_model
 from shardwise.strategies import build_data_parallel
-from shardwise.tensor_parallel import Plan, TensorParallelLayout, gpt_plan, hf_gpt2_plan, hf_llama_plan
+from shardwise.tensor_parallel import TensorParallelLayout
 from shardwise.tensor_parallel import apply_tensor_parallel as apply_tp_plan
 from shardwise.tensor_parallel.engine import attach_rng_states, attach_tensor_parallel
 from shardwise.tensor_parallel.layers import VocabParallelCausalLMLoss, VocabParallelTokenLoss
 from shardwise.tensor_parallel.random import RNGStatesTracker
-from shardwise.zero.units import resolve_units
 
 
 class NotBuiltError(ConfigError):
@@ -77,7 +76,6 @@ def check(config: TrainConfig) -> None:
     _check_hybrid(config)
     _check_tensor_parallel(config)
     _check_pipeline(config)
-    _check_pipeline_on_nccl(config.parallel.pp, device_type(config.device))
 
 
 def _check_hybrid(config: TrainConfig) -> None:
@@ -183,66 +181,31 @@ def _check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
     if parallel.pp_split:  # the names against the model's own blocks (built on meta: no values drawn)
         model = build_model(config.model, meta=True)
         plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
-    elif config.model.kind == "gpt":
-        blocks = PRESETS["gpt"].get(config.model.preset, {}).get("n_layer", 0)
+    elif (blocks := config_blocks(config.model)) is not None:
         stages = parallel.pp * parallel.stages_per_rank
         if blocks < stages:
             raise ConfigError(
-                f"the gpt preset {config.model.preset!r} has {blocks} blocks, fewer than pp({parallel.pp}) x "
-                f"virtual_stages({parallel.stages_per_rank}) = {stages} stages; pick a larger preset"
+                f"the {config.model.kind} preset {config.model.preset!r} has {blocks} blocks, fewer than "
+                f"pp({parallel.pp}) x virtual_stages({parallel.stages_per_rank}) = {stages} stages; pick a "
+                "larger preset"
             )
-
-
-def _check_pipeline_on_nccl(pp: int, device: str) -> None:
-    """The pipeline tells its messages apart by tag and posts a step's receives up front; NCCL ignores
-    tags and pairs a peer's sends and receives in order, so on NCCL it is refused until each action's
-    transfers are posted together, in the same order on both peers (``batch_isend_irecv``)."""
-    if pp > 1 and device == "cuda" and cuda_backend() == "nccl":
-        raise NotBuiltError(
-            f"pipeline parallelism (parallel.pp = {pp}) over NCCL is not built yet (its transfers rely on "
-            "tags, which NCCL ignores); run it with --device cpu, or set parallel.pp = 1"
-        )
 
 
 def apply_tensor_parallel(
     model: nn.Module, mesh: Mesh, config: TrainConfig
 ) -> TensorParallelLayout | None:
-    """Step 1: cut the model's layers over the ``tp`` axis by its plan (``tensor_parallel.plans``);
-    returns the layout (every parameter's box), or None without tensor parallelism."""
+    """Step 1: cut the model's layers over the ``tp`` axis by its plan (its adapter's: a model with
+    none, or a subclass overriding the family's forward, is refused by name); returns the layout
+    (every parameter's box), or None without tensor parallelism."""
     _check_tensor_parallel(config)
     if config.parallel.tp == 1 or not mesh.in_mesh:
         return None
-    plan = plan_for(model)
+    plan = adapter_for(model).tp_plan()
     try:
         sp, device = config.parallel.sequence_parallel, joined_device(config.device)
         return apply_tp_plan(model, mesh.comm("tp"), plan, sp, config.seed, device)
     except ValueError as exc:  # a width tp does not divide: the arithmetic, in one line
         raise ConfigError(f"tensor parallelism: {exc}") from None
-
-
-def plan_for(model: nn.Module) -> Plan:
-    """The tensor-parallel plan of a model we have one for (the built-in GPT, Hugging Face GPT-2 and
-    Llama, or a subclass that keeps their forward); any other model is refused in one line. tp runs
-    the model's own forward, but hands it what the plan cuts (the logits by vocabulary; hidden states
-    by sequence under sequence parallelism): a forward of one's own was not written for that, so a
-    subclass overriding it is refused by name (``models/family.py``), as a loss of one's own is."""
-    family = family_of(
-        model,
-        why="tensor parallelism hands the forward logits cut by vocabulary (a tp-th of them), which "
-        "yours was not written for",
-        fix="set parallel.tp = 1",
-    )
-    config: Any = getattr(model, "config", None)
-    if family == GPT:
-        return gpt_plan(config.n_head)
-    if family == HF_GPT2:
-        return hf_gpt2_plan(config.n_head)
-    if family == HF_LLAMA:
-        return hf_llama_plan(config.num_attention_heads, config.num_key_value_heads)
-    raise ConfigError(
-        f"tensor parallelism needs a plan for the model, and there is none for {type(model).__name__}: "
-        "the built-in GPT, Hugging Face GPT-2 and Llama have one; set parallel.tp = 1"
-    )
 
 
 def tensor_parallel_loss(loss: Loss, comm: Comm) -> Loss:
@@ -270,11 +233,13 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, config: TrainConfig) -> Pipelin
     if parallel.pp == 1 or not mesh.in_mesh:
         return None
     comm = mesh.comm("pp")
-    _check_pipeline_on_nccl(parallel.pp, comm.device_type)
     name, pp, virtual = parallel.schedule, parallel.pp, parallel.stages_per_rank
     placement = stage_placement(name, pp, virtual)
     split = split_model(model, placement, comm.rank, parallel.pp_split)
-    return PipelineRunner(split, comm, placement, lambda m: build_schedule(name, pp, virtual, m)[comm.rank])
+    spec = SCHEDULES[name]
+    return PipelineRunner(
+        split, comm, placement, lambda m: build_schedule(name, pp, virtual, m), spec.splits_backward
+    )
 
 
 @contextmanager
@@ -291,7 +256,7 @@ def _replayed(tracker: RNGStatesTracker, states: dict[str, torch.Tensor]) -> Ite
 def apply_activation_checkpointing(
     model: nn.Module, config: TrainConfig, tracker: RNGStatesTracker | None = None
 ) -> None:
-    """Step 3: each block of the model's block list (``zero.unit``'s, or the largest one found) keeps
+    """Step 3: each block of the model's block list (``zero.unit``'s, else its adapter's) keeps
     only its inputs in forward and recomputes its activations in backward.
 
     The block's own ``forward`` is wrapped (``torch.utils.checkpoint``, non-reentrant, the RNG state
@@ -301,7 +266,7 @@ def apply_activation_checkpointing(
     """
     if not config.parallel.activation_checkpointing:
         return
-    found = resolve_units(model, config.zero.unit)
+    found = adapter_for(model).block_list(config.zero.unit)
     if found is None:
         raise ConfigError(
             f"activation checkpointing recomputes each block, but {type(model).__name__} has no "

@@ -72,7 +72,9 @@ def test_a_model_without_blocks_is_refused() -> None:
 VERIFY = {
     "ddp": ["--strategy", "ddp"],
     "zero3": ["--strategy", "zero3"],
-    "pp2-zb": ["--pp", "2", "--schedule", "zb", "--micro-batches", "4"],  # I and W both recompute
+    # the zero-bubble I pass recomputes each block once and keeps what W reads; W recomputes nothing
+    "pp2-zb": ["--pp", "2", "--schedule", "zb", "--micro-batches", "4"],
+    "pp2-zbv": ["--pp", "2", "--schedule", "zbv", "--virtual-stages", "2", "--micro-batches", "4"],
 }
 
 

@@ -57,8 +57,8 @@ def reference_loss(folder: Path, config: TrainConfig) -> float:
 
     from shardwise.data.corpus import load_corpus
     from shardwise.data.sampler import DataSampler
-    from shardwise.engine.base import predicted_tokens
     from shardwise.engine.loss import logits_of, loss_sum
+    from shardwise.models import predicted_tokens
 
     dtype = torch.float64 if config.dtype == "float64" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)

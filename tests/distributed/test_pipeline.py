@@ -49,8 +49,9 @@ CASES = {
         "--pp", "2", "--schedule", "interleaved-zb", "--virtual-stages", "2", "--micro-batches", "5",
         "--global-batch", "6", "--data-weights", "5,1", "--nproc", "4", "--strategy", "zero2",
     ],
-    # ZeRO-3 on dp: units gathered per action; the zero-bubble W pass gathers them again; gradients
-    # accumulated over micro-batches and reduce-scattered once. zb: the tied head's copy on the other
+    # ZeRO-3 on dp: units gathered per action (the zero-bubble W pass needs none: it reads the I pass's
+    # kept inputs and gradients); gradients accumulated over micro-batches and reduce-scattered once.
+    # zb: the tied head's copy on the other
     # rank; zbv: both ends on one rank, with activation checkpointing (gpipe, 1f1b, interleaved,
     # interleaved-zb and dualpipev were checked by hand)
     "dp2-pp2-zero3-zb": ["--pp", "2", "--nproc", "4", "--strategy", "zero3", "--schedule", "zb",
@@ -141,6 +142,23 @@ def test_train_pipeline_reports_the_loss_and_evaluates_as_one_process(tmp_path: 
     assert [loss for _, loss in a["eval_losses"]] == pytest.approx(
         [loss for _, loss in b["eval_losses"]], rel=1e-5
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_bf16_pipeline_trains_as_one_process(tmp_path: Path, strategy: str) -> None:
+    """Mixed precision across stages: under autocast (DDP) the residual stream crossing a boundary
+    stays fp32, ZeRO-3's compute copies are bf16, and the last stage's copy of the tied embedding
+    takes the owner's dtype (both crashed before: a buffer of the wrong size, a matmul of two
+    dtypes). zb, 3 steps: the final loss as one process's, to bf16's rounding."""
+    common = ["--precision", "bf16", "--preset", "tiny", "--steps", "3", "--eval-every", "0"]
+    common += ["--micro-batches", "4", "--strategy", strategy, "--json"]
+    piped = shardwise("train", "--pp", "2", "--schedule", "zb", "--nproc", "2", "--run-dir",
+                      str(tmp_path / "pp"), *common)  # fmt: skip
+    plain = shardwise("train", "--nproc", "1", "--run-dir", str(tmp_path / "one"), *common)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert last_json(piped)["final_loss"] == pytest.approx(last_json(plain)["final_loss"], rel=1e-3)
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from shardwise.config import load_config
+from shardwise.models.adapters import preset_shape
 from shardwise.planner.memory import Layout, Training, estimate_memory
-from shardwise.planner.model import preset_shape
 from shardwise.testing import run_on_ranks
 from shardwise.testing.memory import TensorBytes
 

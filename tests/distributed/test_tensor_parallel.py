@@ -39,7 +39,8 @@ VERIFY_CASES = {
     "tp2-zero1": ["--tp", "2", "--nproc", "2", "--strategy", "zero1"],
     "dp2-tp2-zero3": ["--tp", "2", "--nproc", "4", "--strategy", "zero3"],
     "dp2-tp2-zero2-sp": ["--tp", "2", "--nproc", "4", "--strategy", "zero2", "--sequence-parallel"],
-    "pp2-tp2": ["--tp", "2", "--pp", "2", "--nproc", "4"],
+    # zero-bubble: the tp layers keep their weight gradients for W (1F1B: the 8-rank case below)
+    "pp2-tp2-zb": ["--tp", "2", "--pp", "2", "--schedule", "zb", "--micro-batches", "4", "--nproc", "4"],
     "dp2-pp2-tp2-zero1": ["--tp", "2", "--pp", "2", "--strategy", "zero1", "--nproc", "8"],
 }
 

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.collectives.api import Comm
+from shardwise.models.adapters.gpt import gpt_plan
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.tensor_parallel import apply_tensor_parallel, gpt_plan, vocab_parallel_cross_entropy
+from shardwise.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from shardwise.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -366,12 +367,11 @@ def _hf_model(name: str) -> nn.Module:
 
 
 def _hf_plan(name: str, model: nn.Module) -> Any:
-    from shardwise.tensor_parallel import hf_gpt2_plan, hf_llama_plan
+    from shardwise.models.adapters import adapter_for
 
-    config: Any = model.config
-    if name == "tiny-gpt2":
-        return hf_gpt2_plan(config.n_head)
-    return hf_llama_plan(config.num_attention_heads, config.num_key_value_heads)
+    plan = adapter_for(model).tp_plan()
+    assert plan.name == {"tiny-gpt2": "hf-gpt2", "tiny-llama": "hf-llama"}[name]
+    return plan
 
 
 def _hf_batches() -> list[torch.Tensor]:

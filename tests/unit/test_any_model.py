@@ -12,11 +12,16 @@ import torch
 
 from shardwise.commands.verify import VERIFY_DEFAULTS, verify_defaults
 from shardwise.config import ConfigError, ModelConfig, load_config, model_source
-from shardwise.engine.base import predicted_tokens
 from shardwise.engine.loss import TokenLoss
-from shardwise.models import build_model, check_model_config, count_parameters, shipped_configs
+from shardwise.models import (
+    build_model,
+    check_model_config,
+    count_parameters,
+    predicted_tokens,
+    shipped_configs,
+)
+from shardwise.models.adapters import resolve_units
 from shardwise.models.hf import SHIPPED_DIR
-from shardwise.zero.units import resolve_units
 
 transformers = pytest.importorskip("transformers")
 

@@ -54,7 +54,7 @@ def _launch(step_s: float, bubble_shift: float) -> list[dict[str, Any]]:
 
 def test_row_json_shape() -> None:
     ours = [_launch(0.5, 0.0), _launch(0.7, 0.0), _launch(0.6, 0.0)]
-    theirs = [[{"step_s": [1.0, 1.2]}, {"step_s": [1.1]}]]
+    theirs = [[{"step_s": [1.0, 1.2]}, {"step_s": [1.1]}], [{"step_s": [1.0]}], [{"step_s": [1.5]}]]
     row = bench.row("1f1b", 2, 4, 1000, ours, theirs, COSTS)
     json.dumps(row)  # JSON-ready
     for key in ("bubble_measured", "bubble_simulated", "bubble_theory", "speed_ratio"):
@@ -62,7 +62,11 @@ def test_row_json_shape() -> None:
     assert row["schedule"] == "1f1b" and row["torch_class"] == "Schedule1F1B"
     assert row["ours"]["step_s"] == pytest.approx(0.6)  # median over launches of the slowest rank
     assert row["torch"]["step_s"] == pytest.approx(1.1)
-    assert row["speed_ratio"] == pytest.approx(1.1 / 0.6)
+    # round by round (back-to-back launches), then the median: 1.1/0.5, 1.0/0.7, 1.5/0.6
+    assert row["speed_ratio_rounds"] == pytest.approx([1.1 / 0.5, 1.0 / 0.7, 1.5 / 0.6])
+    assert row["speed_ratio"] == pytest.approx(1.1 / 0.5)
+    spread = bench.conditions([row], 1.0, 2.0)["ratio_spread"]
+    assert spread == pytest.approx((1.5 / 0.6 - 1.0 / 0.7) / (1.1 / 0.5))
     assert row["bubble_measured"] == pytest.approx(1 - 3 / 6)
     assert row["bubble_theory"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
     assert bench.row("zb", 2, 4, 1000, ours, theirs, COSTS)["torch_class"] == "Schedule1F1B"
@@ -148,7 +152,7 @@ def test_zero_bubble_theory() -> None:
         ),
         (["--schedules", "1f1b,gpipe", "--global-batch", "0"], "data.global_batch must be an integer >= 1"),
         (["--steps", "1"], "needs --steps > 1 (the first is warm-up), --rounds >= 1 and --timeout > 0"),
-        (["--timeout", "0"], "got 4, 2, 0"),
+        (["--timeout", "0"], "got 20, 3, 0"),
     ],
 )
 def test_bad_bench_input_is_one_line_before_any_launch(

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from shardwise.config import ConfigError, TrainConfig, load_config
+from shardwise.models.adapters import adapter_for, pipeline_adapter
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.parallelism import check, plan_for
+from shardwise.parallelism import check
 from shardwise.pipeline.schedules import stage_placement
-from shardwise.pipeline.split import SplitError, adapter_for, balance, split_model
+from shardwise.pipeline.split import SplitError, balance, plan_stages, split_model
 
 
 def test_balance_is_contiguous_covers_every_block_once_and_minimises_the_largest_stage() -> None:
@@ -24,8 +25,8 @@ def test_balance_is_contiguous_covers_every_block_once_and_minimises_the_largest
     uneven = balance([1] * 7, 3)  # uneven stages are allowed, never a block dropped
     assert sorted(i for run in uneven for i in run) == list(range(7))
     assert [len(r) for r in uneven] in ([3, 2, 2], [2, 3, 2], [2, 2, 3])
-    with pytest.raises(SplitError, match="the model has 2 blocks but the pipeline has 3 stages"):
-        balance([1, 1], 3)
+    with pytest.raises(SplitError, match="the model has 5 blocks but the pipeline has 6 stages"):
+        plan_stages(_model(), 6)  # in the split's words, before balance is asked
 
 
 def _model() -> GPT:
@@ -146,9 +147,9 @@ def test_a_subclass_that_keeps_the_forward_splits_and_one_that_overrides_it_is_r
 
 
 def test_tensor_parallel_plans_a_subclass_that_keeps_the_forward_and_refuses_one_that_does_not() -> None:
-    assert plan_for(_gpt(_KeptGPT)).describe() == plan_for(_gpt()).describe()
+    assert adapter_for(_gpt(_KeptGPT)).tp_plan().describe() == adapter_for(_gpt()).tp_plan().describe()
     with pytest.raises(ConfigError) as caught:
-        plan_for(_gpt(_ScaledGPT))
+        adapter_for(_gpt(_ScaledGPT)).tp_plan()
     assert str(caught.value).startswith(
         "_ScaledGPT.forward overrides GPT.forward, and tensor parallelism hands the forward logits cut by"
     )
@@ -156,7 +157,7 @@ def test_tensor_parallel_plans_a_subclass_that_keeps_the_forward_and_refuses_one
 
 
 def test_a_batch_key_no_stage_reads_is_refused_in_one_line_never_dropped() -> None:
-    adapter = adapter_for(_gpt())
+    adapter = pipeline_adapter(_gpt())
     ids = torch.randint(0, 256, (2, 8))
     assert torch.equal(adapter.inputs((ids, ids)).ids, ids) and adapter.inputs(ids).extras == {}
     with pytest.raises(SplitError, match=r"^a dict batch \('input_ids'\) for GPT, whose forward takes"):
@@ -210,7 +211,7 @@ def test_stages_read_the_mask_positions_and_segments_as_the_models_own_forward(
 
 def test_hugging_face_keys_a_family_cannot_honour_are_refused_in_one_line() -> None:
     ids = torch.zeros(2, 4, dtype=torch.long)
-    llama = adapter_for(_hf("tiny-llama"))
+    llama = pipeline_adapter(_hf("tiny-llama"))
     with pytest.raises(SplitError) as caught:
         llama.inputs({"input_ids": ids, "token_type_ids": ids})
     assert str(caught.value).startswith(
@@ -218,7 +219,7 @@ def test_hugging_face_keys_a_family_cannot_honour_are_refused_in_one_line() -> N
         "position_ids of a dict batch (and labels, for the loss), so it would drop 'token_type_ids'"
     )
     with pytest.raises(SplitError, match=r"^a dict batch without 'input_ids' \('attention_mask'\)"):
-        adapter_for(_hf("tiny-gpt2")).inputs({"attention_mask": ids})
+        pipeline_adapter(_hf("tiny-gpt2")).inputs({"attention_mask": ids})
 
 
 def test_a_hugging_face_subclass_is_split_only_with_its_parents_forward() -> None:
@@ -234,12 +235,12 @@ def test_a_hugging_face_subclass_is_split_only_with_its_parents_forward() -> Non
             return super().forward(*args, **kwargs)
 
     with pytest.raises(SplitError, match=r"^Scaled\.forward overrides GPT2LMHeadModel\.forward, and a"):
-        adapter_for(Scaled(model.config))
+        pipeline_adapter(Scaled(model.config))
     model.transformer = Body(model.config)
     with pytest.raises(SplitError, match=r"^GPT2LMHeadModel\.transformer is a Body, whose forward overrides"):
-        adapter_for(model)
+        pipeline_adapter(model)
     with pytest.raises(ConfigError, match=r"^GPT2LMHeadModel\.transformer is a Body, whose forward"):
-        plan_for(model)
+        adapter_for(model).tp_plan()
 
 
 def test_a_model_of_ones_own_is_split_by_its_own_blocks_not_the_configs_preset() -> None:

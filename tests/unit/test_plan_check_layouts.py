@@ -7,7 +7,7 @@ import pytest
 
 from shardwise.bench.plan_check import check_layouts, layout_overrides, time_note
 from shardwise.config import load_config
-from shardwise.planner.model import preset_shape
+from shardwise.models.adapters import preset_shape
 
 LARGE = preset_shape("large", 64)
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]

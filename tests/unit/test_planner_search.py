@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from shardwise.config import ConfigError
+from shardwise.models.adapters import preset_shape
 from shardwise.planner.calibration import Calibration, Machine
 from shardwise.planner.memory import Training, estimate_memory
-from shardwise.planner.model import ModelShape, preset_shape
+from shardwise.planner.model import ModelShape
 from shardwise.planner.search import Plan, enumerate_layouts, mesh_shapes, plan, search_degrees
 
 LLAMA3_8B = ModelShape(
@@ -111,8 +112,9 @@ def test_tp_and_pp_layouts_are_searched_with_checkpointing_and_both_schedules() 
 
 def test_a_pipeline_layout_is_costed_with_its_bubble_and_in_flight_micro_batches() -> None:
     """1F1B on pp 4 at m micro-batches: the simulator's bubble is (pp - 1) / m of the compute, and the
-    first stage holds min(m, pp) micro-batches of its blocks' activations."""
-    from shardwise.planner.memory import Layout, micro_batches_in_flight
+    first stage holds min(m, pp) micro-batches of its blocks' activations, the last one."""
+    from shardwise.planner.memory import Layout
+    from shardwise.planner.pipeline import pair_peak, rank_shares
     from shardwise.planner.time import step_time
 
     machine = Machine(devices=4, device_memory=1e12, link_bytes_per_s=1e12)
@@ -121,7 +123,9 @@ def test_a_pipeline_layout_is_costed_with_its_bubble_and_in_flight_micro_batches
         layout = Layout("ddp", dp=1, pp=4, micro_batches=m)
         time = step_time(LLAMA3_8B, Training(8, 512), layout, profile)
         assert time.bubble_s == pytest.approx(3 / m * time.compute_s, rel=1e-9)
-        assert micro_batches_in_flight(layout) == min(m, 4)
+        first, *_, last = rank_shares(LLAMA3_8B, 4, "1f1b", 1)
+        assert pair_peak(first, 4, "1f1b", m, 1.0, 1.0) == min(m, 4)
+        assert pair_peak(last, 4, "1f1b", m, 1.0, 1.0) == 1
 
 
 def test_on_a_dp_group_of_one_zero1_and_zero2_tie_with_ddp_and_ddp_ranks_first() -> None:
@@ -143,8 +147,8 @@ def test_on_a_dp_group_of_one_zero1_and_zero2_tie_with_ddp_and_ddp_ranks_first()
         key = (c.layout.micro_batches, c.layout.schedule, c.layout.virtual_stages)
         by_mesh.setdefault(key, {})[c.layout.strategy] = (c.time.total_s, c.memory.total)  # type: ignore[assignment]
     assert by_mesh and all(len({t for t, _ in v.values()}) == 1 for v in by_mesh.values())
-    for v in by_mesh.values():  # DDP holds no more than they do
-        assert v["ddp"][1] <= min(v["zero1"][1], v["zero2"][1]) <= 1.05 * v["ddp"][1], v
+    for v in by_mesh.values():  # DDP holds no more than they do: at most two 25 MB buckets' temporaries
+        assert v["ddp"][1] <= min(v["zero1"][1], v["zero2"][1]) <= 1.10 * v["ddp"][1], v
     assert result.ranked[0].layout.strategy == "ddp"
     assert [c.layout.strategy for c in result.ranked[:3]] == ["ddp", "zero1", "zero2"]
     assert "zero1 shards nothing over a dp group of one: it does ddp's work" in result.why

@@ -6,9 +6,10 @@ import pytest
 
 from shardwise.collectives.cost import CostProfile, predict
 from shardwise.config import ConfigError
+from shardwise.models.adapters import preset_shape
 from shardwise.planner.calibration import Calibration, Machine
 from shardwise.planner.memory import Layout, Training
-from shardwise.planner.model import ModelShape, preset_shape
+from shardwise.planner.model import ModelShape
 from shardwise.planner.time import (
     FIRST_BUCKET_BYTES,
     bucket_sizes,
@@ -113,9 +114,9 @@ def test_a_preset_runs_end_to_end() -> None:
 
 
 def test_the_optimizer_step_counts_adamws_twenty_passes_over_each_master_value() -> None:
+    from shardwise.models.adapters import preset_shape
     from shardwise.planner.calibration import Calibration
     from shardwise.planner.memory import Layout, Training
-    from shardwise.planner.model import preset_shape
     from shardwise.planner.time import optimizer_seconds
 
     model, calibration = preset_shape("large", 64), Calibration(memory_bytes_per_s=1e9)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from shardwise.checkpoint.boxes import Box
+from shardwise.models.adapters.gpt import gpt_plan
+from shardwise.models.adapters.plan import Colwise, Plan
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.tensor_parallel import apply_tensor_parallel, gpt_plan
+from shardwise.tensor_parallel import apply_tensor_parallel
 from shardwise.tensor_parallel.layers import qkv_sections
-from shardwise.tensor_parallel.plans import Colwise, Plan
 from shardwise.tensor_parallel.random import RNGStatesTracker, tensor_parallel_tracker
 from shardwise.tensor_parallel.shards import assemble, even_share, replicated, split_dim, split_sections
 

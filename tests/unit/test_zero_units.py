@@ -8,7 +8,7 @@ from torch import nn
 
 from shardwise.config import ConfigError, ModelConfig
 from shardwise.models import build_model
-from shardwise.zero.units import block_lists, resolve_units
+from shardwise.models.adapters import block_lists, resolve_units
 
 
 class Body(nn.Module):

@@ -130,11 +130,11 @@ def heaviest_rank(model: nn.Module, config: TrainConfig, world: int) -> int:
     parallel = config.parallel
     if parallel.pp == 1:
         return 0
-    from shardwise.pipeline.adapters import adapter_for, get_module
+    from shardwise.models.adapters import get_module, pipeline_adapter
     from shardwise.pipeline.schedules import stage_placement
     from shardwise.pipeline.split import plan_stages
 
-    adapter = adapter_for(model)
+    adapter = pipeline_adapter(model)
     stages = parallel.pp * parallel.stages_per_rank
     assignment = plan_stages(model, stages, parallel.pp_split)
     blocks = list(adapter.blocks())

@@ -4,20 +4,28 @@ For each schedule (``pipeline.schedules.SCHEDULES``) at ``pp = nproc``: the buil
 our ``pipeline.split`` into the schedule's stages, and the same stage modules run under our runtime
 and under torch's ``PipelineStage`` + the schedule class torch 2.13 names for it (``zb`` has none in
 torch and is compared with torch's ``Schedule1F1B``). Same model, seed, micro-batches, optimizer.
-Launches alternate (ours, torch, torch, ours, ...); per launch the median step time after warm-up (the
-slowest rank's), across launches the median. Each row:
+Launches alternate (ours, torch, torch, ours, ...): a round is one launch of each side, back to back;
+per launch the median step time after warm-up (the slowest rank's). Each row:
 
 - ``bubble_measured``: from our ranks' recorded action spans (the runtime's ``MONITOR.span`` per
   action): idle over total, ``1 - sum(busy) / (p * window)``, the window from the step's first action
   start to its last action end on any rank (``time.monotonic`` is one clock for every process of a
   machine); the median over the measured steps;
-- ``bubble_simulated``: ``pipeline.simulate`` fed with costs from a separate short profile of each
-  stage's F, B, I and W alone in one process (never from the timeline it is compared with);
+- ``bubble_simulated``: ``pipeline.simulate`` fed with a separate profile's costs (``pipeline_profile``:
+  each rank's stages' F, B, I and W alone, all ranks at once, and one activation's transfer time;
+  never from the timeline it is compared with);
 - ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
-  al. 2023); else null. Transfers are not profiled (the simulator's transfer cost is 0);
-- ``speed_ratio``: tokens/s ours / torch's.
+  al. 2023); else null;
+- ``speed_ratio``: tokens/s ours / torch's, the median over rounds of each round's ratio (a round's
+  two launches ran back to back, so a change of load between rounds cancels), with every round's
+  ratio in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's median over its launches.
+
+``conditions`` says how it was measured: rounds and steps, the load average before and after, and the
+spread of the rounds' ratios (the largest (max - min) / median over the rows). The defaults (20 steps,
+3 rounds; the old 4 x 2 gave 1f1b 0.72 and 1.01 in two quiet runs) are meant to make two runs on a
+quiet machine agree within 5% on every ratio: the spread says whether one did.
 
 torch's pipelining has hung on gloo (pytorch#132644), so every launch (ours and torch's) is a group of
 fresh processes with a deadline (``run_on_ranks``); one that hangs or fails becomes that row's
@@ -28,6 +36,7 @@ side does; ours point-to-point through ``Comm`` over the pp axis.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,14 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
+from shardwise.bench.pipeline_profile import bench_data, launch, profile_costs, stage_modules
 from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.observe.monitor import Span
 from shardwise.observe.trace import idle_fraction
 from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
-from shardwise.testing.harness import RankFailure, run_on_ranks
 
 WARMUP_STEPS = 1
 ACTION_LANE = "actions"  # the lane the runtime records each action's span in
@@ -106,30 +114,6 @@ def _mean(value: float | tuple[float, ...]) -> float:
 # ------------------------------------------------------------------------------------ one launch
 
 
-def launch(
-    worker: Callable[..., Any], nproc: int, args: tuple[Any, ...], timeout_s: float
-) -> tuple[list[Any] | None, str | None]:
-    """``worker(rank, nproc, *args)`` on ``nproc`` fresh processes with a deadline: (results, None), or
-    (None, what went wrong) when a rank hung past ``timeout_s`` or failed; never hangs itself."""
-    try:
-        return run_on_ranks(worker, nproc, *args, timeout_s=timeout_s), None
-    except RankFailure as failure:
-        if failure.rank is None:
-            return None, f"timeout after {timeout_s:g} s"
-        return None, f"failed on rank {failure.rank}: {str(failure).strip().splitlines()[-1]}"
-
-
-def _data(config: TrainConfig, rank: int, world: int) -> tuple[Any, int]:
-    """Every pp rank draws the same batches (dp = 1); returns the sampler and tokens per step."""
-    from shardwise.data.corpus import load_corpus
-    from shardwise.data.sampler import DataSampler
-
-    corpus = load_corpus(config.data.corpus_bytes)
-    batch = config.data.global_batch
-    sampler = DataSampler(corpus.train, config.model.seq_len, batch, config.seed, [batch], 0)
-    return sampler, batch * config.model.seq_len
-
-
 def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
     """Our runtime on this rank: step times and, per measured step, this rank's action spans."""
     from shardwise.mesh import build_mesh
@@ -141,7 +125,7 @@ def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
     config = config.validate(world)
     seed_everything(config.seed)
     engine = parallelize(build_model(config.model), build_mesh(config), config)
-    sampler, _ = _data(config, rank, world)
+    sampler, _ = bench_data(config)
     MONITOR.tracing = True
     times, spans = [], []
     for step in range(config.steps):
@@ -159,34 +143,6 @@ def _plain(span: Span) -> tuple[str, float, float, dict[str, Any]]:
     return (span.name, span.start, span.duration, dict(span.args))
 
 
-class _StageModule(nn.Module):
-    """One of our split's stages as the module torch's ``PipelineStage`` wants: exactly the stage's
-    parameters registered (its blocks and the ends it owns), ``forward`` the stage itself."""
-
-    def __init__(self, stage: Any, parts: list[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.stage = stage  # a plain callable (not a module): its adapter holds the whole model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.stage(x)
-
-
-def _stage_modules(model: nn.Module, placement: Sequence[int], rank: int) -> dict[int, _StageModule]:
-    from shardwise.pipeline.split import _get, split_model
-
-    split = split_model(model, placement, rank)
-    adapter = next(iter(split.stages.values())).adapter
-    modules = {}
-    for index, stage in split.stages.items():
-        blocks: Any = adapter.blocks()  # the ModuleDict the split left, keyed by block index
-        parts: list[nn.Module] = [blocks[str(i)] for i in stage.blocks]
-        paths = (adapter.first_modules if stage.first else ()) + (adapter.last_modules if stage.last else ())
-        parts += [m for p in paths if (m := _get(model, p)) is not None]
-        modules[index] = _StageModule(stage, parts)
-    return modules
-
-
 def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -> dict[str, Any]:
     """torch's ``torch_class`` over the same stage modules on this rank: step times."""
     import torch.distributed as dist
@@ -201,12 +157,12 @@ def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -
     seed_everything(config.seed)
     name, virtual = config.parallel.schedule, config.parallel.stages_per_rank
     placement = stage_placement(name, world, virtual)
-    modules = _stage_modules(build_model(config.model), placement, rank)
+    modules = stage_modules(build_model(config.model), placement, rank)
     stages = [
         pipelining.PipelineStage(module, index, len(placement), torch.device("cpu"), group=dist.group.WORLD)
         for index, module in sorted(modules.items())
     ]
-    sampler, tokens = _data(config, rank, world)
+    sampler, tokens = bench_data(config)
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return loss_sum(output, target) / tokens
@@ -229,72 +185,6 @@ def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - started)
     return {"step_s": times[WARMUP_STEPS:]}
-
-
-# --------------------------------------------------------------------------------------- profile
-
-
-def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:
-    """Each stage's F, B, I and W alone, in one process (``threads`` threads, as a rank has): median
-    seconds per kind per stage, computed as the runtime computes them (I: the input's gradient with
-    the graph kept; W: the weights' gradient from the output)."""
-    from shardwise.engine.loss import loss_sum
-    from shardwise.models import build_model
-    from shardwise.train.loop import seed_everything
-
-    torch.set_num_threads(threads)
-    config = config.validate(config.parallel.pp)
-    seed_everything(config.seed)
-    stages = len(
-        stage_placement(config.parallel.schedule, config.parallel.pp, config.parallel.stages_per_rank)
-    )
-    model = build_model(config.model)
-    modules = _stage_modules(model, [0] * stages, 0)  # every stage here: each timed alone
-    sampler, _ = _data(config, 0, 1)
-    ids, targets = sampler.local_micro_batches(0, config.data.micro_batches)[0]
-    out: dict[str, list[float]] = {k: [] for k in "FBIW"}
-    x: torch.Tensor = ids
-    for index in range(stages):
-        module = modules[index]
-        weights = [p for p in module.parameters() if p.requires_grad]
-        first, last = index == 0, index == stages - 1
-        inp = x if first else x.detach().requires_grad_(True)
-        timing: dict[str, list[float]] = {k: [] for k in "FBIW"}
-        for _ in range(repeats + 1):  # the first round warms up
-            t0 = time.perf_counter()
-            y = module(inp)
-            t1 = time.perf_counter()
-            loss = loss_sum(y, targets) if last else None
-            seed = torch.ones_like(loss) if loss is not None else torch.randn_like(y)
-            root = loss if loss is not None else y
-            t1b = time.perf_counter()
-            torch.autograd.backward(root, seed)
-            t2 = time.perf_counter()
-            y = module(inp)
-            root = loss_sum(y, targets) if last else y
-            t3 = time.perf_counter()
-            if not first:
-                torch.autograd.grad(root, [inp], seed, retain_graph=True)
-            t4 = time.perf_counter()
-            torch.autograd.backward(root, seed, inputs=weights)
-            t5 = time.perf_counter()
-            for key, value in zip("FBIW", (t1 - t0 + (t1b - t1), t2 - t1b, t4 - t3, t5 - t4), strict=True):
-                timing[key].append(value)
-        for key in "FBIW":
-            out[key].append(statistics.median(timing[key][1:]))
-        x = module(inp).detach() if not last else x
-    return out
-
-
-def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: float) -> Costs:
-    """The separate profile (a fresh process) as the simulator's per-stage costs, in seconds."""
-    from shardwise.launcher import threads_per_rank
-
-    results, problem = launch(profile_worker, 1, (config, threads_per_rank(nproc), repeats), timeout_s)
-    if results is None:
-        raise RuntimeError(f"the stage profile did not finish: {problem}")
-    t = results[0]
-    return Costs(tuple(t["F"]), tuple(t["B"]), tuple(t["I"]), tuple(t["W"]))
 
 
 # ------------------------------------------------------------------------------------- the rows
@@ -326,27 +216,60 @@ def row(
         "bubble_theory": value,
         "theory_formula": formula,
         "speed_ratio": None,
+        "profiled_ms": _profiled_ms(costs),
     }
     out["ours"] = _side(ours, tokens)
     out["torch"] = _side(torch_side, tokens)
     if not isinstance(ours, str):
         steps = [bubble_from_spans(spans) for spans in _steps_by_rank(ours)]
         out["bubble_measured"] = statistics.median(steps)
-    if isinstance(out["ours"], dict) and isinstance(out["torch"], dict):
-        out["speed_ratio"] = out["ours"]["tokens_per_s"] / out["torch"]["tokens_per_s"]
+    if not isinstance(ours, str) and not isinstance(torch_side, str) and ours and torch_side:
+        rounds = [t / o for o, t in zip(_launch_steps(ours), _launch_steps(torch_side), strict=False)]
+        out["speed_ratio"] = statistics.median(rounds)
+        out["speed_ratio_rounds"] = rounds
+    return out
+
+
+def _profiled_ms(costs: Costs) -> dict[str, Any]:
+    """The simulator's costs in ms: per kind, per stage; and one activation's transfer."""
+    out: dict[str, Any] = {"transfer": round(1e3 * costs.transfer, 3)}
+    kinds = (costs.forward, costs.backward, costs.input_grad, costs.weight_grad)
+    for kind, value in zip("FBIW", kinds, strict=True):
+        out[kind] = [round(1e3 * c, 3) for c in value] if isinstance(value, tuple) else round(1e3 * value, 3)
     return out
 
 
 Launches = list[list[dict[str, Any]]]  # per launch, each rank's result
 
 
+def _launch_steps(launches: Launches) -> list[float]:
+    """Each launch's step time: its slowest rank's median."""
+    return [max(statistics.median(r["step_s"]) for r in ranks) for ranks in launches]
+
+
 def _side(launches: Launches | str, tokens: int) -> dict[str, Any] | str:
     if isinstance(launches, str):
         return launches
-    # a launch's step time is its slowest rank's median; across launches the median
-    per_launch = [max(statistics.median(r["step_s"]) for r in ranks) for ranks in launches]
+    per_launch = _launch_steps(launches)
     step_s = statistics.median(per_launch)
     return {"tokens_per_s": tokens / step_s, "step_s": step_s, "launches": len(per_launch)}
+
+
+def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: float) -> dict[str, Any]:
+    """How the rows were measured, and how far the rounds' ratios spread (see the module docstring)."""
+    spreads = [
+        (max(r["speed_ratio_rounds"]) - min(r["speed_ratio_rounds"])) / r["speed_ratio"]
+        for r in rows
+        if r.get("speed_ratio_rounds")
+    ]
+    return {
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "cpus": os.cpu_count(),
+        "ratio_spread": max(spreads, default=None),
+        "note": "medians of interleaved rounds; ratio_spread: the largest (max - min) / median of a row's "
+        "per-round speed ratios",
+    }
 
 
 def _steps_by_rank(launches: Launches) -> list[dict[int, list[Span]]]:
@@ -386,8 +309,8 @@ def check_bench(
 def run_pipeline_bench(
     nproc: int = 2,
     microbatches: int = 4,
-    steps: int = 4,
-    rounds: int = 2,
+    steps: int = 20,
+    rounds: int = 3,
     preset: str = "small",
     global_batch: int = 8,
     schedules: Sequence[str] | None = None,
@@ -405,6 +328,7 @@ def run_pipeline_bench(
             f"unknown schedule {unknown[0]!r} in --schedules: choose from {', '.join(SCHEDULES)}"
         )
     configs = check_bench(names, nproc, microbatches, preset, global_batch, steps, rounds, timeout_s)
+    load_before = os.getloadavg()[0]
     rows = []
     for name, config in zip(names, configs, strict=True):
         costs = profile_costs(config, nproc, repeats=3, timeout_s=timeout_s)
@@ -434,6 +358,7 @@ def run_pipeline_bench(
         "warmup_steps": WARMUP_STEPS,
         "rounds": rounds,
         "timeout_s": timeout_s,
+        "conditions": conditions(rows, load_before, os.getloadavg()[0]),
         "rows": rows,
     }
 
@@ -474,10 +399,19 @@ def render_pipeline(result: dict[str, Any]) -> None:
         ours = f"{r['ours']['tokens_per_s']:,.0f}" if isinstance(r["ours"], dict) else str(r["ours"])
         torch_side = r["torch"]
         theirs = f"{torch_side['tokens_per_s']:,.0f} tok/s" if isinstance(torch_side, dict) else torch_side
-        ratio = f"  ratio {r['speed_ratio']:.2f}" if r["speed_ratio"] is not None else ""
+        ratio = ""
+        if r["speed_ratio"] is not None:
+            rounds = r["speed_ratio_rounds"]
+            ratio = f"  ratio {r['speed_ratio']:.2f} (rounds {min(rounds):.2f}-{max(rounds):.2f})"
         bubbles = [_pct(r[k]) for k in ("bubble_measured", "bubble_simulated", "bubble_theory")]
         cells = f"{bubbles[0]:>9s} {bubbles[1]:>9s} {bubbles[2]:>7s} {ours:>11s}"
         print(f"  {r['schedule']:15s} {cells}  {theirs}{ratio}")
+    c = result["conditions"]
+    spread = "-" if c["ratio_spread"] is None else f"{100 * c['ratio_spread']:.1f}%"
+    print(
+        f"  load average {c['load_average_before']:.2f} before, {c['load_average_after']:.2f} after; "
+        f"largest spread of a row's round ratios {spread}"
+    )
 
 
 def _pct(value: float | None) -> str:

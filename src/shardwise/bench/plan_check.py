@@ -70,13 +70,13 @@ def _model_probe(config: TrainConfig, model: ModelShape, batch: int, checkpointe
     measured on the model's own blocks rather than assumed."""
     from shardwise.engine.loss import loss_sum
     from shardwise.models import build_model
+    from shardwise.models.adapters import adapter_for
     from shardwise.parallelism import checkpoint_forward
     from shardwise.planner.time import flops_per_token
-    from shardwise.zero.units import resolve_units
 
     net = build_model(config.model)
     if checkpointed:
-        found = resolve_units(net, config.zero.unit)
+        found = adapter_for(net).block_list(config.zero.unit)
         for block in found.blocks if found else []:
             checkpoint_forward(block)
     tokens = torch.randint(0, model.vocab, (batch, config.model.seq_len + 1), device=HOST)  # CPU probes

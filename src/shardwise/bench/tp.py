@@ -43,7 +43,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from shardwise.device import HOST
-from shardwise.models.gpt import GPT, CausalSelfAttention
+from shardwise.models import GPT_KIND, PRESETS
+from shardwise.models.adapters import BlockList, adapter_for
 from shardwise.testing.harness import run_on_ranks
 from shardwise.testing.memory import TensorBytes
 
@@ -147,11 +148,12 @@ class LocalTensorBytes(TensorBytes):
 
 
 class SplitQKVAttention(nn.Module):
-    """The GPT's attention with ``qkv`` as three projections (its rows, unchanged), for DTensor."""
+    """The GPT's attention with ``qkv`` as three projections (its rows, unchanged), for DTensor; the
+    attention between them is the block's own (its seam, ``attn.attention``)."""
 
-    def __init__(self, attn: CausalSelfAttention) -> None:
+    def __init__(self, attn: Any) -> None:
         super().__init__()
-        self.head_dim, self.dropout = attn.head_dim, attn.dropout
+        self.head_dim, self.dropout, self.attention = attn.head_dim, attn.dropout, attn.attention
         width = attn.proj.in_features
         self.q, self.k, self.v = (nn.Linear(width, width, dtype=attn.qkv.weight.dtype) for _ in range(3))
         with torch.no_grad():
@@ -165,9 +167,7 @@ class SplitQKVAttention(nn.Module):
         q, k, v = self.q(x), self.k(x), self.v(x)  # (batch, seq, d_model / tp) each
         heads = q.size(-1) // self.head_dim  # this rank's heads
         q, k, v = (t.view(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)))
 
 
@@ -189,14 +189,20 @@ def _config(settings: dict, world_size: int) -> Any:
     )
 
 
-def _model(config: Any, blocks: int | None = None) -> GPT:
+def _blocks(model: nn.Module) -> BlockList:
+    found = adapter_for(model).block_list()
+    assert found is not None
+    return found
+
+
+def _model(config: Any, blocks: int | None = None) -> nn.Module:
     from shardwise.models import build_model
 
     torch.manual_seed(0)
     model = build_model(config.model)
-    assert isinstance(model, GPT)
-    if blocks is not None:  # a shorter copy: only the blocks differ (GPT.forward runs self.blocks)
-        model.blocks = nn.ModuleList(list(model.blocks)[:blocks])
+    found = _blocks(model)
+    if blocks is not None:  # a shorter copy: only the blocks differ (the GPT's forward runs them all)
+        setattr(model, found.path, nn.ModuleList(found.blocks[:blocks]))
     return model
 
 
@@ -232,8 +238,9 @@ def _dtensor_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     if sp:  # positions (seq, d_model): this rank's slice forward, all-gather backward
         plan["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
         plan["ln_f"] = SequenceParallel()
-    for i in range(len(model.blocks)):  # type: ignore[arg-type]
-        block = f"blocks.{i}"
+    found = _blocks(model)
+    for i in range(len(found.container)):
+        block = f"{found.path}.{i}"
         for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
             plan[f"{block}.{name}"] = ColwiseParallel()
         for name in ("attn.proj", "mlp.proj"):
@@ -241,8 +248,8 @@ def _dtensor_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
         if sp:
             for name in ("ln_1", "ln_2"):
                 plan[f"{block}.{name}"] = SequenceParallel()
-            for name in ("attn", "mlp"):
-                plan[f"{block}.{name}"] = PrepareModuleInput(
+            for name in (f"{block}.attn", f"{block}.mlp"):
+                plan[name] = PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
                 )
     return plan
@@ -255,9 +262,9 @@ def _dtensor(config: Any, world_size: int) -> Callable[[torch.Tensor, torch.Tens
     from shardwise.engine.optim import build_optimizer, named
 
     model = _model(config)
-    for block in model.blocks:
-        assert isinstance(block.attn, CausalSelfAttention)
-        block.attn = SplitQKVAttention(block.attn)
+    for name, attn in adapter_for(model).attention_modules():
+        path, _, child = name.rpartition(".")
+        setattr(model.get_submodule(path), child, SplitQKVAttention(attn))
     mesh = init_device_mesh("cpu", (world_size,))
     parallelize_module(model, mesh, _dtensor_plan(model, config.parallel.sequence_parallel))
     optimizer = build_optimizer(named(model), config.optim)
@@ -318,7 +325,7 @@ def _bench_rank(rank: int, world_size: int, impl: str, settings: dict) -> dict:
         comm = mesh.comm("tp")  # type: ignore[union-attr]
         out["full"] = _counts(comm, step, x, y)
         out["one_block"] = _counts(comm, _ours(config, mesh, blocks=1), x, y)
-        out["blocks"] = len(_model(config).blocks)
+        out["blocks"] = len(_blocks(_model(config)).container)
     return out
 
 
@@ -349,15 +356,14 @@ def configurations(sequence_parallel: bool) -> dict[str, str]:
 def check_tp_settings(nproc: int, preset: str, seq_len: int, rows: tuple[str, ...]) -> None:
     """Refuse, in one line, settings the bench cannot run (before any rank starts)."""
     from shardwise.config import ConfigError
-    from shardwise.models import PRESETS
 
     if unknown := [row for row in rows if row not in ROWS]:
         raise ConfigError(f"unknown --rows {', '.join(unknown)}; choose from {', '.join(ROWS)}")
     if nproc < 2:
         raise ConfigError(f"--nproc {nproc}: tensor parallelism needs at least 2 ranks")
-    sizes = PRESETS["gpt"].get(preset)
+    sizes = PRESETS[GPT_KIND].get(preset)
     if sizes is None:
-        raise ConfigError(f"unknown gpt preset {preset!r}; known presets: {', '.join(PRESETS['gpt'])}")
+        raise ConfigError(f"unknown gpt preset {preset!r}; known presets: {', '.join(PRESETS[GPT_KIND])}")
     width = sizes.get("d_ff", 4 * sizes["d_model"])
     for name, value in (("n_head", sizes["n_head"]), ("d_model", sizes["d_model"]), ("d_ff", width)):
         if value % nproc:
@@ -401,15 +407,13 @@ def run_tp_bench(
 
 
 def _row(row: str, runs: dict, nproc: int, preset: str, batch: int, seq_len: int) -> dict:
-    from shardwise.models import PRESETS
-
     tokens = batch * seq_len  # every tp rank trains the same batch: the job's tokens per step
     entry: dict[str, Any] = {"sequence_parallel": ROWS[row], "configured": configurations(ROWS[row])}
     entry["ours"], entry["dtensor"] = (summarize(runs[(row, impl)], tokens) for impl in ("ours", "dtensor"))
     entry.update(ratios(entry["ours"], entry["dtensor"]))
     first = runs[(row, "ours")][0][0]
     measured = per_block(first["full"], first["one_block"], first["blocks"], 1)
-    megatron = megatron_per_block(ROWS[row], tokens, PRESETS["gpt"][preset]["d_model"], nproc)
+    megatron = megatron_per_block(ROWS[row], tokens, PRESETS[GPT_KIND][preset]["d_model"], nproc)
     entry["collectives_per_block"] = collectives_entry(measured, megatron)
     return entry
 

@@ -16,9 +16,11 @@ from typing import Any
 
 from shardwise.commands.output import emit
 from shardwise.config import ConfigError, TrainConfig
+from shardwise.models import GPT_KIND
+from shardwise.models.adapters import hf_shape, preset_shape
 from shardwise.planner.calibration import Calibration, Machine
 from shardwise.planner.memory import GB, Layout, Training
-from shardwise.planner.model import ModelShape, hf_shape, preset_shape
+from shardwise.planner.model import ModelShape
 from shardwise.planner.search import MAX_TP, SEARCHED, enumerate_layouts, plan, search_degrees
 from shardwise.planner.units import describe_rate, parse_bytes, parse_rate
 
@@ -320,7 +322,7 @@ def check_command(
 
         def config_for(layout: Layout, i: int) -> TrainConfig:
             overrides = {
-                "model.kind": "gpt" if args.preset else args.model, "model.preset": args.preset or "small",
+                "model.kind": GPT_KIND if args.preset else args.model, "model.preset": args.preset or "small",
                 "model.seq_len": str(training.seq_len), "precision": args.precision,
                 "optim.name": args.optimizer, "data.global_batch": str(args.global_batch),
                 "ddp.bucket_mb": str(args.bucket_mb), "zero.bucket_mb": str(args.bucket_mb),

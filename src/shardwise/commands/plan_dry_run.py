@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from shardwise.commands.output import emit
-from shardwise.config import ConfigError, TrainConfig, load_config
+from shardwise.config import ConfigError, ModelConfig, TrainConfig, load_config
 from shardwise.planner.memory import GB, Layout, Training
 from shardwise.planner.model import ModelShape
 
@@ -46,20 +46,16 @@ def dry_run_layout(args: argparse.Namespace, strategies: list[str], micro_batche
 
 def _maker(args: argparse.Namespace, shape: ModelShape, config: TrainConfig) -> Any:
     """How the model is built (on meta, its initialisation recorded), as training builds it."""
-    from shardwise.models import GPT, GPTConfig, build_model
+    from shardwise.models import build_model
+    from shardwise.models.adapters import model_of_shape
     from shardwise.models.init_replay import build_recorded
 
     if args.preset or args.model:
         return lambda: build_model(config.model, meta=True)
     if args.kv_heads and args.kv_heads != args.heads:
         raise ConfigError("--dry-run builds sizes by hand as the built-in GPT, which has no --kv-heads")
-    sizes = GPTConfig(
-        vocab_size=shape.vocab, seq_len=shape.positions, n_layer=shape.n_layer, n_head=shape.n_head,
-        d_model=shape.d_model, d_ff=shape.ff, tie_weights=shape.tie_weights,
-    )  # fmt: skip
-
     def make() -> nn.Module:
-        return build_recorded(lambda: GPT(sizes))
+        return build_recorded(lambda: model_of_shape(shape))
 
     return make
 
@@ -72,7 +68,7 @@ def dry_run_command(
     pp = _one(args.pp, "--pp")
     layout = dry_run_layout(args, strategies, micro_batches=pp if pp > 1 else 1)
     overrides = {
-        "model.kind": args.model or "gpt", "model.preset": args.preset or "small",
+        "model.kind": args.model or ModelConfig().kind, "model.preset": args.preset or ModelConfig().preset,
         "model.seq_len": str(training.seq_len), "precision": training.precision,
         "optim.name": training.optimizer, "data.global_batch": str(training.global_batch),
         "strategy": layout.strategy, "parallel.pp": str(layout.pp), "parallel.tp": str(layout.tp),

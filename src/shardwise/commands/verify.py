@@ -22,6 +22,7 @@ import torch
 
 from shardwise.config import ConfigError, TrainConfig, describe_layout
 from shardwise.launcher import LaunchError, init_distributed, launch_local
+from shardwise.models import GPT_KIND
 from shardwise.preflight import preflight
 from shardwise.testing.parity import compare_tensors
 
@@ -50,7 +51,7 @@ def verify_defaults(kind: str, strategy: str = "ddp") -> dict[str, str]:
     """The defaults for ``model.kind`` and ``strategy``: only the built-in GPT has ``wpe`` to freeze;
     diloco runs as local SGD at H = 1, where it equals one process."""
     defaults = dict(VERIFY_DEFAULTS)
-    if kind != "gpt":  # the deep preset is the GPT's; the MLP keeps its own odd one
+    if kind != GPT_KIND:  # the deep preset is the GPT's; the MLP keeps its own odd one
         del defaults["model.freeze"]
         defaults["model.preset"] = "odd"
     if strategy == "diloco":
@@ -141,11 +142,10 @@ def reference_run(config: TrainConfig) -> dict[str, Any]:
     from shardwise.checkpoint.pretrained import load_pretrained
     from shardwise.data.corpus import load_corpus
     from shardwise.data.sampler import DataSampler
-    from shardwise.engine.base import predicted_tokens
     from shardwise.engine.loss import logits_of, loss_sum
     from shardwise.engine.optim import build_optimizer, named
     from shardwise.engine.schedule import lr_multiplier
-    from shardwise.models import build_model
+    from shardwise.models import build_model, predicted_tokens
     from shardwise.train.loop import seed_everything, torch_dtype
 
     seed_everything(config.seed)

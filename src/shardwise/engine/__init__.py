@@ -1,6 +1,6 @@
 """The data-parallel layer: its interface (``base``), whole-tensor state, optimizers (``optim``)."""
 
-from shardwise.engine.base import Batch, Engine, NamedTensors, Role, StateReader, predicted_tokens
+from shardwise.engine.base import Batch, Engine, NamedTensors, Role, StateReader
 from shardwise.engine.loss import loss_sum
 
-__all__ = ["Batch", "Engine", "NamedTensors", "Role", "StateReader", "loss_sum", "predicted_tokens"]
+__all__ = ["Batch", "Engine", "NamedTensors", "Role", "StateReader", "loss_sum"]

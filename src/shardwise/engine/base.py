@@ -171,12 +171,6 @@ def sq_sum(tensors: Sequence[torch.Tensor], device: torch.device = HOST) -> torc
     return torch.stack(norms).double().pow(2).sum()  # on the tensors' device: read once, by the caller
 
 
-def predicted_tokens(model_kind: str, batch: int, seq_len: int) -> int:
-    """Tokens that carry a loss in a batch: the last one for the MLP, every position for the other
-    kinds (the built-in GPT, Hugging Face causal LMs, a factory's model)."""
-    return batch * (1 if model_kind == "mlp" else seq_len)
-
-
 class Engine(ABC):
     """A model with a data-parallel strategy applied; see the module docstring for the contract."""
 

@@ -2,7 +2,9 @@
 
 ``model.kind`` is ``gpt`` or ``mlp`` (built in, sized by ``model.preset``), ``hf:PATH`` (a Hugging Face
 causal LM from a config file, random weights: :mod:`shardwise.models.hf`) or
-``package.module:function`` (a user's factory: :mod:`shardwise.models.factory`).
+``package.module:function`` (a user's factory: :mod:`shardwise.models.factory`). What the parallel code
+knows of each model family (blocks, tensor-parallel plan, pipeline pieces, shapes, seams) is in
+:mod:`shardwise.models.adapters`; what a kind means for the loss is here (``loss_positions``).
 
 No communication: the model is built identically on every rank (same seed, same values) and the
 strategies distribute it afterwards. Parameter counts at vocab 256, seq_len 64 (ties counted once):
@@ -30,18 +32,24 @@ from shardwise.models.mlp import MLP, MLPConfig
 
 __all__ = [
     "GPT",
+    "GPT_KIND",
     "MLP",
+    "MLP_KIND",
     "PRESETS",
     "GPTConfig",
     "MLPConfig",
     "build_model",
     "check_model_config",
     "count_parameters",
+    "loss_positions",
+    "predicted_tokens",
     "shipped_configs",
 ]
 
+GPT_KIND, MLP_KIND = "gpt", "mlp"  # the built-in kinds (model.kind), sized by a preset
+
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "gpt": {
+    GPT_KIND: {
         "tiny": {"n_layer": 2, "n_head": 2, "d_model": 64},
         # odd sizes everywhere: sharding must pad and slice across parameter boundaries
         "odd": {"n_layer": 2, "n_head": 3, "d_model": 27, "d_ff": 50},
@@ -53,7 +61,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         # heads divisible by 2 and 4 for tensor parallelism
         "odd-deep": {"n_layer": 8, "n_head": 4, "d_model": 28, "d_ff": 44},  # heads of 7; tp 2, 4 divide
     },
-    "mlp": {
+    MLP_KIND: {
         "tiny": {"context": 8, "d_embed": 16, "d_hidden": 64, "n_layer": 1},
         "odd": {"context": 8, "d_embed": 7, "d_hidden": 45, "n_layer": 2},
         "small": {"context": 16, "d_embed": 32, "d_hidden": 256, "n_layer": 2},
@@ -137,7 +145,7 @@ def _construct(cfg: ModelConfig) -> nn.Module:
     if source == "factory":
         return build_factory_model(cfg)
     sizes = _preset(cfg)
-    if cfg.kind == "gpt":
+    if cfg.kind == GPT_KIND:
         return GPT(GPTConfig(**sizes, seq_len=cfg.seq_len, dropout=cfg.dropout, tie_weights=cfg.tie_weights))
     mlp_config = MLPConfig(**sizes, dropout=cfg.dropout)
     if mlp_config.context > cfg.seq_len:
@@ -171,6 +179,17 @@ def apply_freeze(model: nn.Module, prefixes: tuple[str, ...]) -> nn.Module:
 def _matches(name: str, prefix: str) -> bool:
     prefix = prefix.rstrip(".")
     return name == prefix or name.startswith(prefix + ".")
+
+
+def loss_positions(kind: str) -> int | None:
+    """How many trailing positions of each sample carry a loss: 1 for the MLP (it predicts the token
+    after its window), None (every position) for the other kinds."""
+    return 1 if kind == MLP_KIND else None
+
+
+def predicted_tokens(kind: str, batch: int, seq_len: int) -> int:
+    """Tokens that carry a loss in a batch of ``batch`` samples of ``seq_len`` tokens of model ``kind``."""
+    return batch * (loss_positions(kind) or seq_len)
 
 
 def count_parameters(model: nn.Module) -> int:

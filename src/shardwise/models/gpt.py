@@ -7,12 +7,16 @@ blocks as in GPT-2 (Radford et al., 2019), causal attention through
 
 - the blocks live in ``self.blocks`` (an ``nn.ModuleList``): ZeRO-3 gathers one block at a time and the
   pipeline splits the model between blocks;
-- the model holds no buffers, only parameters; positions are made on the fly.
+- the model holds no buffers, only parameters; positions are made on the fly;
+- the attention between the projections is a seam: ``attn.attention``, called as
+  ``scaled_dot_product_attention`` (its default), which context parallelism will replace
+  (``models/adapters/gpt.py``: ``wrap_attention``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +57,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # queries, keys, values in one matmul
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # (q, k, v) of (batch, heads, seq, head_dim) -> (batch, heads, seq, head_dim), with
+        # scaled_dot_product_attention's keywords: the seam context parallelism replaces
+        self.attention: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -62,7 +69,7 @@ class CausalSelfAttention(nn.Module):
         heads = q.size(-1) // self.head_dim
         q, k, v = (t.view(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         dropout_p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = self.attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         y = y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)  # heads side by side
         return self.resid_dropout(self.proj(y))
 

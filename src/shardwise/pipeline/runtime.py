@@ -6,72 +6,95 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    the blocks use, a key no stage honours refused before any message is sent); ``engine.begin_step``
    (the loss divisor); the tied weight's copy on the last stage refreshed from the first stage (one
    send, when the two ends are on different ranks);
-2. every receive of the step posted at once (``irecv``, tagged by the message's key: what, stage,
-   micro-batch; ``actions.transfers`` derives them), so a peer's send never waits on this rank;
-3. the actions in order, all under ``engine.no_sync()``: ``F`` runs the stage on its input (the
-   micro-batch's token ids on the first stage, the received activation elsewhere, a leaf that
-   requires grad; every stage also reads the micro-batch's mask, positions and segment ids itself)
-   and sends its output asynchronously (``isend``); the last stage's ``F`` computes
-   the summed loss / divisor. ``B`` runs backward (``engine.backward`` on the last stage, so the loss
-   scale applies; ``torch.autograd.backward(output, received_grad)`` elsewhere) and sends the input's
-   gradient back. ``I`` computes only the input's gradient (``torch.autograd.grad(inputs=[input])``,
-   the graph retained) and sends it; ``W`` then accumulates the stage's weight gradients
-   (``torch.autograd.backward(inputs=weights)``). W walks the graph from the output again rather than
-   reusing I's intermediate gradients (torch's ``stage_backward_weight`` keeps them), so a W costs
-   about a B here: the order, and so the bubble, is the zero-bubble schedule's, the work per W is not
-   yet. A stage's activations are dropped once its B (or W) ran. Each action runs inside
+2. the actions in order, all under ``engine.no_sync()``, with this rank's messages posted at the
+   boundaries between them in the step's one order (``pipeline/messages.py``: the same order on both
+   ends of every pair, one tag for all, as NCCL needs): a send as soon as its action produced it, a
+   receive as early as that order allows; an action waits only for the messages it reads. A thread
+   of the runner's own (``collectives.comm_thread.CommThread``) posts them, in that order, so the
+   next action starts at once: gloo runs a send to a peer already waiting for it on the thread that
+   posts it (on this 2-core machine, under load, 3-5 ms per activation against 0.1 ms to a peer still
+   busy: each one the next action's delay). ``F`` runs
+   the stage on its input (the micro-batch's token ids on the first stage, the received activation
+   elsewhere, a leaf that requires grad; every stage also reads the micro-batch's mask, positions and
+   segment ids itself); the last stage's ``F`` computes the summed loss / divisor. ``B`` runs backward
+   (``engine.backward`` on the last stage, so the loss scale applies; ``torch.autograd.backward(output,
+   received_grad)`` elsewhere) and sends the input's gradient back. ``I`` is the same backward with the
+   stage's ``WeightGradStore`` collecting: every linear layer's weight gradient is kept as its
+   (input, output gradient) instead of computed (``engine/linear.py``; the split patches the stage's
+   linear layers), everything else gets its gradient, the graph is freed. ``W`` computes the kept
+   weight gradients (a matmul each, accumulated through the weights' gradient accumulators) and
+   nothing else: no graph walked again, no block recomputed under activation checkpointing. A stage's
+   activations are dropped once its B or I ran, its kept ones once its W ran. Each action runs inside
    ``engine.pipeline_stage(the stage's parameters)``: ZeRO-3 gathers them there as they are used and
-   releases them after (every replica of a stage runs the same actions, so the dp group's gathers
-   match), and keeps the gradients local until ``finish_grads``;
-   Each action is one span in the trace (``--trace``: lane "pipeline", named as printed, ``0F1``);
-4. the tied weight's copy sends its gradient to the first stage, which adds it to the parameter's
+   releases them after (a W uses none: the weight gradient needs no weight), and keeps the gradients
+   local until ``finish_grads``. Each action is one span in the trace (``--trace``: lane "pipeline",
+   named as printed, ``0F1``);
+3. the tied weight's copy sends its gradient to the first stage, which adds it to the parameter's
    (every backward ran under ``no_sync``, so the gradient is still local); then ``finish_grads``: the
    data-parallel exchange, once per step, each stage over its own dp group.
 
 Empty micro-batches (a dp rank's share smaller than the micro-batch count) are skipped by every stage
 alike: each pp rank draws the same micro-batches (the samplers shard by dp rank; a user's own
 ``batches=`` stream must be the same on the pp ranks of one pipeline), so only activations and their
-gradients travel. The loss exists on the last stage only; that rank
-returns its share and every other rank 0, so the shares still sum, over all ranks that train, to the
-global mean (``Engine.loss_comm`` is the group they sum over). Communication: point-to-point between
-adjacent stages' ranks over the pp axis (Narayanan et al. 2021, arXiv:2104.04473; Qi et al. 2023,
-arXiv:2401.10241 for I and W).
+gradients travel, and the messages of an empty micro-batch are dropped at both ends. The loss exists
+on the last stage only; that rank returns its share and every other rank 0, so the shares still sum,
+over all ranks that train, to the global mean (``Engine.loss_comm`` is the group they sum over).
+Communication: point-to-point between adjacent stages' ranks over the pp axis (Narayanan et al. 2021,
+arXiv:2104.04473; Qi et al. 2023, arXiv:2401.10241 for I and W).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise.collectives.api import Comm
-from shardwise.collectives.p2p import Done, Work
+from shardwise.collectives.comm_thread import CommThread
+from shardwise.collectives.p2p import Work
+from shardwise.engine.linear import DeferredWeightGrad, WeightGradStore, apply_weight_grads
 from shardwise.engine.loss import rows
 from shardwise.observe.monitor import MONITOR
-from shardwise.pipeline.actions import Action, Kind, Transfer, transfers
+from shardwise.pipeline.actions import Action, Kind, Transfer
+from shardwise.pipeline.deferred import defer_weight_grads
+from shardwise.pipeline.messages import plan
 from shardwise.pipeline.split import Split, StageInputs
 
 if TYPE_CHECKING:
     from shardwise.engine.base import Engine
 
-_TIE_TAG = (1 << 20) - 1  # the tied weight's own messages, apart from every keyed one
-
-
-def message_tag(transfer: Transfer, microbatches: int) -> int:
-    """A tag unique to a message's key (what, stage, micro-batch) within a step."""
-    return ((transfer.stage * microbatches + transfer.microbatch) * 2) + (transfer.what == "gradient")
+TAG = 0  # every message of the pipeline: they are matched by their order alone, as NCCL matches them
+Schedule = Mapping[int, Sequence[Action]]
 
 
 class PipelineRunner:
-    """Runs ``schedule(microbatches)`` on this pp rank; see the module docstring."""
+    """Runs ``schedule(microbatches)[this rank]`` on this pp rank; see the module docstring."""
 
-    def __init__(self, split: Split, comm: Comm, placement: Sequence[int], schedule: Any) -> None:
+    def __init__(
+        self, split: Split, comm: Comm, placement: Sequence[int], schedule: Callable[[int], Schedule],
+        split_backward: bool = False,
+    ) -> None:  # fmt: skip
         self.split, self.comm, self.placement = split, comm, tuple(placement)
-        self.schedule = schedule  # microbatches -> this rank's [Action]
+        self.schedule = schedule  # microbatches -> every rank's [Action]
         self.last_stage = len(self.placement) - 1
+        self.weight_grads = WeightGradStore() if split_backward else None
+        if self.weight_grads is not None:  # the I passes keep each linear layer's dW for the W pass
+            defer_weight_grads(next(iter(split.stages.values())).adapter.model, self.weight_grads)
+        self._plans: dict[int, tuple[list[Action], list[list[Transfer]]]] = {}
+        self._posting = CommThread()  # posts this rank's messages, in order, off the compute thread
+
+    def step_plan(self, microbatches: int) -> tuple[list[Action], list[list[Transfer]]]:
+        """This rank's actions and the messages it posts before each (and after the last), cached."""
+        if microbatches not in self._plans:
+            every = self.schedule(microbatches)
+            actions = list(every[self.comm.rank])
+            if self.weight_grads is None and any(a.kind is Kind.INPUT_GRAD for a in actions):
+                raise ValueError("a schedule with I and W actions needs PipelineRunner(split_backward=True)")
+            self._plans[microbatches] = (actions, plan(every, self.placement)[self.comm.rank])
+        return self._plans[microbatches]
 
     # -- the step -------------------------------------------------------------------------------
     def forward_backward(self, engine: Engine, micro_batches: Sequence[Any], global_count: float) -> float:
@@ -79,16 +102,16 @@ class PipelineRunner:
         given = [self.split.inputs(batch) for batch in micro_batches]
         divisor = engine.begin_step(micro_batches, global_count)
         self._refresh_tied(engine)
-        m = len(micro_batches)
-        plan = transfers(self.comm.rank, self.schedule(m), self.placement)
+        actions, posts = self.step_plan(len(micro_batches))
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
-        pending = self._post_receives(plan, given, empty, engine)
-        state = _StepState(pending, given, engine.device)
+        state = _StepState(given, _dtype(engine), self.split.hidden_size, engine.device)
         with engine.no_sync():
-            for action, recvs, sends in plan:
-                if action.microbatch in empty:
-                    continue
-                self._run(engine, action, recvs, sends, micro_batches[action.microbatch], divisor, state)
+            for action, boundary in zip(actions, posts, strict=False):
+                self._post(boundary, empty, state)
+                if action.microbatch not in empty:
+                    self._receive(action, state)  # before its span: the span is its compute alone
+                    self._run(engine, action, micro_batches[action.microbatch], divisor, state)
+        self._post(posts[-1], empty, state)
         for work in state.sends:
             work.wait()
         self._reduce_tied()
@@ -98,87 +121,66 @@ class PipelineRunner:
             return engine.step_loss(float(state.share))
         return 0.0
 
-    def _post_receives(
-        self, plan: list[tuple[Action, list[Transfer], list[Transfer]]], given: Sequence[StageInputs],
-        empty: set[int], engine: Engine,
-    ) -> dict[tuple[str, int, int], tuple[torch.Tensor, Work]]:  # fmt: skip
-        dtype = _dtype(engine)
-        pending = {}
-        for action, recvs, _ in plan:
-            if action.microbatch in empty:
+    def _post(self, boundary: list[Transfer], empty: set[int], state: _StepState) -> None:
+        """This boundary's sends and receives, in the step's one order (``pipeline/messages.py``),
+        handed to the posting thread (module docstring), which posts them in that order."""
+        for t in boundary:
+            if t.microbatch in empty:  # dropped at both ends alike
                 continue
-            for t in recvs:
-                shape = self._hidden_shape(given[t.microbatch])
-                buffer = torch.empty(shape, dtype=dtype, device=engine.device)  # the stage's device
-                pending[t.key] = (buffer, self.comm.irecv(buffer, t.peer, message_tag(t, len(given))))
-        return pending
+            if t.op == "send":
+                tensor = state.outbox.pop(t.key)
+                state.sends.append(_Posted(self._posting, self.comm.isend, tensor, t.peer))
+            else:
+                buffer = state.buffer(t.microbatch)
+                state.pending[t.key] = (buffer, _Posted(self._posting, self.comm.irecv, buffer, t.peer))
 
-    def _hidden_shape(self, given: StageInputs) -> tuple[int, int, int]:
-        ids = given.ids
-        return (int(ids.shape[0]), int(ids.shape[1]), self.split.hidden_size)  # (batch, seq, hidden)
-
-    def _run(
-        self, engine: Engine, action: Action, recvs: list[Transfer], sends: list[Transfer], batch: Any,
-        divisor: float, state: _StepState,
-    ) -> None:  # fmt: skip
-        for t in recvs:  # wait for this action's messages first, so its span below is compute alone
-            if t.key in state.pending:
-                buffer, work = state.pending[t.key]
-                work.wait()
-                state.pending[t.key] = (buffer, Done())  # gloo's work hangs if waited for twice
+    def _run(self, engine: Engine, action: Action, batch: Any, divisor: float, state: _StepState) -> None:
         started = time.monotonic()
         # ZeRO-3: the stage's parameters gathered as they are used, released after
         with engine.pipeline_stage(self.split.params[action.stage], action.kind is Kind.INPUT_GRAD):
-            self._compute(engine, action, sends, batch, divisor, state)
+            if action.kind is Kind.FORWARD:
+                MONITOR.set_phase("forward")
+                self._forward(engine, action, batch, divisor, state)
+            elif action.kind is Kind.WEIGHT_GRAD:
+                MONITOR.set_phase("backward")
+                apply_weight_grads(state.kept.pop((action.stage, action.microbatch)))
+            else:
+                MONITOR.set_phase("backward")
+                self._backward(engine, action, state)
         # one span per action (with --trace): what observe.plots and the pipeline bench read as busy time
         MONITOR.span(
             str(action), "compute", "actions", started,
             stage=action.stage, kind=action.kind.value, microbatch=action.microbatch,
         )  # fmt: skip
 
-    def _compute(
-        self, engine: Engine, action: Action, sends: list[Transfer], batch: Any, divisor: float,
-        state: _StepState,
-    ) -> None:  # fmt: skip
-        key = (action.stage, action.microbatch)
+    def _receive(self, action: Action, state: _StepState) -> None:
+        """Wait for the message ``action`` reads, if it comes from another rank."""
         if action.kind is Kind.FORWARD:
-            MONITOR.set_phase("forward")
-            self._forward(engine, action, batch, divisor, state)
-            for t in sends:
-                out = state.outputs[key]
-                state.sends.append(
-                    self.comm.isend(out.detach().contiguous(), t.peer, message_tag(t, state.m))
-                )
+            key = ("activation", action.stage - 1, action.microbatch)
+        elif action.kind is Kind.WEIGHT_GRAD:
             return
-        MONITOR.set_phase("backward")
-        if action.kind is Kind.WEIGHT_GRAD:
-            self._weights(action, state)
-            return
-        grad = self._incoming(action, "gradient", action.stage + 1, state)
-        inp = state.inputs[key]
-        if action.kind is Kind.BACKWARD:
-            self._backward(engine, action, grad, state)
-            input_grad = inp.grad if inp.requires_grad else None
-            state.forget(key)
         else:
-            input_grad = self._input_grad(engine, action, grad, state)
-        if action.stage > 0:
-            assert input_grad is not None
-            if self.placement[action.stage - 1] == self.comm.rank:  # the turn of a V: handed over here
-                state.local[("gradient", action.stage, action.microbatch)] = input_grad
-            for t in sends:
-                state.sends.append(self.comm.isend(input_grad.contiguous(), t.peer, message_tag(t, state.m)))
-
-    def _incoming(self, action: Action, what: str, producer: int, state: _StepState) -> torch.Tensor | None:
-        """The message ``(what, producer, mb)`` this action consumes: received, or handed over locally."""
-        key = (what, producer, action.microbatch)
-        if key in state.local:
-            return state.local.pop(key)
+            key = ("gradient", action.stage + 1, action.microbatch)
         if key in state.pending:
             buffer, work = state.pending.pop(key)
             work.wait()
-            return buffer
-        return None
+            state.local[key] = buffer
+
+    def _incoming(self, what: str, producer: int, microbatch: int, state: _StepState) -> torch.Tensor | None:
+        """The message ``(what, producer, mb)`` an action reads (received, or handed over on this rank)."""
+        return state.local.pop((what, producer, microbatch), None)
+
+    def _hand_on(
+        self, what: str, stage: int, microbatch: int, tensor: torch.Tensor, state: _StepState
+    ) -> None:
+        """What an action produced for the next (F) or previous (B, I) stage: kept for the boundary's
+        send, or handed over in place where that stage is on this rank (the turn of a V)."""
+        consumer = stage + 1 if what == "activation" else stage - 1
+        key = (what, stage, microbatch)
+        if self.placement[consumer] == self.comm.rank:
+            state.local[key] = tensor
+        else:  # in the dtype the receiver's buffer has (a no-op unless a stage ends in another)
+            state.outbox[key] = tensor.to(state.dtype).contiguous()
 
     def _forward(self, engine: Engine, action: Action, batch: Any, divisor: float, state: _StepState) -> None:
         stage = self.split.stages[action.stage]
@@ -187,7 +189,7 @@ class PipelineRunner:
         if stage.first:
             x = given.ids
         else:
-            received = self._incoming(action, "activation", action.stage - 1, state)
+            received = self._incoming("activation", action.stage - 1, action.microbatch, state)
             assert received is not None, f"no activation for {action}"
             x = received.detach().requires_grad_(True)
         with _autocast(engine):
@@ -199,46 +201,25 @@ class PipelineRunner:
             state.outputs[key] = loss
         else:
             state.outputs[key] = out
-            if self.placement[action.stage + 1] == self.comm.rank:
-                state.local[("activation", action.stage, action.microbatch)] = out.detach()
+            self._hand_on("activation", action.stage, action.microbatch, out.detach(), state)
 
-    def _backward(self, engine: Engine, action: Action, grad: torch.Tensor | None, state: _StepState) -> None:
-        out = state.outputs[(action.stage, action.microbatch)]
-        if self.split.stages[action.stage].last:
-            engine.backward(out)  # the loss scale applies
-        else:
-            torch.autograd.backward(out, grad)
-
-    def _seed(
-        self, engine: Engine, action: Action, grad: torch.Tensor | None, state: _StepState
-    ) -> torch.Tensor:
-        """The gradient backward starts from: the received one, or the loss scale on the last stage."""
-        if grad is not None:
-            return grad
-        out = state.outputs[(action.stage, action.microbatch)]
-        scale = engine.scaler.scale if engine.scaler.enabled else 1.0
-        return torch.full_like(out, scale)
-
-    def _input_grad(
-        self, engine: Engine, action: Action, grad: torch.Tensor | None, state: _StepState
-    ) -> torch.Tensor | None:
+    def _backward(self, engine: Engine, action: Action, state: _StepState) -> None:
+        """B, or I with the stage's weight gradients kept for its W (the same backward otherwise)."""
         key = (action.stage, action.microbatch)
-        state.seeds[key] = self._seed(engine, action, grad, state)
-        inp = state.inputs[key]
-        if not inp.requires_grad:  # the first stage: no input gradient, W does all of the backward
-            return None
-        (input_grad,) = torch.autograd.grad(state.outputs[key], [inp], state.seeds[key], retain_graph=True)
-        return input_grad
-
-    def _weights(self, action: Action, state: _StepState) -> None:
-        key = (action.stage, action.microbatch)
-        weights: list[torch.Tensor] = list(self.split.params[action.stage])
-        tied = self.split.tied
-        if tied is not None and self.split.stages[action.stage].last and tied.copy.requires_grad:
-            weights.append(tied.copy)
-        if weights:
-            torch.autograd.backward(state.outputs[key], state.seeds[key], inputs=weights)
-        state.forget(key)
+        out, inp = state.outputs.pop(key), state.inputs.pop(key)
+        grad = self._incoming("gradient", action.stage + 1, action.microbatch, state)
+        store = self.weight_grads if action.kind is Kind.INPUT_GRAD else None
+        collecting: Any = store.collect() if store is not None else nullcontext([])
+        with collecting as kept:
+            if self.split.stages[action.stage].last:
+                engine.backward(out)  # the loss scale applies
+            else:
+                torch.autograd.backward(out, grad)
+        if store is not None:
+            state.kept[key] = kept
+        if action.stage > 0:
+            assert inp.grad is not None, f"no input gradient in {action}"
+            self._hand_on("gradient", action.stage, action.microbatch, inp.grad, state)
 
     # -- evaluation ---------------------------------------------------------------------------------
     def evaluate(self, engine: Engine, batches: Sequence[Any]) -> tuple[float, int]:
@@ -269,14 +250,15 @@ class PipelineRunner:
             elif self.placement[s - 1] == me and hidden is not None:
                 x = hidden
             else:
-                x = torch.empty(self._hidden_shape(given), dtype=_dtype(engine), device=engine.device)
-                self.comm.recv(x, self.placement[s - 1], s)
+                x = _hidden_buffer(given.ids, self.split.hidden_size, _dtype(engine), engine.device)
+                self.comm.recv(x, self.placement[s - 1], TAG)
             with _autocast(engine), engine.pipeline_stage(self.split.params[s]):
                 hidden = stage(x, given)
             if stage.last:
                 loss = engine.loss(hidden, batch).detach().to(torch.float64)
             elif self.placement[s + 1] != me:
-                sends.append(self.comm.isend(hidden.contiguous(), self.placement[s + 1], s + 1))
+                outgoing = hidden.to(_dtype(engine)).contiguous()  # the receiver's buffer's dtype
+                sends.append(self.comm.isend(outgoing, self.placement[s + 1], TAG))
         for work in sends:
             work.wait()
         return loss
@@ -289,54 +271,78 @@ class PipelineRunner:
         """The first stage's weight to the last stage's copy (they differ after every update)."""
         if (owner := self.split.tied_owner) is not None:
             with engine.pipeline_stage([owner]):  # ZeRO-3: the owner's values gathered first
-                self.comm.send(owner.detach().contiguous(), self._tie_peer(), _TIE_TAG)
-        elif self.split.tied is not None:
-            self.comm.recv(self.split.tied.copy.data, self._tie_peer(), _TIE_TAG)
+                self.comm.send(owner.detach().contiguous(), self._tie_peer(), TAG)
+        elif self.split.tied is not None:  # in the owner's dtype (ZeRO's compute copies: the compute one)
+            self.split.tied.match(_dtype(engine))
+            self.comm.recv(self.split.tied.copy.data, self._tie_peer(), TAG)
 
     def _reduce_tied(self) -> None:
         """The last stage's gradient of the tied weight added to the first stage's, before the dp exchange."""
         owner, tied = self.split.tied_owner, self.split.tied
         if owner is not None and owner.requires_grad:
             incoming = torch.empty_like(owner)
-            self.comm.recv(incoming, self._tie_peer(), _TIE_TAG)
+            self.comm.recv(incoming, self._tie_peer(), TAG)
             if owner.grad is None:
                 owner.grad = incoming
             else:
                 owner.grad.add_(incoming)
         elif tied is not None and tied.copy.requires_grad:
             grad = tied.copy.grad if tied.copy.grad is not None else torch.zeros_like(tied.copy)
-            self.comm.send(grad.contiguous(), self._tie_peer(), _TIE_TAG)
+            self.comm.send(grad.contiguous(), self._tie_peer(), TAG)
             tied.copy.grad = None
+
+
+class _Posted:
+    """A message handed to the posting thread: ``wait()`` waits until it is posted, then until it is
+    done (and re-raises what went wrong on either)."""
+
+    def __init__(
+        self, thread: CommThread, post: Callable[[torch.Tensor, int, int], Work], tensor: torch.Tensor,
+        peer: int,
+    ) -> None:  # fmt: skip
+        self._work: Work | None = None
+
+        def run() -> None:
+            self._work = post(tensor, peer, TAG)
+
+        self._posted = thread.submit(run)
+
+    def wait(self) -> object:
+        self._posted.wait()
+        assert self._work is not None
+        return self._work.wait()
 
 
 class _StepState:
     """What one step keeps between actions: inputs and outputs by (stage, mb), messages, the loss."""
 
     def __init__(
-        self,
-        pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]],
-        given: list[StageInputs],
-        device: torch.device,
+        self, given: list[StageInputs], dtype: torch.dtype, hidden: int, device: torch.device
     ) -> None:
-        self.pending = pending
         self.given = given  # by micro-batch: the token ids and extras every stage reads of it
-        self.m = len(given)
-        self.local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.dtype, self.hidden, self.device = dtype, hidden, device
+        self.pending: dict[tuple[str, int, int], tuple[torch.Tensor, Work]] = {}  # receives posted
+        self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, sent at the next boundary
+        self.local: dict[tuple[str, int, int], torch.Tensor] = {}  # arrived, or handed over on this rank
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.seeds: dict[tuple[int, int], torch.Tensor] = {}
+        self.kept: dict[tuple[int, int], list[DeferredWeightGrad]] = {}  # I's weight gradients, for W
         self.sends: list[Work] = []
         self.share = torch.zeros((), dtype=torch.float64, device=device)
 
-    def forget(self, key: tuple[int, int]) -> None:
-        """Free a stage's activations for a micro-batch once its backward is done."""
-        for store in (self.inputs, self.outputs, self.seeds):
-            store.pop(key, None)
+    def buffer(self, microbatch: int) -> torch.Tensor:
+        """A receive buffer for an activation or gradient of micro-batch ``microbatch``."""
+        return _hidden_buffer(self.given[microbatch].ids, self.hidden, self.dtype, self.device)
+
+
+def _hidden_buffer(ids: torch.Tensor, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A hidden state's buffer for a micro-batch of token ids ``ids``, on the stage's device."""
+    return torch.empty((int(ids.shape[0]), int(ids.shape[1]), hidden), dtype=dtype, device=device)
 
 
 def _dtype(engine: Engine) -> torch.dtype:
-    if engine.autocast_dtype is not None:
-        return engine.autocast_dtype
+    """What crosses a stage boundary is in the parameters' dtype: under autocast the residual stream
+    stays in it (the autocast dtype is only the matmuls'), ZeRO's compute copies are in theirs."""
     return next((p.dtype for p in engine.model.parameters()), torch.float32)
 
 

@@ -319,6 +319,7 @@ def stage_placement(name: str, pp: int, virtual: int) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m shardwise.pipeline.schedules NAME PP VIRTUAL MICROBATCHES``: print, check, simulate."""
+    from shardwise.pipeline.messages import check_same_order, plan
     from shardwise.pipeline.simulate import Costs, format_timeline, simulate
     from shardwise.pipeline.validate import ScheduleError, validate
 
@@ -337,11 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_schedule(schedule))
+    sent = check_same_order(plan(schedule, where))
     # a pair is one stage's activations for one micro-batch: with v stages a rank, 1/v of its layers
     print(
         f"most (stage, micro-batch) activations held per rank, F to B/I: {report.peak_in_flight}; "
         f"F to W: {report.peak_held}" + (f" (each 1/{virtual} of the rank's layers)" if virtual > 1 else "")
     )
+    print(f"{sent} messages a step, posted in one order at both ends of every pair")
     costs = Costs.uniform(forward=1.0, backward=2.0)
     print(format_timeline(simulate(schedule, where, costs)))
     return 0

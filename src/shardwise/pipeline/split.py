@@ -12,7 +12,7 @@ yet.) Each ``Stage`` is a callable: the micro-batch's token ids (first stage) or
 other) in, the hidden state (or, on the last, the logits) out. What every block needs besides the hidden
 state (the causal mask with the batch's padding, position ids, Llama's rotary tables) is derived on
 each stage from the micro-batch (``StageInputs``), as the whole model's forward derives it, so nothing
-but the hidden state crosses a stage boundary (``pipeline/adapters.py``, one adapter per family).
+but the hidden state crosses a stage boundary (each family's adapter, ``models/adapters/``).
 
 A weight tied across the first and the last stage (the GPT's embedding used as its head) stays a
 parameter of the first stage only; the last stage's head reads a plain-tensor copy (``Split.tied``)
@@ -22,8 +22,9 @@ gradients, is updated once and written to checkpoints once (Narayanan et al. 202
 copies' gradients instead; the sum is the same). Where one rank holds both ends (the V schedules)
 the weight stays tied as in the plain model.
 
-Supported models: the built-in GPT (``models/gpt.py``) and Hugging Face GPT-2 and Llama causal LMs, or
-subclasses that keep their forward (a forward of one's own is refused by name: a stage would skip it).
+Supported models: those with an adapter (``models/adapters/``: the built-in GPT, Hugging Face GPT-2 and
+Llama), or subclasses that keep their forward (a forward of one's own is refused by name: a stage would
+skip it); any other model is refused by name, never run by calling its blocks in sequence.
 No communication here.
 """
 
@@ -36,10 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.pipeline.adapters import Adapter, SplitError, StageInputs, adapter_for
-from shardwise.pipeline.adapters import get_module as _get
+from shardwise.models.adapters import ModelAdapter, SplitError, StageInputs, pipeline_adapter
+from shardwise.models.adapters import get_module as _get
+from shardwise.pipeline.stages import balance
 
-__all__ = ["Adapter", "Split", "SplitError", "Stage", "StageInputs", "Tied", "adapter_for", "split_model"]
+__all__ = ["Split", "SplitError", "Stage", "StageInputs", "Tied", "balance", "split_model"]
 
 
 @dataclass
@@ -48,43 +50,21 @@ class Tied:
 
     owner_name: str
     copy: torch.Tensor  # a leaf that requires grad like the parameter; refreshed every step
+    user: nn.Module | None = None  # the module whose ``weight`` the copy is (the head)
+
+    def match(self, dtype: torch.dtype) -> None:
+        """Make the copy ``dtype`` (the owner's, once an engine casts its parameters: ZeRO's compute
+        copies), the head reading the new one."""
+        if self.copy.dtype != dtype:
+            self.copy = torch.empty_like(self.copy, dtype=dtype).requires_grad_(self.copy.requires_grad)
+            if self.user is not None:
+                object.__setattr__(self.user, "weight", self.copy)
 
 
 def _drop(root: nn.Module, path: str) -> None:
     parent, _, name = path.rpartition(".")
     owner = _get(root, parent) if parent else root
     owner._modules[name] = None  # named_parameters skips it: the parameters are no longer this rank's
-
-
-def balance(costs: Sequence[int], stages: int) -> list[list[int]]:
-    """Contiguous runs of block indices, one per stage, each non-empty, minimising the largest sum of
-    ``costs`` (dynamic programming over cut points; blocks are few)."""
-    n = len(costs)
-    if n < stages:
-        raise SplitError(
-            f"the model has {n} blocks but the pipeline has {stages} stages (pp x virtual stages); "
-            f"every stage needs at least one block: lower --pp or --virtual-stages"
-        )
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[s][i]: the smallest largest-stage cost putting blocks [0, i) on s stages
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    runs, end = [], n
-    for s in range(stages, 0, -1):
-        start = cut[s][end]
-        runs.append(list(range(start, end)))
-        end = start
-    return runs[::-1]
 
 
 def named_boundaries(names: Sequence[str], blocks_path: str, blocks: int, stages: int) -> list[list[int]]:
@@ -127,12 +107,17 @@ def _block_index(name: str, blocks_path: str, blocks: int) -> int | None:
 def plan_stages(model: nn.Module, stages: int, boundaries: Sequence[str] = ()) -> list[list[int]]:
     """Every stage's blocks: at ``boundaries`` when given (see ``named_boundaries``), else balanced by
     parameter count. Inspects the module tree only (the model may be on the meta device)."""
-    adapter = adapter_for(model)
+    adapter = pipeline_adapter(model)
     container = adapter.blocks()
     if not isinstance(container, nn.ModuleList):
         raise SplitError(f"{adapter.blocks_path} is not an nn.ModuleList; the model was split already?")
     if boundaries:
         return named_boundaries(boundaries, adapter.blocks_path, len(container), stages)
+    if len(container) < stages:
+        raise SplitError(
+            f"the model has {len(container)} blocks but the pipeline has {stages} stages (pp x virtual "
+            "stages); every stage needs at least one block: lower --pp or --virtual-stages"
+        )
     return balance([sum(p.numel() for p in b.parameters()) for b in container], stages)
 
 
@@ -144,7 +129,7 @@ class Stage:
     blocks: list[int]
     first: bool
     last: bool
-    adapter: Adapter
+    adapter: ModelAdapter
 
     def __call__(self, x: torch.Tensor, inputs: StageInputs | None = None) -> torch.Tensor:
         """``x``: the token ids (first stage) or the hidden state; ``inputs``: the micro-batch's (its
@@ -179,7 +164,7 @@ def split_model(
 ) -> Split:
     """Keep on ``model`` only what pipeline rank ``rank`` holds under ``placement`` (stage -> rank);
     ``boundaries``: the blocks stages 1.. start at (``parallel.pp_split``), empty to balance."""
-    adapter = adapter_for(model)
+    adapter = pipeline_adapter(model)
     stages = len(placement)
     assignment = plan_stages(model, stages, boundaries)
     blocks = list(adapter.blocks())
@@ -197,7 +182,7 @@ def split_model(
             copy = owner_param.detach().clone().requires_grad_(owner_param.requires_grad)
             del head._parameters["weight"]
             object.__setattr__(head, "weight", copy)  # a plain tensor: not this rank's parameter
-            tied = Tied(pair[0], copy)
+            tied = Tied(pair[0], copy, head)
     kept = {str(i): blocks[i] for s in held for i in assignment[s]}
     parent, _, name = adapter.blocks_path.rpartition(".")
     (_get(model, parent) if parent else model)._modules[name] = nn.ModuleDict(kept)
@@ -221,7 +206,7 @@ def split_model(
     return split
 
 
-def _stage_params(model: nn.Module, adapter: Adapter, stage: Stage) -> list[nn.Parameter]:
+def _stage_params(model: nn.Module, adapter: ModelAdapter, stage: Stage) -> list[nn.Parameter]:
     """The trainable parameters stage ``stage`` uses (its blocks, and the ends it owns)."""
     modules: list[nn.Module] = [adapter.blocks()[str(i)] for i in stage.blocks]
     paths = (adapter.first_modules if stage.first else ()) + (adapter.last_modules if stage.last else ())

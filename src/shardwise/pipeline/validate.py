@@ -11,16 +11,17 @@ Rules, for ``S`` stages placed on ranks by ``placement`` and ``m`` micro-batches
    produced (a blocking receive). If no rank can move, the ranks wait on each other in a cycle, which
    the error names, rank by rank, with the action each is stuck at and the one it waits for;
 5. messages: derived from the list (``actions.transfers``), so once rule 2 holds every send meets
-   exactly one receive by construction; ``Report.messages`` counts them, and ``Report.same_order``
-   says whether each pair of ranks sends and receives them in the same order. It does not for most
-   interleaved and V schedules, so the runtime matches messages by (kind, stage, micro-batch), never
-   by arrival order. The model has sends never block (the runtime's are asynchronous); only a
-   receive waits.
+   exactly one receive by construction; ``Report.messages`` counts them. The order the runtime posts
+   them in (the same at both ends of every pair, as NCCL needs) is ``messages.plan``'s, checked by
+   ``messages.check_same_order``. The model has sends never block (the runtime's are asynchronous);
+   only a receive waits.
 
 Memory: ``peak_in_flight[r]`` is the most (stage, micro-batch) pairs rank r holds between F and B/I
-(activations waiting for their backward); ``peak_held[r]`` keeps a pair until its W as well, since W
-needs the stored layer inputs too. Each pair is one stage's activations for one micro-batch; with v
-chunks per rank a stage is 1/v of the rank's layers. Communication: none (pure).
+(activations waiting for their backward); ``peak_held[r]`` keeps a pair until its W as well.
+Between I and W a pair no longer holds its activations, only what W reads (each linear layer's input
+and output gradient, ``engine/linear.py``): ``peak_activations`` weighs the two spans apart. Each
+pair is one stage's activations for one micro-batch; with v chunks per rank a stage is 1/v of the
+rank's layers. Communication: none (pure).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ class Report:
     peak_in_flight: dict[int, int]  # rank -> most (stage, mb) between F and B/I
     peak_held: dict[int, int]  # rank -> most (stage, mb) between F and B/W
     messages: int  # point-to-point messages per step, all ranks
-    same_order: bool  # every rank pair receives in the order it sends (else match messages by key)
 
 
 def validate(schedule: Mapping[int, Sequence[Action]], placement: Sequence[int], microbatches: int) -> Report:
@@ -55,12 +55,11 @@ def validate(schedule: Mapping[int, Sequence[Action]], placement: Sequence[int],
     _check_ranks(schedule, placement, microbatches)
     backward_kind = _check_complete(schedule, len(placement), microbatches)
     _check_order_and_deadlock(schedule, placement, backward_kind)
-    sent, received = _messages(schedule, placement)
+    sends = [t for r, acts in schedule.items() for _, _, out in transfers(r, acts, placement) for t in out]
     return Report(
         peak_in_flight={r: _peak(acts, frees=(B, I)) for r, acts in schedule.items()},
         peak_held={r: _peak(acts, frees=(B, W)) for r, acts in schedule.items()},
-        messages=sum(len(keys) for keys in sent.values()),
-        same_order=sent == received,
+        messages=len(sends),
     )
 
 
@@ -199,21 +198,25 @@ def _describe_deadlock(
     return f"deadlock: {links}"
 
 
-def _messages(
-    schedule: Mapping[int, Sequence[Action]], placement: Sequence[int]
-) -> tuple[
-    dict[tuple[int, int], list[tuple[str, int, int]]], dict[tuple[int, int], list[tuple[str, int, int]]]
-]:
-    """(src, dst) -> message keys in the sender's order, and in the receiver's order."""
-    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    received: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    for rank, actions in schedule.items():
-        for _, recvs, sends in transfers(rank, actions, placement):
-            for t in recvs:
-                received.setdefault((t.peer, rank), []).append(t.key)
-            for t in sends:
-                sent.setdefault((rank, t.peer), []).append(t.key)
-    return sent, received
+def peak_activations(actions: Sequence[Action], in_flight: float = 1.0, kept: float = 1.0) -> float:
+    """The most a rank running ``actions`` holds at once: ``in_flight`` per (stage, micro-batch) pair
+    from its F to its B or I (what the stage saved for backward), ``kept`` per pair from its I to its W
+    (what the W pass reads); both in the caller's unit (bytes of one stage's pair, or 1)."""
+    live: set[tuple[int, int]] = set()
+    waiting: set[tuple[int, int]] = set()
+    peak = 0.0
+    for action in actions:
+        key = (action.stage, action.microbatch)
+        if action.kind is F:
+            live.add(key)
+        elif action.kind is I:
+            live.discard(key)
+            waiting.add(key)
+        else:
+            live.discard(key)
+            waiting.discard(key)
+        peak = max(peak, in_flight * len(live) + kept * len(waiting))
+    return peak
 
 
 def _peak(actions: Sequence[Action], frees: tuple[Kind, Kind]) -> int:

@@ -56,10 +56,12 @@ does. With activation checkpointing a block keeps only its input, and backward r
 time. Outside the blocks: the final
 norm's and the head's inputs, and the logits peak at the loss (the logits, their fp32 log-softmax, and
 the gradients of each). With pipeline parallelism (Narayanan et al.,
-SC 2021), a stage holds ceil(L/pp) blocks, and the micro-batches in flight come from the pipeline's own
-validator (``pipeline.validate``: the most (stage, micro-batch) pairs a rank holds until their backward,
-its weight gradient too for the zero-bubble schedules; the worst rank), each pair 1/v of a rank's blocks
-with v virtual stages; 1F1B gives min(m, pp) on the first stage.
+SC 2021) every rank is estimated with its own share and the largest reported (``planner/pipeline.py``):
+its blocks as the split balances them, the embeddings on the first stage, the head, the logits and a
+tied embedding's copy on the last, and its own micro-batches in flight from the pipeline's validator
+(``pipeline.validate.peak_activations``: a (stage, micro-batch) pair holds the stage's saved tensors
+from F to B or I, and from a zero-bubble I to its W each linear layer's input and output gradient;
+each pair 1/v of a rank's blocks with v virtual stages); 1F1B gives min(m, pp) on the first stage.
 
 A framework overhead (``Calibration.overhead_bytes``: the allocator, the runtime, measured once in one
 process without a strategy) is added as one constant, never fitted on the layout being checked.
@@ -67,13 +69,13 @@ process without a strategy) is added as one constant, never fitted on the layout
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 from shardwise.config import ConfigError
 from shardwise.planner.calibration import Calibration
 from shardwise.planner.model import ModelShape
+from shardwise.planner.pipeline import RankShare, head_kept_per_token, kept_per_token, pair_peak, rank_shares
 
 STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -346,6 +348,7 @@ class MemoryEstimate:
     host: dict[str, float] = field(default_factory=dict)
     micro_batch: int = 1  # sequences per micro-batch per rank
     phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    pp_rank: int | None = None  # on a pipeline: the rank estimated (the worst)
 
     def in_phase(self, phase: str) -> float:
         return sum(v for k, v in self.device.items() if phase in self.phases.get(k, ALWAYS))
@@ -381,22 +384,22 @@ def micro_batch_size(training: Training, layout: Layout) -> int:
     return training.global_batch // share
 
 
-def _stage_psi(model: ModelShape, layout: Layout) -> tuple[float, float, float]:
-    """(Ψ, block, root) parameters one rank's data-parallel layer manages, on the heaviest pipeline
-    rank: a stage's share of the blocks (rounded up) and the heavier end's parameters (the root:
-    embeddings, or final norm and untied head; everything outside the blocks without a pipeline),
-    each divided by tp (norms, replicated, counted whole would be a rounding error)."""
-    blocks = math.ceil(model.n_layer / layout.pp)
+def _stage_psi(model: ModelShape, layout: Layout, share: RankShare) -> tuple[float, float, float]:
+    """(Ψ, block, root) parameters one rank's data-parallel layer manages: its stages' blocks and the
+    part of the root it holds (the embeddings on the first stage, the final norm and an untied head
+    on the last), each divided by tp (norms, replicated, counted whole would be a rounding error)."""
     block = model.block_params / layout.tp
-    root = model.end_params(layout.pp) / layout.tp
-    return blocks * block + root, block, root
+    embeddings = (model.vocab + model.positions) * model.d_model
+    held = (embeddings if share.first else 0) + (model.root_params - embeddings if share.last else 0)
+    root = held / layout.tp
+    return share.blocks * block + root, block, root
 
 
 Parts = dict[str, tuple[float, tuple[str, ...]]]  # component -> (bytes, phases it is alive in)
 
 
-def _comm_buffers(model: ModelShape, training: Training, layout: Layout) -> Parts:
-    psi, block, root = _stage_psi(model, layout)
+def _comm_buffers(model: ModelShape, training: Training, layout: Layout, share: RankShare) -> Parts:
+    psi, block, root = _stage_psi(model, layout, share)
     stage, cb, mb = zero_stage(layout.strategy), training.compute_bytes, training.master_bytes
     out: Parts = {}
     if stage == 0 and training.mixed:  # low-precision casts saved from forward until backward
@@ -421,49 +424,32 @@ def _comm_buffers(model: ModelShape, training: Training, layout: Layout) -> Part
     return out
 
 
-def micro_batches_in_flight(layout: Layout) -> float:
-    """Micro-batches of activations the worst pipeline rank holds at once, in units of its whole
-    share of blocks: the pipeline validator's peak of (stage, micro-batch) pairs kept for a backward
-    (``peak_held``: until the weight gradient, which needs the stored inputs too, where a schedule
-    splits it off), over the rank's virtual stages. 1 without a pipeline."""
-    if layout.pp == 1:
-        return 1.0
-    return _peak_held(layout.schedule, layout.pp, layout.virtual_stages, layout.micro_batches) / (
-        layout.virtual_stages
-    )
-
-
-@functools.lru_cache(maxsize=1024)
-def _peak_held(schedule: str, pp: int, virtual: int, micro_batches: int) -> int:
-    """The validator's peak of (stage, micro-batch) pairs a rank holds (cached: a search asks the
-    same schedule once per strategy, offload and checkpointing)."""
-    from shardwise.pipeline.schedules import build, stage_placement
-    from shardwise.pipeline.validate import validate
-
-    plan = build(schedule, pp, virtual, micro_batches)
-    report = validate(plan, stage_placement(schedule, pp, virtual), micro_batches)
-    return max(report.peak_held.values())
-
-
-def _activations(model: ModelShape, training: Training, layout: Layout, micro_batch: int) -> Parts:
+def _activations(
+    model: ModelShape, training: Training, layout: Layout, micro_batch: int, share: RankShare
+) -> Parts:
     tokens = micro_batch * training.seq_len
     cb = training.compute_bytes
     replicated = zero_stage(layout.strategy) == 0
     residual = 4 if training.mixed and replicated else cb  # autocast keeps the residual stream fp32
     acts = block_activations(model, tokens, cb, residual, layout.tp, layout.sequence_parallel)
-    blocks = math.ceil(model.n_layer / layout.pp)
-    in_flight = micro_batches_in_flight(layout)
     seq = layout.tp if layout.sequence_parallel else 1
-    # the final norm's input (and, RMSNorm, its normalised copy) and the head's input
-    head = tokens * model.d_model * (residual + cb + (0 if model.layer_norm else cb)) / seq
-    logits = logits_peak_bytes(tokens, model.vocab, cb, training.master_bytes, layout.tp)
-    out: Parts = {"logits": (logits, ("forward",))}
+    # a (stage, micro-batch) pair: one stage's blocks; from I to W, what the W pass reads
+    blocks = share.blocks / share.stages
+    saved = acts.checkpointed if layout.activation_checkpointing else acts.full
+    kept = blocks * tokens * kept_per_token(model, cb, layout.tp, layout.sequence_parallel)
+    if share.last:
+        kept += tokens * head_kept_per_token(model, cb, layout.tp)
+    pairs = pair_peak(share, layout.pp, layout.schedule, layout.micro_batches, blocks * saved, kept)
+    out: Parts = {}
+    head = 0.0
+    if share.last:
+        # the final norm's input (and, RMSNorm, its normalised copy) and the head's input
+        head = tokens * model.d_model * (residual + cb + (0 if model.layer_norm else cb)) / seq
+        logits = logits_peak_bytes(tokens, model.vocab, cb, training.master_bytes, layout.tp)
+        out["logits"] = (logits, ("forward",))
+    out["activations"] = (pairs + head, ("forward", "backward"))
     if layout.activation_checkpointing:  # inputs kept; backward rebuilds one block at a time
-        out["activations"] = (in_flight * blocks * acts.checkpointed + head, ("forward", "backward"))
-        # the rebuilt block: its activations, alive again
-        out["recomputed_block"] = (acts.full, ("backward",))
-    else:
-        out["activations"] = (in_flight * blocks * acts.full + head, ("forward", "backward"))
+        out["recomputed_block"] = (acts.full, ("backward",))  # the rebuilt block: alive again
     return out
 
 
@@ -485,12 +471,20 @@ def _accumulated_grads(psi: float, training: Training, layout: Layout, states: M
 INIT_CHUNK_ELEMENTS = 2**20  # one chunk of the replayed initialisation (models.init_replay), in float32
 
 
-def _largest_tensor(model: ModelShape, layout: Layout) -> float:
-    """Elements of the largest parameter a rank holds: the embedding, an MLP matrix or the fused qkv."""
-    return max(model.vocab * model.d_model, model.d_model * model.ff, 3 * model.d_model**2) / layout.tp
+def _largest_tensor(model: ModelShape, layout: Layout, share: RankShare) -> float:
+    """Elements of the largest parameter a rank holds: an MLP matrix or the fused qkv of its blocks,
+    the embedding on the first stage or an untied head on the last."""
+    h = model.d_model
+    matrices = [h * model.ff, 3 * h * h] if share.blocks else []
+    if share.first or (share.last and not model.tie_weights):  # the embedding, or an untied head
+        matrices.append(model.vocab * h)
+    _, _, root = _stage_psi(model, layout, share)
+    return max(matrices, default=root * layout.tp) / layout.tp
 
 
-def _build_bytes(model: ModelShape, training: Training, layout: Layout, states: ModelStates) -> float:
+def _build_bytes(
+    model: ModelShape, training: Training, layout: Layout, share: RankShare, states: ModelStates
+) -> float:
     """The build's peak. The model is made on the meta device and each rank materialises only what
     it holds (its stage, its tp shards), one chunk of the replayed initialisation alive at a time:
     DDP (and the parameter server, DiLoCo) its parameters whole, then its gradient buckets on a dp
@@ -498,9 +492,9 @@ def _build_bytes(model: ModelShape, training: Training, layout: Layout, states: 
     each bucket straight into its flat buffer (under mixed precision a bucket's run-dtype copy is
     alive while its compute copy and master shard are made), then stage 1 its flat gradients; ZeRO-3
     its master shards, beside one unit's flat buffer for the instant its parameters become views."""
-    psi, block, root = _stage_psi(model, layout)
+    psi, block, root = _stage_psi(model, layout, share)
     stage, pb, cb = zero_stage(layout.strategy), training.param_bytes, training.compute_bytes
-    largest = _largest_tensor(model, layout)
+    largest = _largest_tensor(model, layout, share)
     chunk = 4 * min(INIT_CHUNK_ELEMENTS, largest)
     if stage == 0:
         copies = 2 if layout.dp > 1 or layout.strategy != "ddp" else 1  # + buckets (or ps's flat message)
@@ -515,7 +509,7 @@ def _build_bytes(model: ModelShape, training: Training, layout: Layout, states: 
     return max(flattening, kept + full_grads) if stage == 1 else flattening
 
 
-def _optimizer_temporaries(model: ModelShape, training: Training, layout: Layout) -> float:
+def _optimizer_temporaries(model: ModelShape, training: Training, layout: Layout, share: RankShare) -> float:
     """Adam on the CPU steps one tensor at a time (torch's single-tensor path) and builds its
     denominator from two temporaries of that tensor's size (the second moment's square root, then
     its quotient by the bias correction): two copies of the largest tensor stepped. That is a
@@ -524,8 +518,8 @@ def _optimizer_temporaries(model: ModelShape, training: Training, layout: Layout
     multi-tensor path makes them for a whole group at once: not modelled.)"""
     if training.optimizer not in ("adam", "adamw"):
         return 0.0
-    psi, block, root = _stage_psi(model, layout)
-    largest = _largest_tensor(model, layout)
+    psi, block, root = _stage_psi(model, layout, share)
+    largest = _largest_tensor(model, layout, share)
     stage = zero_stage(layout.strategy)
     if stage in (1, 2):
         bucket = layout.bucket_mb * 2**20 / training.master_bytes
@@ -538,10 +532,25 @@ def _optimizer_temporaries(model: ModelShape, training: Training, layout: Layout
 def estimate_memory(
     model: ModelShape, training: Training, layout: Layout, calibration: Calibration | None = None
 ) -> MemoryEstimate:
-    """Peak bytes on one rank (a worker, for the parameter server), by component and phase."""
-    calibration = calibration or Calibration()
+    """Peak bytes on the worst rank (a worker, for the parameter server), by component and phase: on
+    a pipeline every rank is estimated with its own share (``planner/pipeline.py``), the largest
+    reported (``pp_rank`` says which)."""
+    return max(estimate_ranks(model, training, layout, calibration), key=lambda estimate: estimate.total)
+
+
+def estimate_ranks(
+    model: ModelShape, training: Training, layout: Layout, calibration: Calibration | None = None
+) -> list[MemoryEstimate]:
+    """Every pipeline rank's estimate, in rank order (one, without a pipeline)."""
+    shares = rank_shares(model, layout.pp, layout.schedule, layout.virtual_stages)
+    return [_estimate_rank(model, training, layout, calibration or Calibration(), s) for s in shares]
+
+
+def _estimate_rank(
+    model: ModelShape, training: Training, layout: Layout, calibration: Calibration, share: RankShare
+) -> MemoryEstimate:
     micro_batch = micro_batch_size(training, layout)
-    psi, _, _ = _stage_psi(model, layout)
+    psi, _, _ = _stage_psi(model, layout, share)
     stage = zero_stage(layout.strategy)
     states = model_states(
         psi, layout.strategy, layout.dp, training.precision, training.states, training.param_bytes
@@ -566,7 +575,8 @@ def estimate_memory(
         parts["grads"], parts["grad_shard"] = (full, ALWAYS), (states.grads - full, STEP)
     parts.update(_accumulated_grads(psi, training, layout, states))
     if layout.offload == "none" and layout.strategy != "ps":
-        parts["optimizer_temporaries"] = (_optimizer_temporaries(model, training, layout), ("update",))
+        temporaries = _optimizer_temporaries(model, training, layout, share)
+        parts["optimizer_temporaries"] = (temporaries, ("update",))
     host: dict[str, float] = {}
     if layout.offload == "cpu":
         host = {"master_params": states.master, "optimizer_state": states.optimizer_state}
@@ -576,13 +586,17 @@ def estimate_memory(
         elif not training.mixed:  # with offload the master no longer aliases the parameters
             host["master_params"] = training.param_bytes * psi / layout.dp
         parts["master_params"] = parts["optimizer_state"] = (0.0, ALWAYS)
-    parts.update(_comm_buffers(model, training, layout))
-    parts.update(_activations(model, training, layout, micro_batch))
-    parts["model_build"] = (_build_bytes(model, training, layout, states), ("build",))
+    parts.update(_comm_buffers(model, training, layout, share))
+    parts.update(_activations(model, training, layout, micro_batch, share))
+    if share.tied_copy:  # the head's copy of the first stage's embedding, and its gradient until sent
+        copy = training.param_bytes * model.vocab * model.d_model / layout.tp
+        parts["tied_copy"], parts["tied_copy_grad"] = (copy, ALWAYS), (copy, ("backward",))
+    parts["model_build"] = (_build_bytes(model, training, layout, share, states), ("build",))
     parts["overhead"] = (calibration.overhead_bytes, ALWAYS)
     device = {name: value for name, (value, _) in parts.items()}
     phases = {name: when for name, (_, when) in parts.items()}
-    return MemoryEstimate(layout, device, host, micro_batch, phases)
+    rank = share.rank if layout.pp > 1 else None
+    return MemoryEstimate(layout, device, host, micro_batch, phases, rank)
 
 
 def ps_server_bytes(model: ModelShape, training: Training, layout: Layout) -> float:

@@ -6,20 +6,16 @@ in Llama). ``ModelShape`` holds them and counts parameters exactly as the module
 preset's count equals ``count_parameters`` of the built model (a test checks it). No communication and
 no tensors: a 70B model is described in microseconds.
 
-Sources: a built-in GPT preset (``shardwise.models.PRESETS``), a Hugging Face ``config.json`` of the
-GPT-2 or Llama family (read as JSON, so transformers need not be installed), or sizes given by hand.
+Sources: the model adapters' readers (``shardwise.models.adapters``: ``preset_shape`` for a built-in
+preset, ``hf_shape`` for a Hugging Face ``config.json`` of the GPT-2 or Llama family, read as JSON so
+transformers need not be installed), or sizes given by hand.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from shardwise.config import ConfigError
-
-BYTE_VOCAB = 256  # the built-in corpus's tokens are bytes (= shardwise.models.hf.BYTE_VOCAB)
 
 
 @dataclass(frozen=True)
@@ -109,78 +105,3 @@ class ModelShape:
             f"{self.name}: {self.params / 1e6:,.1f}M params, {self.n_layer} layers x d_model {self.d_model}, "
             f"{self.n_head} heads, vocab {self.vocab}"
         )
-
-
-def preset_shape(preset: str, seq_len: int, tie_weights: bool = True) -> ModelShape:
-    """The built-in GPT ``preset`` (see ``shardwise.models.PRESETS``) at ``seq_len`` learned positions."""
-    from shardwise.models import PRESETS
-
-    sizes = PRESETS["gpt"].get(preset)
-    if sizes is None:
-        raise ConfigError(f"unknown gpt preset {preset!r}; known presets: {', '.join(PRESETS['gpt'])}")
-    return ModelShape(
-        n_layer=sizes["n_layer"],
-        d_model=sizes["d_model"],
-        n_head=sizes["n_head"],
-        vocab=BYTE_VOCAB,
-        d_ff=sizes.get("d_ff", 0),
-        positions=seq_len,
-        tie_weights=tie_weights,
-        name=f"gpt {preset}",
-    )
-
-
-def _get(config: dict[str, Any], path: Path, *keys: str) -> int:
-    for key in keys:
-        if isinstance(config.get(key), int):
-            return int(config[key])
-    raise ConfigError(
-        f"{path}: no integer {' or '.join(keys)}; the planner reads GPT-2 and Llama-style configs"
-    )
-
-
-def hf_shape(kind: str) -> ModelShape:
-    """The shape of ``hf:PATH`` (a config.json, a folder holding one, or a shipped name), read as JSON."""
-    from shardwise.models.hf import config_path
-
-    path = config_path(kind if kind.startswith("hf:") else f"hf:{kind}")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path} is not a readable JSON file: {exc}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: a config must be a JSON object")
-    if config.get("model_type") == "gpt2" or "n_embd" in config:
-        return ModelShape(
-            n_layer=_get(config, path, "n_layer"),
-            d_model=_get(config, path, "n_embd"),
-            n_head=_get(config, path, "n_head"),
-            vocab=_get(config, path, "vocab_size"),
-            d_ff=config.get("n_inner") or 0,
-            positions=_get(config, path, "n_positions", "max_position_embeddings"),
-            tie_weights=bool(config.get("tie_word_embeddings", True)),
-            name=path.parent.name if path.name == "config.json" else path.stem,
-            context=_get(config, path, "n_positions", "max_position_embeddings"),
-        )
-    if "head_dim" in config and config["head_dim"] * _get(config, path, "num_attention_heads") != config.get(
-        "hidden_size"
-    ):
-        raise ConfigError(
-            f"{path}: head_dim x num_attention_heads != hidden_size; the planner cannot size it"
-        )
-    if bool(config.get("mlp_bias", False)) != bool(config.get("attention_bias", False)):
-        raise ConfigError(f"{path}: attention_bias and mlp_bias differ; the planner sizes them alike")
-    return ModelShape(
-        n_layer=_get(config, path, "num_hidden_layers"),
-        d_model=_get(config, path, "hidden_size"),
-        n_head=_get(config, path, "num_attention_heads"),
-        vocab=_get(config, path, "vocab_size"),
-        d_ff=_get(config, path, "intermediate_size"),
-        n_kv_head=config.get("num_key_value_heads") or 0,
-        tie_weights=bool(config.get("tie_word_embeddings", False)),
-        gated_mlp=True,
-        bias=bool(config.get("attention_bias", False)),
-        layer_norm=False,
-        name=path.parent.name if path.name == "config.json" else path.stem,
-        context=int(config.get("max_position_embeddings") or 0),
-    )

@@ -2,28 +2,14 @@
 
 ``comm_ops`` (autograd f/g and the sequence all-gather/reduce-scatter over the tp ``Comm``), ``shards``
 (the one shard arithmetic: boxes of global parameters), ``layers`` (column/row-parallel linear, vocab-
-parallel embedding and cross-entropy), ``random`` (the RNG tracker for dropout), ``plans`` (plans as
-data and ``apply_tensor_parallel``).
+parallel embedding and cross-entropy), ``random`` (the RNG tracker for dropout), ``plans``
+(``apply_tensor_parallel``: a plan applied; each model family's plan is its adapter's,
+``models/adapters/``).
 """
 
 from __future__ import annotations
 
 from shardwise.tensor_parallel.layers import vocab_parallel_cross_entropy
-from shardwise.tensor_parallel.plans import (
-    Plan,
-    TensorParallelLayout,
-    apply_tensor_parallel,
-    gpt_plan,
-    hf_gpt2_plan,
-    hf_llama_plan,
-)
+from shardwise.tensor_parallel.plans import TensorParallelLayout, apply_tensor_parallel
 
-__all__ = [
-    "Plan",
-    "TensorParallelLayout",
-    "apply_tensor_parallel",
-    "gpt_plan",
-    "hf_gpt2_plan",
-    "hf_llama_plan",
-    "vocab_parallel_cross_entropy",
-]
+__all__ = ["TensorParallelLayout", "apply_tensor_parallel", "vocab_parallel_cross_entropy"]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.collectives.api import Comm
+from shardwise.engine.linear import WeightGradStore, linear
 from shardwise.engine.loss import IGNORE_INDEX, CausalLMLoss, logits_of
 from shardwise.tensor_parallel import comm_ops
 from shardwise.tensor_parallel.shards import ShardedParam, even_share, replicated, split_dim, split_sections
@@ -77,13 +78,6 @@ def _check_linear(module: nn.Module, transposed: bool, name: str) -> tuple[torch
     return weight, bias if isinstance(bias, torch.Tensor) else None
 
 
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
-) -> torch.Tensor:
-    if transposed:  # Conv1D keeps (in, out): x @ W + b
-        out = x @ weight
-        return out + bias if bias is not None else out
-    return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -125,11 +119,12 @@ class ColumnParallelLinear(nn.Module):
             self.bias = sharder(bias, self.shards["bias"])
         self.comm, self.transposed, self.copy_input = comm, transposed, copy_input
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
+        self.weight_grads: WeightGradStore | None = None  # a zero-bubble pipeline's (engine/linear.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = parallel_input(x, self.comm, self.sequence_parallel, self.seq_dim)
-        return _linear(x, self.weight, self.bias, self.transposed)  # (..., out / tp)
+        return linear(x, self.weight, self.bias, self.transposed, self.weight_grads)  # (..., out / tp)
 
     def extra_repr(self) -> str:
         return f"{self.shards['weight'].global_shape} -> local {self.shards['weight'].local_shape}"
@@ -168,9 +163,10 @@ class RowParallelLinear(nn.Module):
             self.bias = sharder(bias, self.shards["bias"])
         self.comm, self.transposed = comm, transposed
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
+        self.weight_grads: WeightGradStore | None = None  # a zero-bubble pipeline's (engine/linear.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in / tp)
-        partial = _linear(x, self.weight, None, self.transposed)
+        partial = linear(x, self.weight, None, self.transposed, self.weight_grads)
         if self.sequence_parallel:
             out = comm_ops.reduce_scatter_to_sequence(partial, self.comm, self.seq_dim)
         else:

@@ -38,7 +38,7 @@ from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, fast_forw
 from shardwise.engine.schedule import lr_multiplier
 from shardwise.launcher import init_distributed, restart_count
 from shardwise.mesh import Mesh, build_mesh
-from shardwise.models import apply_freeze, build_model
+from shardwise.models import apply_freeze, build_model, loss_positions
 from shardwise.observe.monitor import MONITOR
 from shardwise.parallelism import parallelize
 from shardwise.train.checkpointing import (
@@ -89,7 +89,7 @@ def default_loss(config: TrainConfig, user_model: bool) -> Loss:
     (labels -100 ignored) and token cross-entropy on (inputs, targets) batches."""
     if user_model:
         return AutoLoss()
-    return TokenLoss(positions=1 if config.model.kind == "mlp" else None)
+    return TokenLoss(positions=loss_positions(config.model.kind))
 
 
 @dataclass

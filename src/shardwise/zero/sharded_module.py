@@ -2,8 +2,9 @@
 
 Each child of the model's block list is one unit, a :class:`~shardwise.zero.group.FlatGroup`: the
 list ``zero.unit`` names by dotted path (``transformer.h``, ``model.layers``), or, with ``zero.unit``
-empty, the largest ModuleList/Sequential of one class of blocks (:mod:`shardwise.zero.units`; a model
-without one is a single unit). Parameters outside the units (embeddings, final norm, a head tied to the
+empty, the model's own (its adapter's block list, :mod:`shardwise.models.adapters`; for a model of no
+known family the largest ModuleList/Sequential of one class of blocks; a model without one is a single
+unit). Parameters outside the units (embeddings, final norm, a head tied to the
 embedding) and any parameter shared between units form the root unit, all-gathered at the start of
 forward and kept until the step's gradients are reduced. Communication, all through ``Comm``:
 
@@ -26,14 +27,15 @@ Under a pipeline (``pipeline_stage``, called by the pipeline runtime around each
 the same units work per action: the root is gathered when a stage that uses it (the first or the
 last) runs, units are gathered by the hooks above and prefetched only within the running stage, and
 whatever an action left gathered is released when it ends. A zero-bubble schedule's I pass
-(``autograd.grad`` to the stage's input) gathers each unit through the same output hooks but gives no
-parameter its gradient to free it by, so each unit is released when backward reaches the one before it
-(the blocks of every model that splits run in sequence); the W pass
-(``autograd.backward(inputs=weights)``) walks the retained graph again, and the hooks gather each
-unit once more (freed storage is re-filled in place, so the graph's saved views read the weights
-again). Gradients are not reduced per unit there: each is added into its unit's flat buffer, kept
-for the whole step, and ``finish_grads`` reduce-scatters every group once over the stage's dp group
-(FSDP's ``no_sync``: a full gradient per unit held across micro-batches, one exchange per step).
+(backward with the linear layers keeping their weight gradients for W, ``engine/linear.py``) gathers
+each unit through the same output hooks but does not give every parameter its gradient to free it by,
+so each unit is released when backward reaches the one before it (the blocks of every model that
+splits run in sequence); the W pass computes the kept weight gradients from the inputs and output
+gradients I kept, which needs no weight: it gathers nothing, and its gradients arrive through the
+weights' accumulators as in any backward. Gradients are not reduced per unit there: each is added into
+its unit's flat buffer, kept for the whole step, and ``finish_grads`` reduce-scatters every group once
+over the stage's dp group (FSDP's ``no_sync``: a full gradient per unit held across micro-batches, one
+exchange per step).
 Every replica of a stage runs the same action list, so its gathers and reductions come in the same
 order on every rank of the dp group.
 
@@ -57,9 +59,9 @@ from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Role
+from shardwise.models.adapters import adapter_for
 from shardwise.zero.base import ZeroBase
 from shardwise.zero.group import FlatGroup
-from shardwise.zero.units import resolve_units
 
 
 class ShardedModule(ZeroBase):
@@ -96,7 +98,7 @@ class ShardedModule(ZeroBase):
     def _units(self) -> list[nn.Module]:
         """The modules gathered one at a time (empty: the whole model is one unit, the root)."""
         if self._unit_modules is None:
-            found = resolve_units(self.model, self.config.unit)
+            found = adapter_for(self.model).block_list(self.config.unit)
             self._unit_modules = found.blocks if found is not None else []
             if found is None and self.comm.rank == 0:
                 print(

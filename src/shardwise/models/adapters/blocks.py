@@ -1,10 +1,11 @@
-"""Which modules ZeRO-3 gathers one at a time: ``zero.unit`` by dotted path, or the repeated blocks found.
+"""A model's block list: ZeRO-3's units (each child one unit) and what activation checkpointing recomputes.
 
-A model's transformer blocks sit in one list (``blocks`` in the built-in GPT, ``transformer.h`` in
-GPT-2, ``model.layers`` in Llama); each child of that list becomes one stage-3 unit. ``zero.unit``
-names the list by its dotted path (``model.get_submodule``); left empty, the list is found: the
-``nn.ModuleList`` / ``nn.Sequential`` with the most parameters whose children are all of one class. A
-model without one is trained as a single unit. No communication: this only inspects the module tree.
+A family's adapter names its list (``blocks`` in the built-in GPT, ``transformer.h`` in GPT-2,
+``model.layers`` in Llama); for any other model (the fallback adapter) it is found: the
+``nn.ModuleList`` / ``nn.Sequential`` with the most parameters whose children are all of one class.
+``zero.unit`` names the list by its dotted path instead (``model.get_submodule``), for any model. A
+model without one is trained by ZeRO-3 as a single unit. No communication: this only inspects the
+module tree.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class BlockList:
         return f"{where} ({len(self.container)} x {'/'.join(kinds)}, {self.params:,} params)"
 
 
-def _param_count(module: nn.Module) -> int:
+def param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())  # parameters() yields a shared tensor once
 
 
@@ -50,7 +51,7 @@ def block_lists(model: nn.Module) -> list[BlockList]:
         if not isinstance(module, BlockContainer) or len(module) == 0:
             continue
         children = module.values() if isinstance(module, nn.ModuleDict) else module
-        if len({type(child) for child in children}) == 1 and (params := _param_count(module)):
+        if len({type(child) for child in children}) == 1 and (params := param_count(module)):
             found.append(BlockList(path, module, params))
     return sorted(found, key=lambda b: -b.params)  # sorted() is stable
 
@@ -83,4 +84,4 @@ def resolve_units(model: nn.Module, path: str) -> BlockList | None:
             f"zero.unit {path!r} is a {type(module).__name__}, not a ModuleList or Sequential of blocks; "
             f"{_candidates(model)}"
         )
-    return BlockList(path, module, _param_count(module))
+    return BlockList(path, module, param_count(module))

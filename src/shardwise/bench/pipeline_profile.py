@@ -1,0 +1,186 @@
+"""The pipeline bench's stage profile: the simulator's costs, measured apart from the runs they predict.
+
+On ``nproc`` fresh processes at once, one per pipeline rank as the run has them (each with a run's
+thread count, competing for the same cores and memory), every rank times the F, B, I and W of the
+stages the schedule places on it, each alone, computed as the runtime computes them: F the stage and,
+on the last, the loss; B its backward; I the same backward with the stage's linear layers keeping
+their weight gradients (``engine/linear.py``); W those kept gradients computed. Repeats are
+interleaved with barriers so the ranks compute together; medians. Then ranks 0 and 1 send one
+activation back and forth: half the round trip is the simulator's transfer time. Never timed on the
+runs it is compared with. Communication: barriers and the ping-pong, over gloo.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.config import TrainConfig
+from shardwise.pipeline.schedules import SCHEDULES, stage_placement
+from shardwise.pipeline.simulate import Costs
+from shardwise.testing.harness import RankFailure, run_on_ranks
+
+PING_PONGS = 20
+
+
+def launch(
+    worker: Callable[..., Any], nproc: int, args: tuple[Any, ...], timeout_s: float
+) -> tuple[list[Any] | None, str | None]:
+    """``worker(rank, nproc, *args)`` on ``nproc`` fresh processes with a deadline: (results, None), or
+    (None, what went wrong) when a rank hung past ``timeout_s`` or failed; never hangs itself."""
+    try:
+        return run_on_ranks(worker, nproc, *args, timeout_s=timeout_s), None
+    except RankFailure as failure:
+        if failure.rank is None:
+            return None, f"timeout after {timeout_s:g} s"
+        return None, f"failed on rank {failure.rank}: {str(failure).strip().splitlines()[-1]}"
+
+
+def bench_data(config: TrainConfig) -> tuple[Any, int]:
+    """Every pp rank draws the same batches (dp = 1); returns the sampler and tokens per step."""
+    from shardwise.data.corpus import load_corpus
+    from shardwise.data.sampler import DataSampler
+
+    corpus = load_corpus(config.data.corpus_bytes)
+    batch = config.data.global_batch
+    sampler = DataSampler(corpus.train, config.model.seq_len, batch, config.seed, [batch], 0)
+    return sampler, batch * config.model.seq_len
+
+
+class StageModule(nn.Module):
+    """One of our split's stages as the module torch's ``PipelineStage`` wants: exactly the stage's
+    parameters registered (its blocks and the ends it owns), ``forward`` the stage itself."""
+
+    def __init__(self, stage: Any, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.stage = stage  # a plain callable (not a module): its adapter holds the whole model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stage(x)
+
+
+def stage_modules(model: nn.Module, placement: Sequence[int], rank: int) -> dict[int, StageModule]:
+    """The stages ``placement`` puts on ``rank``, split from ``model`` as the runtime splits it."""
+    from shardwise.pipeline.split import _get, split_model
+
+    split = split_model(model, placement, rank)
+    adapter = next(iter(split.stages.values())).adapter
+    modules = {}
+    for index, stage in split.stages.items():
+        blocks: Any = adapter.blocks()  # the ModuleDict the split left, keyed by block index
+        parts: list[nn.Module] = [blocks[str(i)] for i in stage.blocks]
+        paths = (adapter.first_modules if stage.first else ()) + (adapter.last_modules if stage.last else ())
+        parts += [m for p in paths if (m := _get(model, p)) is not None]
+        modules[index] = StageModule(stage, parts)
+    return modules
+
+
+def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:
+    """This rank's stages' median seconds per kind (``{stage: {"F": s, ...}}``) and, on rank 0, the
+    one-way transfer time of one activation (see the module docstring)."""
+    import torch.distributed as dist
+
+    from shardwise.engine.linear import WeightGradStore
+    from shardwise.models import build_model
+    from shardwise.pipeline.deferred import defer_weight_grads
+    from shardwise.train.loop import seed_everything
+
+    torch.set_num_threads(threads)
+    config = config.validate(world)
+    seed_everything(config.seed)
+    name = config.parallel.schedule
+    placement = stage_placement(name, world, config.parallel.stages_per_rank)
+    model = build_model(config.model)
+    modules = stage_modules(model, [0] * len(placement), 0)  # every stage here; this rank times its own
+    store = WeightGradStore()
+    split = SCHEDULES[name].splits_backward
+    if split:
+        defer_weight_grads(model, store)
+    sampler, _ = bench_data(config)
+    ids, targets = sampler.local_micro_batches(0, config.data.micro_batches)[0]
+    inputs: list[torch.Tensor] = [ids]
+    with torch.no_grad():  # each stage's input: the micro-batch through the stages before it
+        for index in range(len(placement) - 1):
+            inputs.append(modules[index](inputs[-1]))
+    mine = [s for s, r in enumerate(placement) if r == rank]
+    timing: dict[int, dict[str, list[float]]] = {s: {k: [] for k in "FBIW"} for s in mine}
+    for _ in range(repeats + 1):  # the first round warms up
+        dist.barrier()
+        for s in mine:
+            target = targets if s == len(placement) - 1 else None
+            for kind, seconds in _time_stage(modules[s], inputs[s], target, s > 0, store, split):
+                timing[s][kind].append(seconds)
+    costs = {}
+    for s, kinds in timing.items():
+        median = {k: statistics.median(v[1:]) for k, v in kinds.items() if v}
+        costs[s] = {"I": median["B"] / 2, "W": median["B"] / 2, **median}  # unused without a split
+    return {"costs": costs, "transfer": _ping_pong(rank, inputs[-1])}
+
+
+def _time_stage(
+    module: nn.Module, x: torch.Tensor, targets: torch.Tensor | None, leaf: bool, store: Any, split: bool
+) -> list[tuple[str, float]]:
+    """One repeat of F, B and (``split``) F, I, W of one stage."""
+    from shardwise.engine.linear import apply_weight_grads
+    from shardwise.engine.loss import loss_sum
+
+    def forward() -> torch.Tensor:
+        y = module(x.detach().requires_grad_(True) if leaf else x)
+        return loss_sum(y, targets) if targets is not None else y
+
+    out = []
+    t0 = time.perf_counter()
+    root = forward()
+    t1 = time.perf_counter()
+    seed = torch.ones_like(root) if targets is not None else torch.randn_like(root)
+    t2 = time.perf_counter()
+    torch.autograd.backward(root, seed)
+    t3 = time.perf_counter()
+    out += [("F", t1 - t0), ("B", t3 - t2)]
+    if split:
+        root = forward()
+        t4 = time.perf_counter()
+        with store.collect() as kept:
+            torch.autograd.backward(root, seed)
+        t5 = time.perf_counter()
+        apply_weight_grads(kept)
+        out += [("I", t5 - t4), ("W", time.perf_counter() - t5)]
+    return out
+
+
+def _ping_pong(rank: int, activation: torch.Tensor) -> float:
+    """Half the median round trip of one activation between ranks 0 and 1 (0 elsewhere)."""
+    import torch.distributed as dist
+
+    buffer = torch.empty_like(activation)
+    trips = []
+    dist.barrier()
+    for _ in range(PING_PONGS + 1):
+        started = time.perf_counter()
+        if rank == 0:
+            dist.send(activation, 1)
+            dist.recv(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+            dist.send(activation, 0)
+        trips.append(time.perf_counter() - started)
+    dist.barrier()
+    return statistics.median(trips[1:]) / 2 if rank == 0 else 0.0
+
+
+def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: float) -> Costs:
+    """The profile (fresh processes, one per rank) as the simulator's per-stage costs, in seconds."""
+    from shardwise.launcher import threads_per_rank
+
+    results, problem = launch(profile_worker, nproc, (config, threads_per_rank(nproc), repeats), timeout_s)
+    if results is None:
+        raise RuntimeError(f"the stage profile did not finish: {problem}")
+    merged = {s: kinds for result in results for s, kinds in result["costs"].items()}
+    f, b, i, w = (tuple(merged[s][k] for s in sorted(merged)) for k in "FBIW")
+    return Costs(f, b, i, w, transfer=results[0]["transfer"])

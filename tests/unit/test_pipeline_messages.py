@@ -1,0 +1,68 @@
+"""The order a pipeline posts its messages in (``pipeline/messages.py``): for every schedule on a grid
+of sizes, the same at both ends of every pair of ranks (NCCL matches a pair's sends and receives by
+order alone), every message once at each end, a send right after the action that produced it and a
+receive before the action that reads it; a plan whose ends disagree is refused naming the pair."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from shardwise.pipeline.actions import transfers
+from shardwise.pipeline.messages import check_same_order, message_order, plan, post_plan
+from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
+from shardwise.pipeline.validate import ScheduleError, validate
+
+VIRTUAL = {"1": [1], ">=2": [2, 3], "2": [2]}
+
+
+def grid() -> list[tuple[str, int, int, int]]:
+    cases = []
+    for name, spec in SCHEDULES.items():
+        sizes = itertools.product([2, 3, 4, 5], VIRTUAL[spec.virtual], [1, 2, 3, 4, 5, 7, 8, 12])
+        cases.extend((name, pp, virtual, m) for pp, virtual, m in sizes)
+    return cases
+
+
+@pytest.mark.parametrize(("name", "pp", "virtual", "m"), grid())
+def test_every_schedule_posts_its_messages_in_one_order_at_both_ends(
+    name: str, pp: int, virtual: int, m: int
+) -> None:
+    schedule, where = build(name, pp, virtual, m), stage_placement(name, pp, virtual)
+    plans = plan(schedule, where)
+    assert check_same_order(plans) == validate(schedule, where, m).messages
+    for rank, actions in schedule.items():
+        posts = plans[rank]
+        assert len(posts) == len(actions) + 1
+        at = {t: i for i, boundary in enumerate(posts) for t in boundary}  # boundary i: before action i
+        for index, (_, recvs, sends) in enumerate(transfers(rank, actions, where)):
+            assert all(at[t] <= index for t in recvs), (rank, actions[index])  # before it reads them
+            assert all(at[t] == index + 1 for t in sends), (rank, actions[index])  # right after
+        assert sorted(at.values()) == list(at.values())  # posted in one order, boundary after boundary
+        assert len(at) == sum(len(r) + len(s) for _, r, s in transfers(rank, actions, where))
+
+
+def test_a_v_is_read_in_another_order_than_it_is_produced_yet_posted_in_one() -> None:
+    """In ZB-V rank 1 reads rank 0's activations of stage 0 and gradients of stage 3 in another order
+    than rank 0 produces them, so receiving in reading order would cross the pair's messages (on
+    NCCL: a gradient in an activation's buffer, or a hang); the plan posts them in production order."""
+    schedule, where = build("zbv", 2, 2, 4), stage_placement("zbv", 2, 2)
+    sent = [t.key for _, _, sends in transfers(0, schedule[0], where) for t in sends]
+    read = [t.key for _, recvs, _ in transfers(1, schedule[1], where) for t in recvs]
+    assert sorted(sent) == sorted(read) and sent != read
+    plans = plan(schedule, where)
+    posted_by_1 = [t.key for boundary in plans[1] for t in boundary if t.op == "recv"]
+    assert posted_by_1 == sent
+
+
+def test_ends_that_disagree_are_refused_naming_the_pair() -> None:
+    schedule, where = build("1f1b", 3, 1, 4), stage_placement("1f1b", 3, 1)
+    plans = plan(schedule, where)
+    order = message_order(schedule, where)
+    swapped = {key: order[key] for key in order}
+    first, second = [t.key for boundary in plans[2] for t in boundary if t.op == "recv"][:2]
+    swapped[first], swapped[second] = order[second], order[first]  # rank 2 alone receives them swapped
+    plans[2] = post_plan(2, schedule[2], where, swapped)
+    with pytest.raises(ScheduleError, match=r"^ranks 1 and 2 post their messages in different orders"):
+        check_same_order(plans)

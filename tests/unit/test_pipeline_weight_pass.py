@@ -1,0 +1,187 @@
+"""The zero-bubble split of backward, in one process, on stages of Hugging Face GPT-2 (Conv1D) and Llama
+(RMSNorm, nn.Linear) built from their configs with random weights, float64, with and without activation
+checkpointing: the I pass walks the stage's autograd graph once and keeps each linear layer's (input,
+output gradient); the W pass runs no node of that graph (only the weights' own gradient accumulators)
+and recomputes no block; every parameter's gradient equals a full backward's of the whole model, bit
+for bit."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.engine.linear import WeightGradStore, apply_weight_grads, linear
+from shardwise.parallelism import checkpoint_forward
+from shardwise.pipeline.deferred import defer_weight_grads, is_conv1d
+from shardwise.pipeline.schedules import stage_placement
+from shardwise.pipeline.split import Split, split_model
+
+
+def _hf(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    from shardwise.models.hf import SHIPPED_DIR
+
+    config = transformers.AutoConfig.from_pretrained(str(SHIPPED_DIR / f"{name}.json"))
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).double()
+
+
+def _graph(root: Any) -> list[Any]:
+    """Every autograd node reachable from ``root`` (the stage's graph, before backward frees it)."""
+    seen: dict[int, Any] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(seen.values())
+
+
+class _Watch:
+    """Counts, per phase, each graph node's runs (node pre-hooks) and the forwards of the modules inside
+    the blocks (a checkpointed block's recomputation calls its forward directly, its modules' hooks run)."""
+
+    def __init__(self) -> None:
+        self.phase = "F"
+        self.nodes: Counter[tuple[str, int]] = Counter()
+        self.blocks: Counter[str] = Counter()
+        self.names: dict[int, str] = {}
+
+    def nodes_of(self, root: Any) -> list[Any]:
+        nodes = _graph(root)
+        for node in nodes:
+            self.names[id(node)] = type(node).__name__
+            node.register_prehook(self._counter(id(node)))
+        return nodes
+
+    def _counter(self, key: int) -> Any:
+        return lambda _grads: self.nodes.update([(self.phase, key)])
+
+    def blocks_of(self, model: nn.Module, split: Split) -> None:
+        blocks: Any = next(iter(split.stages.values())).adapter.blocks()
+        for block in blocks.values():
+            for module in list(block.modules())[1:]:
+                module.register_forward_pre_hook(lambda *_: self.blocks.update([self.phase]))
+
+    def ran(self, phase: str, accumulators: bool) -> dict[int, int]:
+        """Node id -> runs in ``phase``: the gradient accumulators, or every other node."""
+        is_acc = {key: self.names[key] == "AccumulateGrad" for key in self.names}
+        return {key: n for (p, key), n in self.nodes.items() if p == phase and is_acc[key] == accumulators}
+
+
+def _stage(name: str, rank: int, checkpointed: bool) -> tuple[nn.Module, Split, WeightGradStore, int]:
+    model = _hf(name)
+    split = split_model(model, stage_placement("zb", 2, 1), rank)
+    store = WeightGradStore()
+    deferred = defer_weight_grads(model, store)
+    if checkpointed:
+        blocks: Any = next(iter(split.stages.values())).adapter.blocks()
+        for block in blocks.values():
+            checkpoint_forward(block)
+    return model, split, store, deferred
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_the_w_pass_walks_no_graph_and_every_gradient_equals_a_full_backward(
+    name: str, checkpointed: bool
+) -> None:
+    ids = torch.randint(1, 256, (3, 10), generator=torch.Generator().manual_seed(2))
+    reference = _hf(name)
+    logits = reference(input_ids=ids).logits
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3), dtype=logits.dtype)
+    (logits * weights).sum().backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+
+    (first, a, store_a, deferred_a), (last, b, store_b, deferred_b) = (
+        _stage(name, rank, checkpointed) for rank in (0, 1)
+    )
+    assert deferred_a >= 4 and deferred_b >= 5  # every block's projections; the head on the last stage
+    watch = _Watch()
+    watch.blocks_of(first, a)
+    watch.blocks_of(last, b)
+    given = a.inputs(ids)
+    hidden = a.stages[0](ids, given)
+    x = hidden.detach().requires_grad_(True)
+    loss = (b.stages[1](x, given) * weights).sum()
+    graph = watch.nodes_of(loss.grad_fn) + watch.nodes_of(hidden.grad_fn)
+
+    watch.phase = "I"  # the last stage's I, then the first's from the gradient it sent
+    with store_b.collect() as kept_b:
+        loss.backward()
+    assert x.grad is not None
+    with store_a.collect() as kept_a:
+        hidden.backward(x.grad)
+    watch.phase = "W"
+    apply_weight_grads(kept_b)
+    apply_weight_grads(kept_a)
+
+    # I: one walk of the graph; W: nothing of it but the weights' accumulators, once per kept weight
+    walked = [n for n in graph if type(n).__name__ != "AccumulateGrad"]
+    assert watch.ran("I", accumulators=False) == {id(n): 1 for n in walked}
+    assert watch.ran("W", accumulators=False) == {}
+    kept_weights = {id(r.weight) for r in kept_a + kept_b}
+    assert len(kept_a + kept_b) == deferred_a + deferred_b and len(kept_weights) == deferred_a + deferred_b
+    assert sorted(watch.ran("W", accumulators=True).values()) == [1] * len(kept_weights)
+    # the modules inside the blocks: recomputed in I when checkpointed (up to the last tensor backward
+    # reads: torch stops the recomputation there), never in W
+    assert watch.blocks["W"] == 0 and watch.blocks["F"] > 0
+    assert 0 < watch.blocks["I"] <= watch.blocks["F"] if checkpointed else watch.blocks["I"] == 0
+
+    got = {n: p.grad for model in (first, last) for n, p in model.named_parameters()}
+    if b.tied is not None:  # GPT-2's head reads the last stage's copy of the first stage's embedding
+        got[b.tied.owner_name] = got[b.tied.owner_name] + b.tied.copy.grad
+    assert sorted(got) == sorted(want)
+    for n, grad in want.items():
+        assert torch.equal(got[n], grad), n
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["nn.Linear", "Conv1D"])
+def test_a_deferred_linear_outside_an_i_pass_is_the_plain_op_and_under_autocast_casts_like_it(
+    transposed: bool,
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 4, generator=g, requires_grad=True)
+    weight = nn.Parameter(torch.randn((4, 3) if transposed else (3, 4), generator=g))
+    bias = nn.Parameter(torch.randn(3, generator=g))
+    def plain_op() -> torch.Tensor:  # as nn.Linear and Conv1D compute themselves
+        if transposed:
+            return torch.addmm(bias, x.reshape(-1, 4), weight).view(2, 5, 3)
+        return nn.functional.linear(x, weight, bias)
+
+    want_out = plain_op()
+    want = torch.autograd.grad(want_out.square().sum(), [x, weight, bias])
+    out = linear(x, weight, bias, transposed, WeightGradStore())  # no I pass collecting: dW at once
+    got = torch.autograd.grad(out.square().sum(), [x, weight, bias])
+    torch.testing.assert_close(out, want_out)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # kept in bf16, accumulated into the fp32 weight
+        store = WeightGradStore()
+        low = linear(x, weight, bias, transposed, store)
+        plain = plain_op()
+    assert low.dtype == plain.dtype == torch.bfloat16 and torch.equal(low, plain)
+    weight.grad = None
+    with store.collect() as kept:
+        low.float().sum().backward()
+    assert weight.grad is None and kept[0].grad_output.dtype == torch.bfloat16
+    apply_weight_grads(kept)
+    assert weight.grad is not None and weight.grad.dtype == torch.float32
+    (reference,) = torch.autograd.grad(plain.float().sum(), [weight])
+    torch.testing.assert_close(weight.grad, reference)
+
+
+def test_only_plain_linear_layers_conv1d_and_declared_layers_defer() -> None:
+    class Own(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    model = nn.Sequential(nn.Linear(2, 2), Own(2, 2), nn.LayerNorm(2))
+    assert defer_weight_grads(model, WeightGradStore()) == 1  # a subclass's own forward is left alone
+    assert not is_conv1d(model[0])
