@@ -12,9 +12,10 @@ A script of your own::
     if __name__ == "__main__":
         sw.launch(main, nproc=2)  # or: torchrun --nproc-per-node 2 script.py
 
-Underneath, the composable core: ``ParallelDims`` (validated degrees), ``build_mesh`` (named axes,
-one ``Comm`` each) and ``parallelize`` (tensor, pipeline, activation checkpointing, then data
-parallelism, in that order), returning the ``Engine`` whose ``train_step`` a hand-written loop calls.
+Underneath, the composable core: ``ParallelDims`` (the table of axes and their degrees),
+``build_mesh`` (every group of the table, one ``Comm`` each) and ``parallelize`` (tensor, pipeline,
+activation checkpointing, then data parallelism, in that order), returning the ``Engine`` whose
+``train_step`` a hand-written loop calls.
 Names are imported on first use, so ``import shardwise`` stays cheap. No submodule shares a name with
 an export: importing a submodule sets it as an attribute of the package, which would hide the export
 (``shardwise.launch`` the function once lived beside ``shardwise/launch.py``; the module is ``launcher``).
@@ -31,7 +32,7 @@ _EXPORTS = {
     "launch": "shardwise.api",
     "init": "shardwise.api",
     "TrainConfig": "shardwise.config",
-    "ParallelDims": "shardwise.config",
+    "ParallelDims": "shardwise.dims",
     "load_config": "shardwise.config",
     "ConfigError": "shardwise.config",
     "Mesh": "shardwise.mesh",
@@ -41,7 +42,7 @@ _EXPORTS = {
     "Role": "shardwise.engine.base",
     "Loss": "shardwise.engine.loss",
     "LossError": "shardwise.engine.loss",
-    "NonFiniteStop": "shardwise.engine.base",
+    "NonFiniteStop": "shardwise.engine.nonfinite",
     "CausalLMLoss": "shardwise.engine.loss",
     "TokenLoss": "shardwise.engine.loss",
     "summed": "shardwise.engine.loss",
@@ -75,10 +76,12 @@ __all__ = [
 
 if TYPE_CHECKING:
     from shardwise.api import init, launch
-    from shardwise.config import ConfigError, ParallelDims, TrainConfig, load_config
-    from shardwise.engine.base import Engine, NonFiniteStop, Role
+    from shardwise.config import ConfigError, TrainConfig, load_config
+    from shardwise.dims import ParallelDims
+    from shardwise.engine.base import Engine, Role
     from shardwise.engine.full_state import load_checkpoint
     from shardwise.engine.loss import CausalLMLoss, Loss, LossError, TokenLoss, summed
+    from shardwise.engine.nonfinite import NonFiniteStop
     from shardwise.launcher import LaunchError
     from shardwise.mesh import Mesh, build_mesh
     from shardwise.parallelism import parallelize

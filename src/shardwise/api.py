@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from shardwise.config import ConfigError
 from shardwise.device import check_device
-from shardwise.engine.base import NonFiniteStop
 from shardwise.engine.full_state import StateMismatchError
 from shardwise.engine.loss import LossError
+from shardwise.engine.nonfinite import NonFiniteStop
 from shardwise.launcher import LaunchError, init_distributed, launch_local, running_under_torchrun
 from shardwise.train.checkpointing import CheckpointWriteError
 

@@ -39,6 +39,8 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--micro-batches": ("data.micro_batches", {"help": "gradient accumulation (no_sync) steps"}),
     "--pp": ("parallel.pp", {"help": "pipeline stages (ranks per pipeline)"}),
     "--tp": ("parallel.tp", {"help": "tensor-parallel degree (ranks per layer)"}),
+    "--cp": ("parallel.cp", {"help": "context-parallel degree (ranks per sequence; not built yet)"}),
+    "--ep": ("parallel.ep", {"help": "expert-parallel degree (ranks per set of experts; not built yet)"}),
     "--dp-replicate": (
         "parallel.dp_replicate",
         {"help": "hybrid sharding: ZeRO within dp / R ranks, R replicas across (HSDP)"},

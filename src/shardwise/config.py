@@ -26,6 +26,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from shardwise.dims import ParallelDims
+from shardwise.errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -33,10 +36,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3", "diloco")
 ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "naive", "auto")
-
-
-class ConfigError(ValueError):
-    """A configuration that does not add up; the message says why and what to change."""
 
 
 # -- what each field allows ------------------------------------------------------------------------
@@ -174,6 +173,10 @@ class ParallelConfig:
     # hybrid sharding (HSDP, ZeRO++'s hpZ): ZeRO shards within groups of dp / dp_replicate ranks and
     # the groups replicate, so gathers stay in a group (a node); 1: shard over the whole dp axis
     dp_replicate: int = checked(1, Range(ge=1))
+    # context parallelism: each sequence cut over cp ranks (not built yet: cp > 1 is refused)
+    cp: int = checked(1, Range(ge=1))
+    # expert parallelism: experts spread over ep ranks carved from dp x cp (not built yet: ep > 1 is refused)
+    ep: int = checked(1, Range(ge=1))
 
     @property
     def stages_per_rank(self) -> int:
@@ -186,75 +189,6 @@ class ParallelConfig:
     def resolve(self, world_size: int, servers: int = 0) -> ParallelConfig:
         """Fill in dp and check that the degrees multiply to the world size (see ``ParallelDims``)."""
         return replace(self, dp=ParallelDims.build(self, world_size, servers).dp)
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """The validated degrees of a job: ``servers + dp x pp x tp`` ranks.
-
-    The ranks that train form the mesh (dp x pp x tp, row-major, tp fastest); parameter servers, when
-    there are any, are the first ``servers`` global ranks and stand outside it. Pure arithmetic, so the
-    planner and the launcher can use it without processes.
-    """
-
-    dp: int
-    pp: int = 1
-    tp: int = 1
-    servers: int = 0
-
-    @classmethod
-    def build(cls, parallel: ParallelConfig, world_size: int, servers: int = 0) -> ParallelDims:
-        """Resolve ``parallel.dp`` (-1) and check the arithmetic against a world of ``world_size``."""
-        for name in ("pp", "tp"):
-            if getattr(parallel, name) < 1:
-                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(parallel, name)}")
-        if parallel.dp < 1 and parallel.dp != -1:
-            raise ConfigError(f"parallel.dp must be >= 1, or -1 for what the world leaves; got {parallel.dp}")
-        trainers = world_size - servers
-        if servers < 0 or trainers < 1:
-            raise ConfigError(
-                f"the parameter server needs at least one server and one worker: {world_size} ranks - "
-                f"{servers} servers = {trainers} workers"
-            )
-        model_ranks = parallel.pp * parallel.tp
-        dp = parallel.dp
-        if dp == -1:
-            if trainers % model_ranks:
-                raise ConfigError(
-                    f"pp({parallel.pp}) x tp({parallel.tp}) = {model_ranks} does not divide the world "
-                    f"of {_ranks(trainers, servers)}; start a multiple of {model_ranks} ranks that train "
-                    "(--nproc), or lower pp or tp"
-                )
-            dp = trainers // model_ranks
-        total = dp * model_ranks
-        if total != trainers:
-            raise ConfigError(
-                f"dp({dp}) x pp({parallel.pp}) x tp({parallel.tp}) = {total}, but the world has "
-                f"{_ranks(trainers, servers)}; start {total} ranks that train (--nproc), or leave dp "
-                "unset (-1: what the world leaves)"
-            )
-        return cls(dp, parallel.pp, parallel.tp, servers)
-
-    @property
-    def world_size(self) -> int:
-        return self.servers + self.dp * self.pp * self.tp
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """The mesh's shape over the ranks that train: (dp, pp, tp)."""
-        return (self.dp, self.pp, self.tp)
-
-    @property
-    def label(self) -> str:
-        """The layout in words: ``dp2 x pp2 x tp2`` (with ``+ 2 servers`` for a parameter server)."""
-        servers = f" + {self.servers} servers" if self.servers else ""
-        return f"dp{self.dp} x pp{self.pp} x tp{self.tp}{servers}"
-
-
-def _ranks(trainers: int, servers: int) -> str:
-    if servers:
-        return f"{trainers} ranks that train ({trainers + servers} ranks - {servers} servers)"
-    return f"{trainers} rank" if trainers == 1 else f"{trainers} ranks"
 
 
 def split_counts(global_batch: int, weights: Sequence[float], world_size: int | None = None) -> list[int]:
@@ -600,8 +534,8 @@ def describe_layout(config: TrainConfig, dims: ParallelDims) -> str:
     the micro-batches, activation checkpointing."""
     parallel = config.parallel
     parts = [dims.label]
-    if parallel.dp_replicate > 1:
-        shard, replicas = dims.dp // parallel.dp_replicate, parallel.dp_replicate
+    if dims.dp_replicate > 1:
+        shard, replicas = dims.dp_shard, dims.dp_replicate
         parts.append(f"hybrid sharding: {config.strategy} over {shard} ranks x {replicas} replicas")
     if parallel.sequence_parallel:
         parts.append("sequence parallel")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardwise.activation_checkpointing import apply_activation_checkpointing
 from shardwise.config import ConfigError, load_config
 from shardwise.models import build_model
-from shardwise.parallelism import apply_activation_checkpointing
 
 from .cli_helpers import last_json, shardwise
 

@@ -29,7 +29,7 @@ from .cli_helpers import shardwise
 # -- ParallelDims: the arithmetic in the errors -------------------------------------------------------
 def test_parallel_dims_resolve_and_explain() -> None:
     assert ParallelDims.build(ParallelConfig(tp=2), 8) == ParallelDims(dp=4, pp=1, tp=2)
-    assert ParallelDims.build(ParallelConfig(), 5, servers=2).shape == (3, 1, 1)
+    assert ParallelDims.build(ParallelConfig(), 5, servers=2).mesh_shape == (1, 3, 1, 1, 1)
     with pytest.raises(ConfigError, match=r"dp\(3\) x pp\(1\) x tp\(2\) = 6, but the world has 4 ranks"):
         ParallelDims.build(ParallelConfig(dp=3, tp=2), 4)
     with pytest.raises(
@@ -225,4 +225,5 @@ def test_checkpoint_records_the_mesh(tmp_path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     manifest = json.loads((tmp_path / "ck" / "step-00000002" / "manifest.json").read_text())
-    assert manifest["mesh"] == {"dp": 2, "pp": 1, "tp": 1, "servers": 1}
+    degrees = {"dp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "ep": 1, "pp": 1, "tp": 1, "servers": 1}
+    assert manifest["mesh"] == degrees

@@ -95,7 +95,10 @@ def _silent(rank: int, world_size: int, compress: str, start_local: int = 0) -> 
 @pytest.mark.parametrize(("compress", "start_local"), [("", 0), ("topk:0.05", 0), ("", 2)])
 def test_nothing_is_sent_between_synchronisations(compress: str, start_local: int) -> None:
     rows = run_on_ranks(_silent, 2, compress, start_local, timeout_s=300)[0]
-    synced = [i for i, row in enumerate(rows) if row["bytes"] > 0]
+    # every step's bookkeeping over the ranks that step is a few bytes (whether every value is
+    # finite: 16); a synchronisation sends the model (tens of kB): count only those
+    assert all(row["bytes"] <= 64 or row["bytes"] > 10_000 for row in rows), rows
+    synced = [i for i, row in enumerate(rows) if row["bytes"] > 10_000]
     # every step up to start_local_step, then every 4 steps, and after the last
     assert synced == [i for i in range(start_local)] + [3, 7, 8]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5

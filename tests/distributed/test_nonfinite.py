@@ -59,7 +59,7 @@ def _poison_gradient(engine: Any, rank: int) -> str:
             param.grad.view(-1)[0] = float("nan")
         return name
     group = engine.groups[0]
-    piece = group.layout.pieces(1)[0]  # the first parameter overlapping rank 1's shard
+    piece = group.layout.overlaps(1)[0]  # the first parameter overlapping rank 1's shard
     if rank == 1:
         group.grad_shard[piece.shard_start] = float("nan")
     return piece.name
@@ -177,3 +177,50 @@ def test_skip_goes_on_and_counts_the_skipped_steps(tmp_path) -> None:
     summary = last_json(result)
     assert summary["skipped_steps"] == 3 and summary["skipped_at"] == [1, 2, 3]
     assert "skipped the update of 3 of 4 steps" in result.stderr
+
+
+def _hand_written_loop(rank: int, world_size: int) -> dict[str, Any]:
+    """``Engine.train_step`` (a user's own loop over ``parallelize``) with a loss that is NaN on rank 1
+    alone in step 1 (its gradient stays finite, so only the agreement can tell rank 0)."""
+    import shardwise as sw
+    from shardwise.engine.loss import CausalLMLoss
+    from shardwise.models import build_model
+
+    out: dict[str, Any] = {}
+    for policy in ("skip", "stop"):
+        config = _config("ddp", policy)
+        calls = {"n": 0}
+        inner = CausalLMLoss()
+
+        def loss(outputs: Any, batch: Any, calls: dict = calls, inner: Any = inner) -> torch.Tensor:
+            calls["n"] += 1
+            summed = inner(outputs, {"input_ids": batch[0], "labels": batch[1]})
+            bad = calls["n"] == 2 and rank == 1  # step 1's only micro-batch
+            return summed + torch.tensor(float("nan") if bad else 0.0, dtype=summed.dtype)
+
+        torch.manual_seed(0)
+        engine = sw.parallelize(build_model(config.model), sw.build_mesh(config), config, loss=loss)
+        tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(rank))
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        losses, unchanged = [], None
+        try:
+            for step in range(3):
+                before = _state(engine)
+                losses.append(engine.train_step([batch]))
+                if step == 1:
+                    unchanged = all(map(torch.equal, before, _state(engine)))
+        except sw.NonFiniteStop as stop:
+            out[f"{policy}_stop"] = str(stop)
+        out[policy] = {"losses": losses, "unchanged": unchanged}
+        engine.close()
+    return out
+
+
+def test_the_hand_written_loop_agrees_on_non_finite_values_too() -> None:
+    for got in run_on_ranks(_hand_written_loop, 2, timeout_s=180):
+        skipped = got["skip"]
+        assert skipped["unchanged"] is True  # neither rank applied step 1's update
+        assert math.isfinite(skipped["losses"][0]) and math.isnan(skipped["losses"][1])
+        assert math.isfinite(skipped["losses"][2]) and "skip_stop" not in got
+        assert got["stop"]["losses"] == got["stop"]["losses"][:1]  # step 1 raised on every rank
+        assert got["stop_stop"].startswith("step 1: the loss is not finite"), got["stop_stop"]

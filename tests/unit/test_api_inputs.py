@@ -120,7 +120,7 @@ def test_the_default_loss_under_tp_picks_each_vocab_parallel_kind_and_refuses_cl
     kind, and are refused in one line rather than scored over a tp-th of the classes."""
     from types import SimpleNamespace
 
-    from shardwise.parallelism import tensor_parallel_loss
+    from shardwise.tensor_parallel.axis import tensor_parallel_loss
     from shardwise.tensor_parallel.layers import VocabParallelCausalLMLoss, VocabParallelTokenLoss
 
     chosen = tensor_parallel_loss(AutoLoss(ignore_index=-7), SimpleNamespace(rank=0, world_size=2))

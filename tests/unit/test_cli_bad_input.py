@@ -42,6 +42,9 @@ BAD_INPUTS = [
         "zero.offload_dir = '{file}/sub' cannot be written",
     ),
     (["--timeout-s", "0"], "timeout_s must be a finite number >= 1, got 0.0"),
+    # axes in the table that are not built yet
+    (["--nproc", "2", "--cp", "2"], "context parallelism (--cp 2) is not built yet; set parallel.cp = 1"),
+    (["--nproc", "2", "--ep", "2"], "expert parallelism (--ep 2) is not built yet; set parallel.ep = 1"),
     # the rest of the ranges
     (["--set", "checkpoint.keep=-1"], "checkpoint.keep must be an integer >= 0, got -1"),
     (["--strategy", "ps", "--servers", "0"], "ps.servers must be an integer >= 1, got 0"),

@@ -22,12 +22,12 @@ def test_offsets_and_padding() -> None:
 
 def test_pieces_of_one_rank() -> None:
     layout = build_layout(SHAPES, world_size=4)
-    pieces = layout.pieces(1)  # elements 9..18: a[9:15] then b[0:3]
+    pieces = layout.overlaps(1)  # elements 9..18: a[9:15] then b[0:3]
     assert [(p.name, p.param_start, p.param_end, p.shard_start, p.shard_end) for p in pieces] == [
         ("a", 9, 15, 0, 6),
         ("b", 0, 3, 6, 9),
     ]
-    last = layout.pieces(3)  # elements 27..36: c[5:12] then two padding elements
+    last = layout.overlaps(3)  # elements 27..36: c[5:12] then two padding elements
     assert [(p.name, p.param_start, p.param_end, p.shard_start, p.shard_end) for p in last] == [
         ("c", 5, 12, 0, 7)
     ]
@@ -44,7 +44,7 @@ def test_pieces_reassemble_every_parameter(world_size: int) -> None:
         flat = torch.cat([flat, flat.new_zeros(layout.padding())])
         start, end = layout.shard_range(rank)
         shard = flat[start:end]
-        for p in layout.pieces(rank):
+        for p in layout.overlaps(rank):
             rebuilt[p.name][p.param_start : p.param_end] = shard[p.shard_start : p.shard_end]
             covered += p.numel
     assert covered == layout.total_numel

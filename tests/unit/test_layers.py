@@ -1,12 +1,16 @@
 """The import graph: no cycle anywhere in ``src/``, and models never talk to other processes.
 
 The layer contracts themselves are import-linter's (``lint-imports``, pyproject.toml); these are the
-two rules it cannot state: an acyclic graph of modules, and no ``torch.distributed`` in models/.
+rules it cannot state: an acyclic graph of modules, no ``torch.distributed`` in models/, one class per
+name in src/, and the axis table (``shardwise.dims``) one class that loads without torch, even
+through the config.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import grimp
@@ -81,3 +85,25 @@ def test_models_never_import_torch_distributed() -> None:
         for path in (SRC / "models").rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_axis_table_imports_no_torch() -> None:
+    """``shardwise.dims`` (``ParallelDims``) is read by the config, the planner and the mesh: pure."""
+    code = "import sys, shardwise.dims, shardwise.config; print([m for m in sys.modules if m == 'torch'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_one_parallel_dims_class() -> None:
+    found = [p for p in SRC.rglob("*.py") if "class ParallelDims" in p.read_text()]
+    assert [str(p.relative_to(SRC)) for p in found] == ["dims.py"]
+
+
+def test_one_name_one_class() -> None:
+    """No two classes in src/ share a name (two ``Piece``s once meant a checkpoint's and ZeRO's)."""
+    where: dict[str, list[str]] = {}
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(SRC)))
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}

@@ -247,12 +247,12 @@ def test_a_model_of_ones_own_is_split_by_its_own_blocks_not_the_configs_preset()
     """``Trainer.build(model=...)`` at pp 2 with ZBV (4 stages): the config's preset (tiny, 2 blocks)
     is not the model the ranks split, so only the command line's check, which builds the config's
     model, refuses it; the ranks' split counts the blocks of the model it is given (5 here)."""
-    from shardwise.parallelism import _check_pipeline
+    from shardwise.pipeline.axis import check_pipeline
 
     config = load_config(None, {"parallel.pp": 2, "parallel.schedule": "zbv", "model.preset": "tiny"})
     with pytest.raises(ConfigError, match="the gpt preset 'tiny' has 2 blocks"):
         check(config)
-    _check_pipeline(config, config_model=False)  # what apply_pipeline runs: no preset in it
+    check_pipeline(config, config_model=False)  # what PipelineAxis runs: no preset in it
     split = split_model(_model(), stage_placement("zbv", 2, 2), 0)
     assert sorted(i for stage in split.stages.values() for i in stage.blocks) == sorted(
         i for s in (0, 3) for i in split.assignment[s]

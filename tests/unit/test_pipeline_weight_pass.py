@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from shardwise.activation_checkpointing import checkpoint_forward
 from shardwise.engine.linear import WeightGradStore, apply_weight_grads, linear
-from shardwise.parallelism import checkpoint_forward
 from shardwise.pipeline.deferred import defer_weight_grads, is_conv1d
 from shardwise.pipeline.schedules import stage_placement
 from shardwise.pipeline.split import Split, split_model

@@ -38,7 +38,7 @@ def test_launch_refuses_what_it_cannot_send_to_the_ranks_before_starting_them() 
 
 
 def test_a_non_finite_stop_comes_back_from_its_one_line() -> None:
-    from shardwise.engine.base import NonFinite, NonFiniteStop
+    from shardwise.engine.nonfinite import NonFinite, NonFiniteStop
 
     stop = NonFiniteStop(7, NonFinite("the loss and the gradient of w", stop=True))
     again = NonFiniteStop.from_message(str(stop))

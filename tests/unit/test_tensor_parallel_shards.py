@@ -12,7 +12,7 @@ import torch
 
 from shardwise.checkpoint.boxes import Box
 from shardwise.models.adapters.gpt import gpt_plan
-from shardwise.models.adapters.plan import Colwise, Plan
+from shardwise.models.adapters.plan import Colwise, TensorParallelPlan
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.tensor_parallel import apply_tensor_parallel
 from shardwise.tensor_parallel.layers import qkv_sections
@@ -90,8 +90,8 @@ def test_plans_refuse_heads_tp_does_not_divide_and_patterns_that_miss() -> None:
         apply_tensor_parallel(odd, _axis(0, 2), gpt_plan(3))
     model = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=8))
     with pytest.raises(ValueError, match=re.escape("pattern 'blocks.*.mlp.nope' matches no module")):
-        apply_tensor_parallel(model, _axis(0, 2), Plan("p", {"blocks.*.mlp.nope": Colwise()}))
-    both = Plan("p", {"blocks.*.mlp.fc": Colwise(), "blocks.0.mlp.fc": Colwise()})
+        apply_tensor_parallel(model, _axis(0, 2), TensorParallelPlan("p", {"blocks.*.mlp.nope": Colwise()}))
+    both = TensorParallelPlan("p", {"blocks.*.mlp.fc": Colwise(), "blocks.0.mlp.fc": Colwise()})
     with pytest.raises(ValueError, match=r"blocks.0.mlp.fc matches both"):
         apply_tensor_parallel(model, _axis(0, 2), both)
     with pytest.raises(ValueError, match="vocab_size 15 is not divisible by tp 2"):

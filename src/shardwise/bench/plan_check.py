@@ -68,10 +68,10 @@ def _model_probe(config: TrainConfig, model: ModelShape, batch: int, checkpointe
     is not); ``checkpointed``: each block wrapped as ``apply_activation_checkpointing`` wraps it, so
     the recomputation's real cost (a forward kept off the graph, then replayed beside its backward) is
     measured on the model's own blocks rather than assumed."""
+    from shardwise.activation_checkpointing import checkpoint_forward
     from shardwise.engine.loss import loss_sum
     from shardwise.models import build_model
     from shardwise.models.adapters import adapter_for
-    from shardwise.parallelism import checkpoint_forward
     from shardwise.planner.time import flops_per_token
 
     net = build_model(config.model)

@@ -170,6 +170,8 @@ class Comm:
     def _issue(self, op: str, label: str = "", peer: int | None = None) -> Call:
         self.seq += 1
         self.stats.ops[op] = self.stats.ops.get(op, 0) + 1
+        if label:
+            self.stats.labels[label] = self.stats.labels.get(label, 0) + 1
         return MONITOR.issue(self.name, op, self.seq, label, peer)
 
     def _finish(

@@ -45,6 +45,7 @@ class CommStats:
     bytes_received: int = 0
     blocked_s: float = 0.0  # time spent inside synchronous calls and waits
     ops: dict[str, int] = field(default_factory=dict)  # calls that communicated, by op ("all_reduce", ...)
+    labels: dict[str, int] = field(default_factory=dict)  # ... by the label the caller gave ("grad norm")
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     # CUDA: (before, after) events around each wait on the stream, added to blocked_s when read
     _events: list[tuple[Any, Any]] = field(default_factory=list, repr=False, compare=False)
@@ -74,7 +75,8 @@ class CommStats:
 
     def snapshot(self) -> CommStats:
         self._settle()
-        return CommStats(self.calls, self.bytes_sent, self.bytes_received, self.blocked_s, dict(self.ops))
+        ops, labels = dict(self.ops), dict(self.labels)
+        return CommStats(self.calls, self.bytes_sent, self.bytes_received, self.blocked_s, ops, labels)
 
     def since(self, earlier: CommStats) -> CommStats:
         self._settle()
@@ -83,8 +85,13 @@ class CommStats:
             self.bytes_sent - earlier.bytes_sent,
             self.bytes_received - earlier.bytes_received,
             self.blocked_s - earlier.blocked_s,
-            {op: n - earlier.ops.get(op, 0) for op, n in self.ops.items() if n != earlier.ops.get(op, 0)},
+            _minus(self.ops, earlier.ops),
+            _minus(self.labels, earlier.labels),
         )
+
+
+def _minus(now: dict[str, int], earlier: dict[str, int]) -> dict[str, int]:
+    return {key: n - earlier.get(key, 0) for key, n in now.items() if n != earlier.get(key, 0)}
 
 
 def required(work: dist.Work | None) -> Work:

@@ -48,7 +48,7 @@ class _Matrix:
 
 
 @dataclass(frozen=True)
-class Plan:
+class BucketPlan:
     """Which tensors of a bucket are compressed (in torch's order: grouped by shape) and which are not."""
 
     matrices: tuple[_Matrix, ...]
@@ -62,7 +62,7 @@ def should_compress(rows: int, cols: int, rank: int, min_rate: float) -> bool:
     return (rows + cols) * rank * min_rate < rows * cols
 
 
-def make_plan(state: CodecState, rank: int, min_rate: float) -> Plan:
+def make_plan(state: CodecState, rank: int, min_rate: float) -> BucketPlan:
     by_shape: dict[tuple[int, int], list[_Matrix]] = {}
     plain: list[tuple[int, int]] = []
     for seg in state.segments:
@@ -78,7 +78,7 @@ def make_plan(state: CodecState, rank: int, min_rate: float) -> Plan:
             plain.append((seg.offset, seg.offset + seg.numel))
     plain.extend(state.gaps)
     matrices = tuple(m for group in by_shape.values() for m in group)
-    return Plan(
+    return BucketPlan(
         matrices,
         tuple(sorted(plain)),
         sum(m.rows * m.rank for m in matrices),
@@ -123,7 +123,7 @@ class PowerSGDCodec(Codec):
         self.rng = np.random.RandomState(seed)
 
     def _views(
-        self, plan: Plan, x: torch.Tensor, p_mem: torch.Tensor, q_mem: torch.Tensor
+        self, plan: BucketPlan, x: torch.Tensor, p_mem: torch.Tensor, q_mem: torch.Tensor
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per compressed matrix: M (1, n, m) viewing ``x``; P (1, n, r), Q (1, m, r) viewing the memories."""
         p_at = q_at = 0
@@ -134,7 +134,7 @@ class PowerSGDCodec(Codec):
             p_at, q_at = p_at + m.rows * m.rank, q_at + m.cols * m.rank
             yield matrix, p, q
 
-    def _start_q(self, plan: Plan, state: CodecState, x: torch.Tensor) -> torch.Tensor:
+    def _start_q(self, plan: BucketPlan, state: CodecState, x: torch.Tensor) -> torch.Tensor:
         """Q for this step: last step's, made orthonormal; or, the first time, random and orthonormal."""
         q_mem = state.extra.get("q")
         if q_mem is not None:

@@ -49,9 +49,10 @@ from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.compression import CodecState, CompressedComm, Segment
 from shardwise.config import DDPConfig
 from shardwise.device import HOST
-from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, all_finite, sq_sum
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
 from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import full_state_tensors, load_full_state, replicated_pieces
+from shardwise.engine.nonfinite import all_finite
 from shardwise.engine.precision import LOSS_SCALE
 
 
@@ -197,7 +198,7 @@ class DDPEngine(Engine):
             return param.grad is not None
         return id(param) in self._bucket_of[id(param)].ready
 
-    def finish_grads(self) -> None:
+    def exchange_grads(self) -> None:
         unused = [p for p in self.params if not self._got_grad(p)]
         had_backward = len(unused) < len(self.params)
         if unused and had_backward and not self.config.find_unused_parameters:
@@ -234,7 +235,7 @@ class DDPEngine(Engine):
             return [bucket.buffer for bucket in self.buckets]
         return [p.grad for p in self.params if p.grad is not None]
 
-    def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+    def held_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         return sq_sum(self._grad_tensors(), self.device), None  # every rank holds the whole, reduced gradient
 
     def prepare_update(self) -> bool:
@@ -259,23 +260,23 @@ class DDPEngine(Engine):
         self._start_step()
 
     # -- inspection -------------------------------------------------------------------------------
-    def full_parameters(self) -> dict[str, torch.Tensor]:
+    def held_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
-    def full_gradients(self) -> dict[str, torch.Tensor]:
+    def held_gradients(self) -> dict[str, torch.Tensor]:
         return {
             self._names[id(p)]: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
             for p in self.params
         }
 
     # -- checkpoints (every rank holds everything; ranks split the writing by bytes) ------------------
-    def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
+    def held_pieces(self, rank: int, world_size: int) -> list[Piece]:
         pieces = replicated_pieces(full_state_tensors(self.model, self.optimizers[0]), rank, world_size)
         if self.scaler.enabled and rank == 0:  # the same on every rank: one writes it
             pieces.append(Piece.full(LOSS_SCALE, self.scaler.state()))
         return pieces + codec_pieces(self._codec_states(), self._codec_layout(), self.comm.rank)
 
-    def load_state(self, read: StateReader) -> None:
+    def load_held(self, read: StateReader) -> None:
         saved = self.scaler.enabled and LOSS_SCALE in read.shapes  # absent: another precision saved it
         scale = read({LOSS_SCALE: None})[LOSS_SCALE] if saved else None
         states = self._codec_states()

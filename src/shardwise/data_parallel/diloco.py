@@ -109,17 +109,17 @@ class DiLoCoEngine(Engine):
         self.window_items += local
         return max(local, 1.0)
 
-    def step_loss(self, share: float) -> float:
+    def loss_share(self, share: float) -> float:
         """The rank's own mean loss times its share of the batch (the shares sum to the global mean)."""
         return share * self.share
 
-    def finish_grads(self) -> None:
+    def exchange_grads(self) -> None:
         return None  # each rank steps on its own gradient
 
     def optimizer_units(self) -> list[NamedTensors]:
         return [[(self._names[id(p)], p) for p in self.params]]
 
-    def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+    def held_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         return grad_sq_sum(self.params, self.device), None  # local: clipping must not communicate
 
     def after_update(self) -> None:
@@ -173,11 +173,11 @@ class DiLoCoEngine(Engine):
         return {"outer_syncs": self.syncs}
 
     # -- inspection --------------------------------------------------------------------------------
-    def full_parameters(self) -> dict[str, torch.Tensor]:
+    def held_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (after the last step every rank holds the synchronised ones)."""
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
-    def full_gradients(self) -> dict[str, torch.Tensor]:
+    def held_gradients(self) -> dict[str, torch.Tensor]:
         """The ranks' own gradients weighted by their shares and summed (an all-reduce: inspection)."""
         out = {}
         for p in self.params:
@@ -193,7 +193,7 @@ class DiLoCoEngine(Engine):
             step % self.config.sync_every == 0 or step == self.steps or step <= self.config.start_local_step
         )
 
-    def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
+    def held_pieces(self, rank: int, world_size: int) -> list[Piece]:
         if not self._at_sync():
             raise RuntimeError(
                 f"diloco saves checkpoints at synchronisations; step {self.inner_steps} is not one "
@@ -224,7 +224,7 @@ class DiLoCoEngine(Engine):
                     out[f"{OUTER}{key}/{self._names[id(p)]}"] = value.detach()
         return out
 
-    def load_state(self, read: StateReader) -> None:
+    def load_held(self, read: StateReader) -> None:
         """Everything is read first (one call), then the model, the inner and the outer state change."""
         inner_prefix = f"inner/rank{self.comm.rank}/"
         own_inner = self.comm.rank > 0 and any(n.startswith(inner_prefix) for n in read.shapes)

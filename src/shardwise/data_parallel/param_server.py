@@ -75,16 +75,8 @@ from shardwise.data_parallel.ps_messages import (
 )
 from shardwise.data_parallel.ps_state import load_ps_state, ps_state_pieces
 from shardwise.device import HOST
-from shardwise.engine.base import (
-    Engine,
-    NamedTensors,
-    NonFinite,
-    NonFiniteStop,
-    Role,
-    StateReader,
-    describe_nonfinite,
-    grad_sq_sum,
-)
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, grad_sq_sum
+from shardwise.engine.nonfinite import NonFinite, NonFiniteStop, describe_nonfinite
 from shardwise.engine.step import run_passes
 
 
@@ -210,7 +202,7 @@ class ParamServerEngine(Engine):
             self._loss_share, self._loss_sum = float(self._loss_sum), None
         return self._loss_share
 
-    def step_loss(self, share: float) -> float:
+    def loss_share(self, share: float) -> float:
         """The loss of the batch the servers took (an asynchronous push refused and recomputed: the
         recomputed one)."""
         return self._read_loss()
@@ -222,7 +214,7 @@ class ParamServerEngine(Engine):
         self._loss_share, self._loss_sum = 0.0, None
         run_passes(self, self._micro, self._global_tokens)
 
-    def finish_grads(self) -> None:
+    def exchange_grads(self) -> None:
         self._require_worker()
         if self.config.mode == "sync":
             for s in self.servers:
@@ -238,7 +230,7 @@ class ParamServerEngine(Engine):
         # a server left without parameters (more servers than tensors) only counts versions
         return [[(self._names[id(p)], p) for p in self.own]] if self.own else []
 
-    def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+    def held_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         """On a server, between receiving the summed gradient and stepping: its parameters' share."""
         if not self.is_server:
             raise RuntimeError("the parameter server's gradient norm is taken on the servers, not workers")
@@ -559,10 +551,10 @@ class ParamServerEngine(Engine):
                     unflatten_into(flat, self.shards[s])
 
     # -- checkpoints (see shardwise.data_parallel.ps_state) ----------------------------------------------
-    def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
+    def held_pieces(self, rank: int, world_size: int) -> list[Piece]:
         return ps_state_pieces(self)
 
-    def load_state(self, read: StateReader) -> None:
+    def load_held(self, read: StateReader) -> None:
         load_ps_state(self, read)
 
     def resume_at(self, step: int) -> None:
@@ -595,10 +587,10 @@ class ParamServerEngine(Engine):
             "dropped_batches": self.dropped_batches,
         }
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
+    def held_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
-    def full_gradients(self) -> dict[str, torch.Tensor]:
+    def held_gradients(self) -> dict[str, torch.Tensor]:
         if self.is_server or not self.share_gradients:
             raise RuntimeError(
                 "the global gradient lives on the servers: build the engine with share_gradients=True "

@@ -48,7 +48,7 @@ from shardwise.data_parallel.ps_messages import (
     STOPPED,
 )
 from shardwise.device import HOST
-from shardwise.engine.base import NonFinite, describe_nonfinite
+from shardwise.engine.nonfinite import NonFinite, describe_nonfinite
 
 if TYPE_CHECKING:
     from shardwise.data_parallel.param_server import ParamServerEngine

@@ -13,7 +13,7 @@ comparison concrete (``shardwise bench dp-compare``), not for training.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +52,10 @@ class SingleProcessDPEngine(Engine):
         self._replicate()
         return global_count
 
-    def compute_loss(self, batch: Batch) -> torch.Tensor:  # (inputs, targets) batches only
+    def compute_loss(self, batch: Batch, forward: Callable[[], Any] | None = None) -> torch.Tensor:
+        """(inputs, targets) batches only, scattered over the replicas; no pipeline stage runs here."""
+        if forward is not None:
+            raise ValueError("single-process DP runs the whole model on its replicas, not a pipeline stage")
         inputs, targets = batch
         chunks = [c for c in inputs.chunk(self.replicas, dim=0) if c.numel()]  # scatter
         outputs = [
@@ -79,7 +82,7 @@ class SingleProcessDPEngine(Engine):
         self.copies += 1
         return tensor.to(device, copy=True)
 
-    def finish_grads(self) -> None:
+    def exchange_grads(self) -> None:
         """Reduce every replica's gradients into the master (device 0), in replica order."""
         for replica in self._copies:
             for master, local in zip(self.model.parameters(), replica.parameters(), strict=True):
@@ -91,17 +94,17 @@ class SingleProcessDPEngine(Engine):
     def optimizer_units(self) -> list[NamedTensors]:
         return [trainable(self.model)]  # the master's optimizer
 
-    def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+    def held_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         return grad_sq_sum([p for _, p in trainable(self.model)], self.device), None
 
     def after_update(self) -> None:
         self.model.zero_grad(set_to_none=True)
         self._copies = []
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
+    def held_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
-    def full_gradients(self) -> dict[str, torch.Tensor]:
+    def held_gradients(self) -> dict[str, torch.Tensor]:
         return {
             n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
             for n, p in self.model.named_parameters()

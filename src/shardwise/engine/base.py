@@ -18,8 +18,14 @@ What an engine owns, and what it does not:
   every trainable parameter counted exactly once over the job) and the ``Comm`` to sum the shares
   over, so clipping and monitoring need no strategy-specific code.
 - ``role`` says whether this rank steps, reports (writes metrics, returns the summary) or serves.
+- Further axes (tp, pp, hybrid replicas; ``engine/axis.py``): an engine answers for what its rank
+  holds over its data-parallel group (the strategy's ``exchange_grads``, ``held_norm_sq``,
+  ``held_parameters``, ``held_pieces``, ``load_held``, ``loss_share``), and each axis in
+  ``engine.axes`` widens that answer. The public answers (``finish_grads``, ``grad_norm_sq``,
+  ``full_parameters``, ``state_pieces``, ``load_state``, ``step_loss``) are final: the strategy's,
+  then one loop over the axes. No method is replaced at run time.
 - Non-finite values: ``nonfinite_grad`` names the first parameter whose gradient, as this rank holds
-  it after ``finish_grads``, has a NaN or inf (whole tensors here; ZeRO checks its shards). The loop
+  it after ``finish_grads``, has a NaN or inf (whole tensors here; ZeRO checks its shards). ``update``
   agrees on it over the ranks that step and then runs ``optimizer_step`` or ``skip_update``. Where the
   optimizer runs on servers, they check the summed gradient themselves and the ranks that step read
   their verdict (``servers_nonfinite``). Under a dynamic loss scale, overflow is the scaler's
@@ -33,12 +39,12 @@ share of it each rank drew.
 
 from __future__ import annotations
 
-import re
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, final
 
 import torch
 from torch import nn
@@ -49,15 +55,18 @@ from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.device import HOST, to_device
+from shardwise.engine.axis import Axis
 from shardwise.engine.loss import Loss, TokenLoss, check_summed, run_model
+from shardwise.engine.nonfinite import NonFinite, NonFiniteStop, agree_nonfinite, first_nonfinite
 from shardwise.engine.precision import LossScaler, resolve_precision
-from shardwise.engine.step import MicroBatchLoop, StepRunner
+from shardwise.engine.step import MicroBatchLoop, StepRunner, take_step
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (batch, seq) long, targets (batch, seq) long
 # what a rank asks a checkpoint for: a flat range [start, stop) of a global tensor, an n-d Box of it,
 # or None for the whole tensor
 Span = tuple[int, int] | Box | None
 NamedTensors = list[tuple[str, torch.Tensor]]  # what one optimizer updates, by name
+NORM_LABEL = "grad norm"  # the one all-reduce a step's gradient norm costs (counted by its Comm's stats)
 
 
 @dataclass(frozen=True)
@@ -91,60 +100,6 @@ class StateReader(Protocol):
     def shapes(self) -> Mapping[str, tuple[int, ...]]: ...
 
     def __call__(self, requests: Mapping[str, Span]) -> dict[str, torch.Tensor]: ...
-
-
-@dataclass(frozen=True)
-class NonFinite:
-    """What was found not finite (NaN or inf) in one step, and whether the run stops on it."""
-
-    what: str  # "the loss" | "the gradient of <parameter>"
-    stop: bool  # False: the step's update is skipped and training goes on (on_nonfinite = "skip")
-
-    def message(self, step: int) -> str:
-        """The one line a stopped run ends with."""
-        verb = "are" if " and " in self.what else "is"
-        return (
-            f"step {step}: {self.what} {verb} not finite (NaN or inf), so training stopped; lower the "
-            "learning rate (--lr), or pass --on-nonfinite skip to skip such steps"
-        )
-
-
-class NonFiniteStop(RuntimeError):
-    """Raised where a run stops on a non-finite value (``on_nonfinite = "stop"``): on every rank that
-    steps in the same step, and on the servers that found it. The run ends on its one line."""
-
-    def __init__(self, step: int, found: NonFinite) -> None:
-        super().__init__(found.message(step))
-        self.step, self.found = step, found
-
-    @classmethod
-    def from_message(cls, message: str) -> NonFiniteStop:
-        """The exception back from its one line (what a rank reports to the launcher)."""
-        match = re.match(r"step (\d+): (.+?) (?:is|are) not finite", message)
-        if match is None:
-            raise ValueError(f"not a non-finite stop: {message!r}")
-        return cls(int(match[1]), NonFinite(match[2], stop=True))
-
-
-def describe_nonfinite(loss_ok: bool, grad_name: str | None) -> str:
-    """What was not finite, in words: the loss, a parameter's gradient, or both."""
-    parts = ([] if loss_ok else ["the loss"]) + ([f"the gradient of {grad_name}"] if grad_name else [])
-    return " and ".join(parts) or "the loss"
-
-
-def first_nonfinite(named: Sequence[tuple[str, torch.Tensor | None]]) -> str | None:
-    """The first name whose tensor has a NaN or inf (a missing tensor counts finite). One flag per
-    tensor, stacked where the tensors are and read once (no host synchronisation per tensor)."""
-    present = [(name, t) for name, t in named if t is not None and t.numel()]
-    if not present:
-        return None
-    finite = torch.stack([torch.isfinite(t).all() for _, t in present]).tolist()
-    return next((name for (name, _), ok in zip(present, finite, strict=True) if not ok), None)
-
-
-def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool tensor on the tensors' device: every element of every one of ``tensors`` is finite."""
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
 def trainable(model: nn.Module) -> NamedTensors:
@@ -187,11 +142,14 @@ class Engine(ABC):
         self.optimizers: list[Optimizer] = []
         self.schedulers: list[LRScheduler] = []  # one per optimizer when the user gives a factory
         self.loss: Loss = TokenLoss()  # the user's loss: a SUM over items and a count (engine.loss)
-        self.count_comm: Comm | None = None  # the ranks that share a batch: where counts are summed
-        # where step loss shares are summed to the global mean: count_comm (None) unless a pipeline,
-        # whose loss share lives on the last stage only, sums them over every rank that trains
-        self.loss_comm: Comm | None = None
+        self.batch_comm: Comm | None = None  # the batch group (dp x cp): where items are counted
+        # every rank that steps: the norm's and the loss's shares are summed over it (None: this rank alone)
+        self.trainers: Comm | None = None
+        # the further axes the model is cut over, innermost first (engine/axis.py)
+        self.axes: list[Axis] = []
         self.clip_grad_norm = 0.0  # 0 or inf: measure the global norm, never clip
+        self.on_nonfinite = "stop"  # a NaN/inf loss or gradient: stop, or skip the step's update
+        self.steps_taken = 0  # by train_step
         dtype = next((p.dtype for p in model.parameters()), torch.float32)
         self.precision = resolve_precision("fp32", dtype)
         self.autocast_dtype: torch.dtype | None = None  # bf16/fp16 compute over fp32 parameters
@@ -200,20 +158,31 @@ class Engine(ABC):
         self.runner: StepRunner = MicroBatchLoop()  # who runs a step's micro-batches (engine.step)
         self.local_count = 0.0  # the items of this rank's micro-batches this step (forward_backward)
 
+    def join(self, axes: Sequence[Axis]) -> None:
+        """Take the model's further axes (tp, cp, ep, pp: ``parallelize``'s order; those that cut the
+        model on this rank) outside those the strategy has of its own (hybrid replicas); an axis that
+        runs the step's micro-batches (the pipeline) becomes the step runner."""
+        joined = [axis for axis in axes if axis.active]  # an axis of one rank adds nothing
+        self.axes = [*self.axes, *joined]
+        for axis in joined:
+            if axis.step_runner is not None:
+                self.runner = axis.step_runner
+
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, micro_batches: Sequence[Any]) -> float:
-        """One whole step on this rank's micro-batches: the global item count (one all-reduce),
-        forward, backward, gradient exchange, update. Returns the global mean loss (every rank).
-        The count and the loss, read on the host, are summed on the host side (gloo)."""
-        count = self.global_count(micro_batches)
-        share = torch.tensor(
-            [self.forward_backward(micro_batches, max(count, 1.0))], dtype=torch.float64, device=HOST
-        )
-        loss_comm = self.loss_comm or self.count_comm
-        if loss_comm is not None:
-            loss_comm.all_reduce(share)
-        self.optimizer_step()
-        return float(share)
+        """One whole step on this rank's micro-batches, the Trainer's own spine (``engine.step``): the
+        global item count, forward, backward, gradient exchange, the update (skipped on every rank
+        where any found a loss or gradient not finite). Returns the global mean loss (every rank; the
+        loss shares, read on the host, summed over the ranks that step). Under ``on_nonfinite =
+        "stop"`` (the default) a non-finite value raises ``NonFiniteStop`` on every rank."""
+        result = take_step(self, micro_batches)
+        loss = torch.tensor([result.loss_share], dtype=torch.float64, device=HOST)
+        if self.trainers is not None:  # the ranks that do not report the loss add 0
+            self.trainers.all_reduce(loss)
+        step, self.steps_taken = self.steps_taken, self.steps_taken + 1
+        if result.found is not None and result.found.stop:
+            raise NonFiniteStop(step, result.found)
+        return float(loss)
 
     def global_count(self, micro_batches: Sequence[Any]) -> float:
         """Items the loss counts in this step's micro-batches over every rank that shares the batch
@@ -222,8 +191,8 @@ class Engine(ABC):
         count = torch.tensor(
             [float(sum(self.loss.count(batch) for batch in micro_batches))], dtype=torch.float64, device=HOST
         )
-        if self.count_comm is not None:
-            self.count_comm.all_reduce(count)
+        if self.batch_comm is not None:
+            self.batch_comm.all_reduce(count)
         return float(count)
 
     def forward_backward(self, micro_batches: Sequence[Any], global_count: float) -> float:
@@ -259,19 +228,37 @@ class Engine(ABC):
         the global count by default, so that gradients summed over ranks are the global mean's."""
         return global_count
 
-    def step_loss(self, share: float) -> float:
-        """After ``finish_grads``: what the step reports as this rank's share of the global mean loss,
-        given the sum of its micro-batches' divided losses (``share``). The share itself by default."""
+    @final
+    def step_loss(self, share: torch.Tensor) -> float:
+        """After ``finish_grads``: this rank's share of the global mean loss, given the sum of its
+        micro-batches' divided losses (``share``, 0-d, read here only where this rank reports: every
+        axis says whether it does, ``Axis.reports_loss``); 0 where another rank reports it."""
+        return self.loss_share(float(share)) if self.reports_loss else 0.0
+
+    @property
+    def reports_loss(self) -> bool:
+        """Whether this rank's loss share counts (the first tp rank's, the last pipeline stage's)."""
+        return all(axis.reports_loss for axis in self.axes)
+
+    def loss_share(self, share: float) -> float:
+        """The strategy's share of the global mean loss, given the sum of this rank's divided losses:
+        the share itself by default."""
         return share
 
-    def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The summed loss of one micro-batch: the model on the batch (under autocast when the engine
-        computes in bf16/fp16 from fp32 parameters), then ``self.loss`` (which sums in fp32)."""
-        if self.autocast_dtype is None:
-            return check_summed(self.loss(run_model(self.model, batch), batch))
-        with torch.autocast(self._device_type(), dtype=self.autocast_dtype):
-            outputs = run_model(self.model, batch)
+    def compute_loss(self, batch: Any, forward: Callable[[], Any] | None = None) -> torch.Tensor:
+        """The summed loss of one micro-batch: ``forward()`` (default: the model on the batch; a
+        pipeline's last stage on its input) under ``autocast()``, then ``self.loss`` on its outputs
+        (which sums in fp32), checked to be a sum and not a mean."""
+        with self.autocast():
+            outputs = forward() if forward is not None else run_model(self.model, batch)
         return check_summed(self.loss(outputs, batch))
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """Where forward computes: under ``torch.autocast`` in bf16/fp16 over fp32 parameters, as is
+        otherwise (every forward of a step, a pipeline stage's included, runs inside it)."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self._device_type(), dtype=self.autocast_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this micro-batch's share of the mean loss; fp16 scales it first so that small
@@ -314,9 +301,17 @@ class Engine(ABC):
         Nothing by default: the parameters are always whole here."""
         yield
 
-    @abstractmethod
+    @final
     def finish_grads(self) -> None:
-        """After the last backward of a step: complete gradient communication."""
+        """After the last backward of a step: the data-parallel exchange (``exchange_grads``), then
+        each axis's own sums (``Axis.after_grads``); on return every gradient is as the update needs it."""
+        self.exchange_grads()
+        for axis in self.axes:
+            axis.after_grads(self)
+
+    @abstractmethod
+    def exchange_grads(self) -> None:
+        """After the last backward of a step: complete the strategy's gradient communication."""
 
     # -- the update: one place for every strategy -------------------------------------------------
     @abstractmethod
@@ -332,15 +327,52 @@ class Engine(ABC):
             )
         self.optimizers = list(optimizers)
 
-    @abstractmethod
+    @final
     def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         """This rank's share of the squared global gradient norm, and the ``Comm`` to sum shares over.
 
         Call after ``prepare_update`` (fp16 gradients are unscaled there; for fp32 any time between
-        ``finish_grads`` and the update). Summed over the ``Comm`` (no ``Comm``:
-        this rank's share is already the whole), every element of every trainable parameter counts
-        once. A 0-d float64 tensor.
+        ``finish_grads`` and the update). Summed over the ``Comm`` (no ``Comm``: this rank's share is
+        already the whole), every element of every trainable parameter counts once. A 0-d float64
+        tensor. Without further axes, the strategy's own answer (``held_norm_sq``); with them, each
+        axis takes out what another of its ranks counts, replicas count nothing (a data-parallel
+        group whose ranks each hold the whole gradient: its first rank counts it), and the shares are
+        summed once over every rank that steps (``trainers``), not once per axis.
         """
+        share, comm = self.held_norm_sq()
+        if not self.axes:
+            return share, comm
+        for axis in self.axes:
+            share = axis.norm_share(self, share)
+        replica = comm is None and self.comm is not None and self.comm.rank > 0
+        if replica or not all(axis.counts_norm for axis in self.axes):
+            share = torch.zeros_like(share)  # not 0 x share: a NaN must not spread from a replica
+        return share, self.trainers
+
+    @abstractmethod
+    def held_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+        """The strategy's share of the squared norm of the gradients this rank's model holds, and the
+        ``Comm`` to sum shares over so that each element counts once over its data-parallel group
+        (None: every rank of the group holds the whole; or there is no group)."""
+
+    def update(self, loss_share: float) -> NonFinite | None:
+        """After ``finish_grads``: the step's update (``optimizer_step``), unless a loss or gradient is
+        not finite on a rank that steps: then every rank skips it (``skip_update``) and gets the same
+        verdict (``engine.nonfinite``; ``on_nonfinite`` says whether the run stops). Where the
+        optimizer runs on servers, they check the summed gradient and send the verdict back."""
+        if self.optimizer_runs == "servers":
+            self.optimizer_step()
+            return self.servers_nonfinite()
+        scaled = self.scaler_owns_overflow()
+        bad = None if scaled else self.nonfinite_grad()
+        names = [name for name, _ in trainable(self.model)]
+        loss_ok = scaled or math.isfinite(loss_share)
+        found = agree_nonfinite(self.trainers, names, bad, loss_ok, self.on_nonfinite)
+        if found is None:
+            self.optimizer_step()
+        else:
+            self.skip_update()
+        return found
 
     def optimizer_step(self) -> None:
         """Apply the update and clear gradients for the next step."""
@@ -356,7 +388,7 @@ class Engine(ABC):
         min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_`` does. Returns the norm."""
         share, comm = self.grad_norm_sq()
         if comm is not None:
-            comm.all_reduce(share)
+            comm.all_reduce(share, label=NORM_LABEL)
         norm = float(share.sqrt())
         self.last_grad_norm = norm
         if 0 < self.clip_grad_norm < float("inf"):
@@ -431,15 +463,6 @@ class Engine(ABC):
         """After the optimizers (or a skipped update): gradients cleared, parameters ready for forward."""
         return None
 
-    def override(self, methods: Mapping[str, Callable[..., Any]]) -> None:
-        """Replace some of this instance's methods: an attachment (``pipeline.engine``,
-        ``tensor_parallel.engine``, ``zero.hybrid``) widens what an engine over one axis answers for,
-        each wrapper calling the method it replaces. Only methods the interface has can be replaced."""
-        for name, method in methods.items():
-            if not callable(getattr(type(self), name, None)):
-                raise AttributeError(f"{type(self).__name__} has no method {name!r} to override")
-            setattr(self, name, method)
-
     # -- roles --------------------------------------------------------------------------------------
     def serve(self, after_step: Callable[[int], None] | None = None) -> None:
         """A serving rank's whole run (the parameter server); ``after_step(done)`` runs where the ranks
@@ -461,21 +484,68 @@ class Engine(ABC):
         return None
 
     # -- inspection (verify, checkpoints, digests) ----------------------------------------------------
-    @abstractmethod
+    @final
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter at its global shape, by name, on every rank (a copy)."""
+        """Every parameter at its global shape, by name, on every rank (a copy): the strategy's
+        (``held_parameters``), widened over every axis (``Axis.assemble``)."""
+        return self._assembled(self.held_parameters())
 
-    @abstractmethod
+    @final
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter's global gradient, by name, between ``finish_grads`` and the step."""
+        return self._assembled(self.held_gradients())
+
+    def _assembled(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for axis in self.axes:
+            tensors = axis.assemble(tensors)
+        return tensors
+
+    @abstractmethod
+    def held_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter this rank's model holds, as the strategy makes it whole (gathered over its
+        data-parallel group), by name (a copy)."""
+
+    @abstractmethod
+    def held_gradients(self) -> dict[str, torch.Tensor]:
+        """The gradient of every trainable parameter this rank's model holds, as ``held_parameters``."""
 
     def metrics(self) -> dict[str, float]:
         """Strategy-specific figures for this rank's metrics (staleness, versions, ...)."""
         return {}
 
     # -- checkpoints -------------------------------------------------------------------------------
+    @final
     def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
-        """What this rank writes into a checkpoint: flat ranges of global tensors (``Piece``).
+        """What this rank writes into a checkpoint, as rank ``rank`` of ``world_size`` writers: the
+        strategy's pieces (``held_pieces``), made pieces of the global tensors by every axis
+        (``Axis.pieces``), then each axis's own state (``Axis.own_pieces``). Under further axes, the
+        ranks that write what this rank holds are its data-parallel group (the others hold other
+        stages or shards): the strategy is asked at its place there."""
+        if self.axes and self.comm is not None:
+            rank, world_size = self.comm.rank, self.comm.world_size
+        pieces = self.held_pieces(rank, world_size)
+        for axis in self.axes:
+            pieces = axis.pieces(pieces)
+        for axis in self.axes:
+            pieces += axis.own_pieces()
+        return pieces
+
+    @final
+    def load_state(self, read: StateReader) -> None:
+        """Replace parameters, buffers and optimizer state with a checkpoint's, read through ``read``:
+        each axis's own state read first, then the strategy's (``load_held``) through every axis's
+        reader (``Axis.reader``), then the axes' state put in place."""
+        reader = read
+        for axis in self.axes:
+            reader = axis.reader(reader)
+        put = [axis.read_own(read) for axis in self.axes]
+        self.load_held(reader)
+        for done in put:
+            done()
+
+    def held_pieces(self, rank: int, world_size: int) -> list[Piece]:
+        """What this rank writes of what it holds, as rank ``rank`` of the ``world_size`` ranks that
+        hold the same (``state_pieces``): flat ranges of global tensors (``Piece``).
 
         Names and global shapes are the same for every strategy, so any layout loads any other:
 
@@ -490,8 +560,8 @@ class Engine(ABC):
         - ``codec/<layout>/rank<r>/...``: with ``comm.compress``, each rank's own error-feedback state
           (``engine.codec_state``), loaded back only by a run of the same layout.
         - ``rng/<state>/rank<r>``: with tensor parallelism, each rank's private dropout stream
-          (``tensor_parallel.engine.attach_rng_states``), beside the ``rng/torch/rank<r>`` the
-          checkpoint writer adds for every rank.
+          (``tensor_parallel.axis``), beside the ``rng/torch/rank<r>`` the checkpoint writer adds for
+          every rank.
 
         Every element of every tensor must be written by exactly one rank. Replicated engines (DDP)
         spread whole tensors over ranks (``checkpoint.spread_replicated``), so no rank writes it all.
@@ -506,8 +576,8 @@ class Engine(ABC):
         """
         raise NotImplementedError(f"the {self.name} engine cannot save checkpoints yet")
 
-    def load_state(self, read: StateReader) -> None:
-        """Replace parameters, buffers and optimizer state with a checkpoint's, read through ``read``.
+    def load_held(self, read: StateReader) -> None:
+        """Replace what this rank holds (parameters, buffers, optimizer state) with a checkpoint's.
 
         The engine asks for exactly the ranges it holds (DDP: whole tensors; ZeRO: its flat shard's
         overlap with each parameter, as ``(a, b)`` spans; a parameter server: its shards), so a

@@ -1,4 +1,10 @@
-"""The step runner: the loop over one step's micro-batches, outside the data-parallel engines.
+"""The step spine and its runner: one step's count, passes, exchange and update, outside the engines.
+
+``take_step`` is the one step spine, run by the Trainer and by ``Engine.train_step`` (a hand-written
+loop) alike: the global item count (one all-reduce of one number over the batch group), forward and
+backward of every micro-batch and the gradient exchange (the step runner's, below), then the update
+unless a rank found a loss or gradient not finite (``Engine.update``: every rank that steps agrees,
+in the same step, to go on, skip it or stop).
 
 A step on a rank is: ``begin_step`` (the engine's preparation; it returns what each micro-batch's summed
 loss is divided by), then forward and backward of every micro-batch, then ``finish_grads`` (the
@@ -10,20 +16,21 @@ runner's business, not the engine's:
   which overlaps its exchange with backward (DDP's buckets) sends once per step.
 - a pipeline runtime, which runs this rank's action list over the pp axis and calls the same hooks.
 
-Communication: none here. The runner only calls the engine's hooks; every byte is the engine's (or,
-for a pipeline, the runtime's point-to-point transfers).
+Communication: none here but the count. The runner only calls the engine's hooks; every byte is the
+engine's (or, for a pipeline, the runtime's point-to-point transfers).
 
 The loss is accumulated as a tensor and read once per step (no host synchronisation per micro-batch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
+from shardwise.engine.nonfinite import NonFinite
 from shardwise.observe.monitor import MONITOR
 
 if TYPE_CHECKING:
@@ -65,4 +72,27 @@ class MicroBatchLoop:
         share = run_passes(engine, micro_batches, divisor)
         MONITOR.set_phase("gradient sync")
         engine.finish_grads()
-        return engine.step_loss(float(share))
+        return engine.step_loss(share)
+
+
+class StepResult(NamedTuple):
+    """What one step gave on this rank."""
+
+    items: float  # what the loss counted this step over the batch group
+    loss_share: float  # this rank's share of the global mean loss (the shares sum to it over the trainers)
+    found: NonFinite | None  # what a rank found not finite (the same verdict on every rank), or None
+
+
+def take_step(
+    engine: Engine, micro_batches: Sequence[Any], before_update: Callable[[], None] | None = None
+) -> StepResult:
+    """One step of ``engine`` on this rank's micro-batches: the global item count, forward, backward and
+    the gradient exchange (``Engine.forward_backward``); ``before_update()`` (it sees the global
+    gradients); then the update, skipped on every rank where any found a non-finite value."""
+    count = engine.global_count(micro_batches)
+    share = engine.forward_backward(micro_batches, max(count, 1.0))
+    if before_update is not None:
+        before_update()
+    MONITOR.set_phase("optimizer")
+    found = engine.update(share)
+    return StepResult(count, share, found)

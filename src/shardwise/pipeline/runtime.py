@@ -38,7 +38,7 @@ alike: each pp rank draws the same micro-batches (the samplers shard by dp rank;
 ``batches=`` stream must be the same on the pp ranks of one pipeline), so only activations and their
 gradients travel, and the messages of an empty micro-batch are dropped at both ends. The loss exists
 on the last stage only; that rank returns its share and every other rank 0, so the shares still sum,
-over all ranks that train, to the global mean (``Engine.loss_comm`` is the group they sum over).
+over all ranks that train, to the global mean (``Engine.trainers`` is the group they sum over).
 Communication: point-to-point between adjacent stages' ranks over the pp axis (Narayanan et al. 2021,
 arXiv:2104.04473; Qi et al. 2023, arXiv:2401.10241 for I and W).
 """
@@ -117,9 +117,7 @@ class PipelineRunner:
         self._reduce_tied()
         MONITOR.set_phase("gradient sync")
         engine.finish_grads()
-        if self.last_stage in self.split.stages:
-            return engine.step_loss(float(state.share))
-        return 0.0
+        return engine.step_loss(state.share)  # the last stage reports it (``PipelineAxis``)
 
     def _post(self, boundary: list[Transfer], empty: set[int], state: _StepState) -> None:
         """This boundary's sends and receives, in the step's one order (``pipeline/messages.py``),

@@ -73,6 +73,7 @@ import math
 from dataclasses import dataclass, field
 
 from shardwise.config import ConfigError
+from shardwise.dims import ParallelDims
 from shardwise.planner.calibration import Calibration
 from shardwise.planner.model import ModelShape
 from shardwise.planner.pipeline import RankShare, head_kept_per_token, kept_per_token, pair_peak, rank_shares
@@ -137,7 +138,8 @@ class Training:
 
 @dataclass(frozen=True)
 class Layout:
-    """How the job is laid out over the devices: the data-parallel strategy and the mesh degrees."""
+    """How the job is laid out over the devices: the data-parallel strategy and the mesh degrees (read
+    as the job's own axis table, ``dims``: the same ``ParallelDims`` the config and the mesh use)."""
 
     strategy: str = "ddp"
     dp: int = 1
@@ -152,6 +154,7 @@ class Layout:
     ps_servers: int = 1
     schedule: str = "1f1b"  # the pipeline schedule (pipeline.schedules), when pp > 1
     virtual_stages: int = 1  # stages per pipeline rank (interleaved and V schedules)
+    dims: ParallelDims = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -159,6 +162,8 @@ class Layout:
         for name in ("dp", "pp", "tp", "micro_batches", "ps_servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"layout {name} must be >= 1, got {getattr(self, name)}")
+        servers = self.ps_servers if self.strategy == "ps" else 0
+        object.__setattr__(self, "dims", ParallelDims(self.dp, self.pp, self.tp, servers))
         if not 0 < self.bucket_mb < math.inf:
             raise ConfigError(f"bucket_mb must be a finite number > 0, got {self.bucket_mb}")
         if self.offload not in ("none", "cpu"):
@@ -177,7 +182,8 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.pp * self.tp
+        """The devices that train (a parameter server's stand beside them)."""
+        return self.dims.trainers
 
     def name(self) -> str:
         mesh = (

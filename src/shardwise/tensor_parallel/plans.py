@@ -34,12 +34,12 @@ from shardwise.models.adapters.plan import (
     Colwise,
     Dropout,
     ParallelInput,
-    Plan,
     QKVColwise,
     Rowwise,
     SequenceParallelNorm,
     SequenceSplit,
     Style,
+    TensorParallelPlan,
     VocabEmbedding,
 )
 from shardwise.tensor_parallel import comm_ops
@@ -272,7 +272,7 @@ class TensorParallelLayout:
 def apply_tensor_parallel(
     model: nn.Module,
     comm: Comm,
-    plan: Plan,
+    plan: TensorParallelPlan,
     sequence_parallel: bool = False,
     seed: int = 0,
     device: torch.device | None = None,

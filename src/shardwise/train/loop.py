@@ -1,11 +1,12 @@
 """The training loop every strategy shares: build, step, evaluate, report.
 
-One step: draw this rank's share of the global batch, ``engine.forward_backward`` (forward, backward,
-gradient communication), one tiny all-reduce agreeing whether the loss and gradients are finite (see
-``nonfinite``), ``engine.optimizer_step`` (or ``skip_update``), then one tiny all-gather of per-rank
-figures (see ``metrics``). Rank 0 shows a progress bar, writes ``metrics.jsonl`` and returns the
-summary. A run stopped on a non-finite value raises ``NonFiniteStop`` (one line naming the step) on
-every rank; ``run_training``, the command line's entry, returns it as ``{"error": <one line>}``.
+One step: draw this rank's share of the global batch, then the one step spine
+``engine.step.take_step`` (the same ``Engine.train_step`` runs for a hand-written loop: forward,
+backward, gradient communication, one tiny all-reduce agreeing whether the loss and gradients are
+finite, the update or ``skip_update``), then one tiny all-gather of per-rank figures (see
+``metrics``). Rank 0 shows a progress bar, writes ``metrics.jsonl`` and returns the summary. A run
+stopped on a non-finite value raises ``NonFiniteStop`` (one line naming the step) on every rank;
+``run_training``, the command line's entry, returns it as ``{"error": <one line>}``.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from shardwise.data.corpus import load_corpus
 from shardwise.data.dataset import DatasetSampler, IterableSampler, MapDataset, check_rows
 from shardwise.data.sampler import DataSampler, eval_batches, split_counts
 from shardwise.device import Clock, joined_device, memory_mb, to_device
-from shardwise.engine.base import Engine, NonFinite, NonFiniteStop
+from shardwise.engine.base import Engine
 from shardwise.engine.loss import AutoLoss, Loss, TokenLoss, as_loss, rows, run_model
+from shardwise.engine.nonfinite import NonFinite, NonFiniteStop
 from shardwise.engine.optim import OptimizerFactory, SchedulerFactory, fast_forward
 from shardwise.engine.schedule import lr_multiplier
+from shardwise.engine.step import take_step
 from shardwise.launcher import init_distributed, restart_count
 from shardwise.mesh import Mesh, build_mesh
 from shardwise.models import apply_freeze, build_model, loss_positions
@@ -48,7 +51,6 @@ from shardwise.train.checkpointing import (
     write_pid_file,
 )
 from shardwise.train.metrics import MetricsWriter, StepRecord, gather_step
-from shardwise.train.nonfinite import agree_nonfinite
 from shardwise.train.observing import observing
 from shardwise.train.progress import Progress
 
@@ -143,9 +145,7 @@ class Trainer:
         world = dist.get_world_size()
         config = config.validate(world)
         device = joined_device(config.device)
-        mesh = build_mesh(
-            config.dims(world), config.comm, device.type, dp_replicate=config.parallel.dp_replicate
-        )
+        mesh = build_mesh(config.dims(world), config.comm, device.type)
         seed_everything(config.seed)
         if model is not None:
             net = apply_freeze(model, config.model.freeze)  # as build_model does for its own models
@@ -174,13 +174,10 @@ class Trainer:
         return cls(config, engine, sampler, mesh, held_out, scheduler is not None)
 
     def _step_comms(self, trainers: Comm) -> list[Comm]:
-        """What a step communicates over: the engine's group, and the tp and pp axes when they are
-        more than one rank (their activations, gradients and norms are the step's traffic too)."""
-        comms = [self.engine.comm or trainers]
-        for axis in ("tp", "pp"):
-            if self.mesh.in_mesh and self.mesh.comm(axis).world_size > 1:
-                comms.append(self.mesh.comm(axis))
-        return comms
+        """What a step communicates over: the engine's group, every rank that steps (the norm, the
+        non-finite agreement) and each further axis of the engine (activations, gradients, replicas)."""
+        comms = [self.engine.comm, trainers, *(axis.comm for axis in self.engine.axes)]
+        return list({id(c): c for c in comms if c is not None}.values())
 
     def step(self, step: int, after_backward: Callable[[int], None] | None = None) -> StepRecord:
         """One optimizer step; ``after_backward(step)`` sees the global gradients before the update."""
@@ -194,25 +191,27 @@ class Trainer:
         step_comms = self._step_comms(trainers)
         before = [c.stats.snapshot() for c in step_comms]
         clock = Clock(self.engine.device).start()  # CUDA events on a GPU: the kernels' time, not launches
-        count = self.engine.global_count(micro)
-        share = self.engine.forward_backward(micro, max(count, 1.0))
-        if after_backward is not None:
-            after_backward(step)
-        lr = self._lr(step)
-        MONITOR.set_phase("optimizer")
-        found = self._update(trainers, share)
+        lr = float("nan")
+
+        def before_update() -> None:  # the global gradients, and the rate this step's update uses
+            nonlocal lr
+            if after_backward is not None:
+                after_backward(step)
+            lr = self._lr(step)
+
+        result = take_step(self.engine, micro, before_update)
         elapsed = clock.seconds()  # the one wait for the device in a step's bookkeeping
         MONITOR.set_phase("metrics")
         comms = [c.stats.since(b) for c, b in zip(step_comms, before, strict=True)]
         values = {
-            "loss_share": share,
+            "loss_share": result.loss_share,
             "step_s": elapsed,
             "comm_s": sum(c.blocked_s for c in comms),
             "bytes_sent": sum(c.bytes_sent for c in comms),
             **memory_mb(self.engine.device),
             "samples": sum(rows(batch) for batch in micro),
         }
-        record = gather_step(trainers, step, values, count, found)
+        record = gather_step(trainers, step, values, result.items, result.found)
         record.grad_norm, record.lr = self.engine.last_grad_norm, lr
         record.extra = self.engine.metrics() or None
         self.history.append(record)
@@ -228,19 +227,6 @@ class Trainer:
         if self.custom_schedule:  # the user's scheduler lives on the servers only
             return float("nan")
         return self.config.optim.lr * lr_multiplier(self.config.optim, self.config.steps)(step)
-
-    def _update(self, trainers: Comm, share: float) -> NonFinite | None:
-        """Apply the step's update, unless a loss or gradient is not finite: then no rank applies it."""
-        engine = self.engine
-        if engine.optimizer_runs == "servers":  # they check the summed gradient before they step
-            engine.optimizer_step()
-            return engine.servers_nonfinite()
-        found = agree_nonfinite(trainers, engine, share, self.config.on_nonfinite)
-        if found is None:
-            engine.optimizer_step()
-        else:
-            engine.skip_update()
-        return found
 
     def evaluate(self) -> float:
         """Mean held-out loss per counted item over the fixed evaluation batches (every rank the same)."""

@@ -20,7 +20,7 @@ import torch
 
 from shardwise.collectives.api import Comm
 from shardwise.device import HOST
-from shardwise.engine.base import NonFinite
+from shardwise.engine.nonfinite import NonFinite
 from shardwise.observe.tensorboard import TensorBoard
 
 FIELDS = (

@@ -10,13 +10,13 @@ from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Role
 from shardwise.zero.base import ZeroBase
-from shardwise.zero.flat_param import FlatLayout, Piece, build_layout, layout_of, unique_parameters
+from shardwise.zero.flat_param import FlatLayout, Overlap, build_layout, layout_of, unique_parameters
 from shardwise.zero.optimizer import ZeroEngine
 from shardwise.zero.sharded_module import ShardedModule
 
 __all__ = [
     "FlatLayout",
-    "Piece",
+    "Overlap",
     "ShardedModule",
     "ZeroBase",
     "ZeroEngine",

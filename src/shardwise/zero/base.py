@@ -24,7 +24,8 @@ from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
-from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, all_finite, sq_sum
+from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
+from shardwise.engine.nonfinite import all_finite
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
@@ -145,7 +146,7 @@ class ZeroBase(Engine):
         """One optimizer per flat group, over this rank's master shard of it."""
         return [[(f"flat{i}", group.master)] for i, group in enumerate(self.groups)]
 
-    def grad_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
+    def held_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         """Squares of this rank's gradient shards (padding is zero): each element lives in one shard."""
         shards = [g.grad_shard for g in self.groups if g.grad_shard is not None]
         return sq_sum(shards, self.device), self.comm
@@ -161,25 +162,25 @@ class ZeroBase(Engine):
         for group in self.groups:
             if group.grad_shard is None:
                 continue
-            for piece in group.layout.pieces(self.comm.rank):
-                if piece.name in names:
-                    out.append(group.grad_shard[piece.shard_start : piece.shard_end])
+            for overlap in group.layout.overlaps(self.comm.rank):
+                if overlap.name in names:
+                    out.append(group.grad_shard[overlap.shard_start : overlap.shard_end])
         return out
 
     def nonfinite_grad(self) -> str | None:
         """This rank's gradient shards (what it holds after ``finish_grads``); of the parameters with a
         NaN or inf in this rank's range, the first in ``named_parameters`` order."""
-        pieces = [
-            (piece.name, group.grad_shard[piece.shard_start : piece.shard_end])
+        parts = [
+            (overlap.name, group.grad_shard[overlap.shard_start : overlap.shard_end])
             for group in self.groups
             if group.grad_shard is not None
-            for piece in group.layout.pieces(self.comm.rank)
+            for overlap in group.layout.overlaps(self.comm.rank)
         ]
-        if not pieces:
+        if not parts:
             return None
-        # one flag per piece, stacked on the device and read once
-        finite = torch.stack([torch.isfinite(t).all() for _, t in pieces]).tolist()
-        bad = {name for (name, _), ok in zip(pieces, finite, strict=True) if not ok}
+        # one flag per part, stacked on the device and read once
+        finite = torch.stack([torch.isfinite(t).all() for _, t in parts]).tolist()
+        bad = {name for (name, _), ok in zip(parts, finite, strict=True) if not ok}
         return next((name for name, _ in self.trainable if name in bad), None)
 
 
@@ -230,7 +231,7 @@ class ZeroBase(Engine):
         """Stage-specific: make the updated parameters visible to the next forward."""
 
     # -- inspection -------------------------------------------------------------------------------
-    def full_parameters(self) -> dict[str, torch.Tensor]:
+    def held_parameters(self) -> dict[str, torch.Tensor]:
         by_name: dict[str, torch.Tensor] = {}
         for i, group in enumerate(self.groups):
             with self.offload.resident(i):
@@ -240,7 +241,7 @@ class ZeroBase(Engine):
             for name, p in self.model.named_parameters()
         }
 
-    def full_gradients(self) -> dict[str, torch.Tensor]:
+    def held_gradients(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for group in self.groups:
             out.update(group.unflatten(group.full_gradient() / self.scaler.scale))
@@ -255,10 +256,10 @@ class ZeroBase(Engine):
         return out
 
     # -- checkpoints (see shardwise.zero.state) ----------------------------------------------------
-    def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
+    def held_pieces(self, rank: int, world_size: int) -> list[Piece]:
         return zero_state_pieces(self, rank, world_size)
 
-    def load_state(self, read: StateReader) -> None:
+    def load_held(self, read: StateReader) -> None:
         load_zero_state(self, read)
 
     def full_state(self) -> dict[str, torch.Tensor]:

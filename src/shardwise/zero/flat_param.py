@@ -26,7 +26,7 @@ class ParamSlot:
 
 
 @dataclass(frozen=True)
-class Piece:
+class Overlap:
     """The part of one parameter that falls in a rank's shard.
 
     ``param_start:param_end`` indexes the flattened parameter; ``shard_start:shard_end`` the shard.
@@ -65,14 +65,14 @@ class FlatLayout:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         return rank * self.shard_size, (rank + 1) * self.shard_size
 
-    def pieces(self, rank: int) -> list[Piece]:
+    def overlaps(self, rank: int) -> list[Overlap]:
         """The parameters overlapping ``rank``'s shard, in layout order (padding is in none)."""
         start, end = self.shard_range(rank)
         out = []
         for slot in self.slots:
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
             if lo < hi:
-                out.append(Piece(slot.name, lo - slot.offset, hi - slot.offset, lo - start, hi - start))
+                out.append(Overlap(slot.name, lo - slot.offset, hi - slot.offset, lo - start, hi - start))
         return out
 
     def padding(self) -> int:

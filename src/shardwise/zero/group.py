@@ -115,7 +115,7 @@ class FlatGroup:
 
     def _read_shard(self, weights: HeldWeights) -> torch.Tensor:
         """Stage 3 from a file (``model.init_from``), parameters on meta: only this rank's shard is read
-        (each parameter's overlap with it, ``layout.pieces``) and kept as the master. The full buffer
+        (each parameter's overlap with it, ``layout.overlaps``) and kept as the master. The full buffer
         exists for an instant, so that the parameters can view it, and is freed before any read: a
         rank holds its shards plus at most one unit. The first ``gather`` fills it."""
         device = weights.device if self.params[0].is_meta else self.params[0].device
@@ -127,7 +127,7 @@ class FlatGroup:
         self.full.untyped_storage().resize_(0)
         start, end = self.layout.shard_range(self.comm.rank)
         master = torch.zeros(end - start, dtype=self.precision.master, device=device)  # padding: zero
-        for piece in self.layout.pieces(self.comm.rank):
+        for piece in self.layout.overlaps(self.comm.rank):
             # straight into the master (cast to its dtype): nothing of the parameter is held beside it
             into = master[piece.shard_start : piece.shard_end]
             weights.read(piece.name, piece.param_start, piece.param_end, into)

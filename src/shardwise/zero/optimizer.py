@@ -111,7 +111,7 @@ class ZeroEngine(ZeroBase):
         finally:
             self._sync = True
 
-    def finish_grads(self) -> None:
+    def exchange_grads(self) -> None:
         for group in self.groups[self._launched :]:
             self.launch_reduce(group, release=self.stage == 2)
         self.wait_reduces()

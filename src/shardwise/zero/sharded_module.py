@@ -268,7 +268,7 @@ class ShardedModule(ZeroBase):
         and two gathered units are alive at a time (the root aside)."""
         self._prefetch(self._neighbour(self._group_unit[index], -1))
 
-    def finish_grads(self) -> None:
+    def exchange_grads(self) -> None:
         if self._pipelined:  # every group once (the same on every replica), zeros where none came
             for index, group in enumerate(self.groups):
                 self.launch_reduce(group, release=True)

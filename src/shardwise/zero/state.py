@@ -2,7 +2,7 @@
 
 Names follow ``Engine.state_pieces``: ``model/<name>`` (the master weights, at the parameter's global
 shape), ``optim/<key>/<name>`` for per-element optimizer state, ``optim/step/<name>`` (scalar). The
-shard arithmetic is :mod:`shardwise.zero.flat_param`'s (``FlatLayout.pieces``): for every group, the
+shard arithmetic is :mod:`shardwise.zero.flat_param`'s (``FlatLayout.overlaps``): for every group, the
 parameters overlapping this rank's shard become flat ranges ``[a, b)`` of those parameters; padding is
 never written, and a scalar goes to the rank holding the parameter's first element. One optimizer
 steps a whole group, but a parameter that got no gradient is skipped as torch skips it
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardwise.checkpoint.manager import Piece as SavedPiece
+from shardwise.checkpoint.manager import Piece
 from shardwise.compression import CodecState
 from shardwise.engine.base import Span, StateReader
 from shardwise.engine.codec_state import (
@@ -84,7 +84,7 @@ def _stepped(engine: ZeroBase, index: int) -> dict[str, int]:
     return {name: count for name, count in zip(group.names, usage.counts, strict=True) if count > 0}
 
 
-def zero_state_pieces(engine: ZeroBase, rank: int, world_size: int) -> list[SavedPiece]:
+def zero_state_pieces(engine: ZeroBase, rank: int, world_size: int) -> list[Piece]:
     """What this rank writes: its shards' overlap with every parameter, and its share of the rest."""
     comm = engine.comm
     if world_size != comm.world_size or rank != comm.rank:
@@ -98,19 +98,20 @@ def zero_state_pieces(engine: ZeroBase, rank: int, world_size: int) -> list[Save
             master = group.master.detach()
             elements, scalars = _split_state(optimizer.state.get(group.master, {}), master)
             stepped = _stepped(engine, i)
-            for piece in group.layout.pieces(rank):
-                shape, span = _shape(group.layout, piece.name), slice(piece.shard_start, piece.shard_end)
-                a, b = piece.param_start, piece.param_end
-                out.append(SavedPiece(f"model/{piece.name}", shape, a, b, master[span]))
-                if piece.name not in stepped:
+            for overlap in group.layout.overlaps(rank):
+                shape = _shape(group.layout, overlap.name)
+                span = slice(overlap.shard_start, overlap.shard_end)
+                a, b = overlap.param_start, overlap.param_end
+                out.append(Piece(f"model/{overlap.name}", shape, a, b, master[span]))
+                if overlap.name not in stepped:
                     continue
                 for key, value in elements.items():
-                    out.append(SavedPiece(f"optim/{key}/{piece.name}", shape, a, b, value[span]))
+                    out.append(Piece(f"optim/{key}/{overlap.name}", shape, a, b, value[span]))
                 if a == 0:
-                    mine = _param_scalars(scalars, stepped[piece.name])
-                    out.extend(SavedPiece.full(f"optim/{k}/{piece.name}", v) for k, v in mine.items())
+                    mine = _param_scalars(scalars, stepped[overlap.name])
+                    out.extend(Piece.full(f"optim/{k}/{overlap.name}", v) for k, v in mine.items())
     if engine.scaler.enabled and rank == 0:  # the same on every rank: one writes it
-        out.append(SavedPiece.full(LOSS_SCALE, engine.scaler.state()))
+        out.append(Piece.full(LOSS_SCALE, engine.scaler.state()))
     return out + codec_pieces(_codec_states(engine), _codec_layout(engine), rank)
 
 
@@ -186,11 +187,11 @@ def _requests(engine: ZeroBase, shapes: dict) -> tuple[dict[str, Span], list[_Gr
     for group in engine.groups:
         found = _group_keys(group, shapes)
         keys.append(found)
-        for piece in group.layout.pieces(rank):
-            span = (piece.param_start, piece.param_end)
-            requests[f"model/{piece.name}"] = span
-            if piece.name in found.stateful:
-                requests.update({f"optim/{key}/{piece.name}": span for key in found.elements})
+        for overlap in group.layout.overlaps(rank):
+            span = (overlap.param_start, overlap.param_end)
+            requests[f"model/{overlap.name}"] = span
+            if overlap.name in found.stateful:
+                requests.update({f"optim/{key}/{overlap.name}": span for key in found.elements})
         requests.update({f"optim/{key}/{name}": None for key in found.scalars for name in found.stateful})
     return requests, keys
 
@@ -199,9 +200,10 @@ def _shard(group: FlatGroup, prefix: str, tensors: dict[str, torch.Tensor], name
     """This rank's (shard_size,) slice in the master dtype from the loaded ranges of ``names``; the rest
     (padding, parameters with no such state) zero."""
     out = torch.zeros(group.layout.shard_size, dtype=group.precision.master, device=group.master.device)
-    for piece in group.layout.pieces(group.comm.rank):
-        if piece.name in names:
-            out[piece.shard_start : piece.shard_end].copy_(tensors[f"{prefix}/{piece.name}"].reshape(-1))
+    for overlap in group.layout.overlaps(group.comm.rank):
+        if overlap.name in names:
+            saved = tensors[f"{prefix}/{overlap.name}"]
+            out[overlap.shard_start : overlap.shard_end].copy_(saved.reshape(-1))
     return out
 
 

@@ -59,7 +59,7 @@ class GroupUsage:
 
 def group_usage(group: FlatGroup) -> GroupUsage:
     names = {name: j for j, name in enumerate(group.names)}
-    ranges = {names[p.name]: (p.shard_start, p.shard_end) for p in group.layout.pieces(group.comm.rank)}
+    ranges = {names[p.name]: (p.shard_start, p.shard_end) for p in group.layout.overlaps(group.comm.rank)}
     n = len(group.params)
     return GroupUsage(ranges, [False] * n, [0] * n)
 

@@ -30,7 +30,7 @@ from shardwise.models.adapters.fallback import FallbackAdapter
 from shardwise.models.adapters.gpt import GPTAdapter
 from shardwise.models.adapters.hf_gpt2 import HFGPT2Adapter
 from shardwise.models.adapters.hf_llama import HFLlamaAdapter
-from shardwise.models.adapters.plan import Plan
+from shardwise.models.adapters.plan import TensorParallelPlan
 from shardwise.models.hf import config_path
 from shardwise.planner.model import ModelShape
 
@@ -39,9 +39,9 @@ __all__ = [
     "BlockList",
     "FallbackAdapter",
     "ModelAdapter",
-    "Plan",
     "SplitError",
     "StageInputs",
+    "TensorParallelPlan",
     "Wrap",
     "adapter_for",
     "block_lists",

@@ -36,7 +36,7 @@ from torch import nn
 from shardwise.config import ConfigError
 from shardwise.engine.loss import model_inputs
 from shardwise.models.adapters.blocks import BlockList, param_count, resolve_units
-from shardwise.models.adapters.plan import Plan
+from shardwise.models.adapters.plan import TensorParallelPlan
 
 # what a step replacing a seam is given (the function now in place) and returns (the one to use)
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -141,12 +141,12 @@ class ModelAdapter:
 
     # -- tensor parallelism ---------------------------------------------------------------------
 
-    def tp_plan(self) -> Plan:
+    def tp_plan(self) -> TensorParallelPlan:
         """The family's tensor-parallel plan (``models/adapters/plan.py``), after the family rule."""
         self.check_forward(why=TP_WHY, fix="set parallel.tp = 1")
         return self._tp_plan()
 
-    def _tp_plan(self) -> Plan:
+    def _tp_plan(self) -> TensorParallelPlan:
         raise NotImplementedError
 
     # -- the pipeline ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from torch import nn
 
 from shardwise.config import ConfigError
 from shardwise.models.adapters.base import ModelAdapter, SplitError, Wrap
-from shardwise.models.adapters.plan import Plan
+from shardwise.models.adapters.plan import TensorParallelPlan
 
 WITH_ADAPTERS = "the built-in GPT, Hugging Face GPT-2 and Llama"
 
@@ -19,7 +19,7 @@ WITH_ADAPTERS = "the built-in GPT, Hugging Face GPT-2 and Llama"
 class FallbackAdapter(ModelAdapter):
     """Blocks only."""
 
-    def tp_plan(self) -> Plan:
+    def tp_plan(self) -> TensorParallelPlan:
         name = type(self.model).__name__
         raise ConfigError(
             f"tensor parallelism needs a plan for the model, and there is none for {name}: "

@@ -23,11 +23,11 @@ from shardwise.models.adapters.plan import (
     Colwise,
     Dropout,
     ParallelInput,
-    Plan,
     QKVColwise,
     Rowwise,
     SequenceParallelNorm,
     SequenceSplit,
+    TensorParallelPlan,
     VocabEmbedding,
 )
 from shardwise.models.gpt import GPT, GPTConfig
@@ -35,10 +35,10 @@ from shardwise.models.hf import BYTE_VOCAB
 from shardwise.planner.model import ModelShape
 
 
-def gpt_plan(n_head: int) -> Plan:
+def gpt_plan(n_head: int) -> TensorParallelPlan:
     """The built-in GPT's tensor-parallel plan: vocab-cut embedding and head (tied: one box), attention
     by heads through the fused ``qkv``, the MLP column then row."""
-    return Plan(
+    return TensorParallelPlan(
         "gpt",
         {
             "wte": VocabEmbedding(),
@@ -74,7 +74,7 @@ class GPTAdapter(ModelAdapter):
     def root(cls) -> type[nn.Module]:
         return GPT
 
-    def _tp_plan(self) -> Plan:
+    def _tp_plan(self) -> TensorParallelPlan:
         return gpt_plan(self.model.config.n_head)
 
     # -- the pipeline ---------------------------------------------------------------------------

@@ -22,21 +22,21 @@ from shardwise.models.adapters.plan import (
     Colwise,
     Dropout,
     ParallelInput,
-    Plan,
     QKVColwise,
     Rowwise,
     SequenceParallelNorm,
     SequenceSplit,
+    TensorParallelPlan,
     VocabEmbedding,
 )
 from shardwise.planner.model import ModelShape
 
 
-def hf_gpt2_plan(n_head: int) -> Plan:
+def hf_gpt2_plan(n_head: int) -> TensorParallelPlan:
     """``Conv1D`` weights are (in, out), so cuts are transposed; the attention reads ``split_size`` (the
     q/k/v width), divided by tp. Under sequence parallelism the embeddings stay whole (GPT-2 reads their
     length for positions and masks) and ``transformer.drop``'s output is cut."""
-    return Plan(
+    return TensorParallelPlan(
         "hf-gpt2",
         {
             "transformer.wte": VocabEmbedding(sequence_output=False),
@@ -70,7 +70,7 @@ class HFGPT2Adapter(HFAdapter):
     body_path = "transformer"
     batch_keys: ClassVar[tuple[str, ...] | None] = ("attention_mask", "token_type_ids", "position_ids")
 
-    def _tp_plan(self) -> Plan:
+    def _tp_plan(self) -> TensorParallelPlan:
         return hf_gpt2_plan(self.model.config.n_head)
 
     # -- the pipeline ---------------------------------------------------------------------------

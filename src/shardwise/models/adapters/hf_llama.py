@@ -20,21 +20,21 @@ from shardwise.models.adapters.plan import (
     AttentionCore,
     Colwise,
     ParallelInput,
-    Plan,
     Rowwise,
     SequenceParallelNorm,
     SequenceSplit,
+    TensorParallelPlan,
     VocabEmbedding,
 )
 from shardwise.planner.model import ModelShape
 
 
-def hf_llama_plan(n_head: int, n_kv_head: int) -> Plan:
+def hf_llama_plan(n_head: int, n_kv_head: int) -> TensorParallelPlan:
     """Separate q/k/v projections share one f (``ParallelInput`` on the attention), as gate/up do on the
     MLP; grouped-query attention needs tp to divide the key/value head count. Under sequence parallelism
     the first decoder layer's input is cut (Llama computes positions and masks from the embedding's
     length)."""
-    return Plan(
+    return TensorParallelPlan(
         "hf-llama",
         {
             "model.embed_tokens": VocabEmbedding(sequence_output=False),
@@ -74,7 +74,7 @@ class HFLlamaAdapter(HFAdapter):
     body_path = "model"
     batch_keys: ClassVar[tuple[str, ...] | None] = ("attention_mask", "position_ids")
 
-    def _tp_plan(self) -> Plan:
+    def _tp_plan(self) -> TensorParallelPlan:
         config = self.model.config
         return hf_llama_plan(config.num_attention_heads, config.num_key_value_heads)
 

@@ -135,7 +135,7 @@ class ParallelInput:
 
 
 @dataclass(frozen=True)
-class Plan:
+class TensorParallelPlan:
     """Module-name pattern -> style (or a tuple of styles for one module). ``no_sequence_parallel``: why
     this plan cannot run with sequence parallelism (empty when it can)."""
 

@@ -1,0 +1,102 @@
+"""Non-finite losses and gradients: what was found, and how the ranks that step agree, in the same
+step, to go on, skip the update or stop.
+
+Communication: one all-reduce (min) of two integers over the ranks that step, between the gradient
+exchange and the update, and only for engines whose optimizer runs on those ranks. The flags are read
+on the host first (each engine stacks its per-tensor checks on the device and reads them once), so the
+all-reduce is host bookkeeping, over gloo. (The per-step
+metrics all-gather cannot carry it: it runs after the update so that it times the whole step, and the
+verdict is needed before.) Each rank contributes whether its loss share is finite and the index of
+the first parameter whose gradient, as it holds it, is not (``Engine.nonfinite_grad``); the minimum
+over ranks is the same verdict everywhere. ``Engine.update`` asks for it in every step spine (the
+Trainer's and ``Engine.train_step``'s). A parameter server's servers check the summed gradient
+themselves and send their verdict with the weights (``Engine.servers_nonfinite``): no message more.
+Under fp16 dynamic loss scaling the scaler owns overflows (it skips the step and lowers the scale),
+until its scale reaches its floor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.collectives.api import Comm
+from shardwise.device import HOST
+
+_NONE_FOUND = 2**62  # no parameter index reaches it
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """What was found not finite (NaN or inf) in one step, and whether the run stops on it."""
+
+    what: str  # "the loss" | "the gradient of <parameter>"
+    stop: bool  # False: the step's update is skipped and training goes on (on_nonfinite = "skip")
+
+    def message(self, step: int) -> str:
+        """The one line a stopped run ends with."""
+        verb = "are" if " and " in self.what else "is"
+        return (
+            f"step {step}: {self.what} {verb} not finite (NaN or inf), so training stopped; lower the "
+            "learning rate (--lr), or pass --on-nonfinite skip to skip such steps"
+        )
+
+
+class NonFiniteStop(RuntimeError):
+    """Raised where a run stops on a non-finite value (``on_nonfinite = "stop"``): on every rank that
+    steps in the same step, and on the servers that found it. The run ends on its one line."""
+
+    def __init__(self, step: int, found: NonFinite) -> None:
+        super().__init__(found.message(step))
+        self.step, self.found = step, found
+
+    @classmethod
+    def from_message(cls, message: str) -> NonFiniteStop:
+        """The exception back from its one line (what a rank reports to the launcher)."""
+        match = re.match(r"step (\d+): (.+?) (?:is|are) not finite", message)
+        if match is None:
+            raise ValueError(f"not a non-finite stop: {message!r}")
+        return cls(int(match[1]), NonFinite(match[2], stop=True))
+
+
+def describe_nonfinite(loss_ok: bool, grad_name: str | None) -> str:
+    """What was not finite, in words: the loss, a parameter's gradient, or both."""
+    parts = ([] if loss_ok else ["the loss"]) + ([f"the gradient of {grad_name}"] if grad_name else [])
+    return " and ".join(parts) or "the loss"
+
+
+def first_nonfinite(named: Sequence[tuple[str, torch.Tensor | None]]) -> str | None:
+    """The first name whose tensor has a NaN or inf (a missing tensor counts finite). One flag per
+    tensor, stacked where the tensors are and read once (no host synchronisation per tensor)."""
+    present = [(name, t) for name, t in named if t is not None and t.numel()]
+    if not present:
+        return None
+    finite = torch.stack([torch.isfinite(t).all() for _, t in present]).tolist()
+    return next((name for (name, _), ok in zip(present, finite, strict=True) if not ok), None)
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool tensor on the tensors' device: every element of every one of ``tensors`` is finite."""
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+
+
+def agree_nonfinite(
+    comm: Comm | None, names: Sequence[str], bad: str | None, loss_ok: bool, policy: str
+) -> NonFinite | None:
+    """After ``finish_grads``: what any rank found not finite this step (the same on every rank), or
+    None. ``names``: this rank's trainable parameters in order; ``bad``: the first of them whose
+    gradient, as it holds it, is not finite; ``loss_ok``: its loss share is; ``comm``: the ranks that
+    step (None: this rank alone)."""
+    # ranks may hold different parameters (pipeline stages): "none found" is one sentinel for all
+    first = names.index(bad) if bad else _NONE_FOUND
+    flags = torch.tensor([int(loss_ok), first], dtype=torch.int64, device=HOST)
+    if comm is not None:
+        comm.all_reduce(flags, "min")
+    loss_ok, first = bool(flags[0]), int(flags[1])
+    if loss_ok and first == _NONE_FOUND:
+        return None
+    grad_name = None if first == _NONE_FOUND else names[first] if first < len(names) else bad or "a parameter"
+    return NonFinite(describe_nonfinite(loss_ok, grad_name), stop=policy == "stop")
