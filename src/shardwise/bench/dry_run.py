@@ -168,8 +168,11 @@ def dry_run(
         with MetaReads():
             engine = parallelize(model, mesh, config, weights=NoValues(names))
             batches = _meta_batches(config, shape.vocab, mesh.dims.dp)
-            engine.train_step(batches)  # the optimizer's state appears at its first update
-            engine.forward_backward(batches, float(engine.global_count(batches)))  # gradients again
+            count = float(engine.global_count(batches))
+            engine.forward_backward(batches, count)
+            engine.optimizer_step()  # the optimizer's state appears at its first update (no values on
+            # meta to agree are finite: the step's non-finite agreement is not run)
+            engine.forward_backward(batches, count)  # gradients again
         held = held_bytes(engine)
     finally:
         dist.destroy_process_group()
