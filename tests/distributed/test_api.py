@@ -449,6 +449,18 @@ def test_launch_raises_a_ranks_config_error_as_itself_in_one_line(
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
 
 
+def _joined() -> tuple[bool, int, str]:
+    import torch.distributed as dist
+
+    return dist.is_initialized(), dist.get_world_size(), str(dist.get_backend())
+
+
+def test_launch_joins_every_rank_to_the_process_group() -> None:
+    """A hand-written loop under ``sw.launch`` may call ``sw.build_mesh`` at once: the rank has joined
+    (a wrapper's attributes once replaced the joining wrapper, and it never joined)."""
+    assert sw.launch(_joined, 2) == [(True, 2, "gloo"), (True, 2, "gloo")]
+
+
 def test_fit_raises_on_a_nan_and_launch_passes_it_on(tmp_path: Path) -> None:
     with pytest.raises(sw.NonFiniteStop) as raised:
         sw.launch(_main_that_diverges, 2, str(tmp_path))
