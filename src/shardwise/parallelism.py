@@ -50,6 +50,7 @@ from shardwise.models.meta import meta_parameters
 from shardwise.pipeline.axis import PipelineAxis, check_pipeline
 from shardwise.strategies import DataParallel, check_hybrid
 from shardwise.tensor_parallel.axis import TensorParallelAxis, check_tensor_parallel
+from shardwise.zero.base import broadcast_initial_state
 
 __all__ = ["NotBuiltError", "check", "parallelize"]
 
@@ -74,6 +75,7 @@ def parallelize(
     _require_trainable(model)
     device = joined_device(config.device)
     place_model(model, device)  # a model built with values (yours) moved first; tensors on meta stay
+    _share_rank0_values(model, mesh, config)
     tp, pp = TensorParallelAxis(mesh, config), PipelineAxis(mesh, config)
     cp, ep = NotBuiltAxis("cp", config.parallel.cp), NotBuiltAxis("ep", config.parallel.ep)
     dp = DataParallel(mesh, config, share_gradients)
@@ -103,6 +105,19 @@ def check(config: TrainConfig) -> None:
     check_hybrid(config)
     check_tensor_parallel(config)
     check_pipeline(config)
+
+
+def _share_rank0_values(model: nn.Module, mesh: Mesh, config: TrainConfig) -> None:
+    """A model passed in built, about to be cut by tp or pp: rank 0's values reach every rank that
+    trains first (one broadcast per tensor, in place), so each rank's part is cut from the same whole
+    model whatever each rank's seed; the data-parallel engines alone broadcast over dp only. Nothing
+    for a model on meta (its values come from one source) or one ``model.init_from`` overwrites."""
+    parallel = config.parallel
+    if (parallel.tp == 1 and parallel.pp == 1) or config.model.init_from or mesh.trainers is None:
+        return
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return
+    broadcast_initial_state(model, mesh.trainers)
 
 
 def _require_trainable(model: nn.Module) -> None:
