@@ -255,8 +255,9 @@ class Engine(ABC):
 
     def autocast(self) -> AbstractContextManager[Any]:
         """Where forward computes: under ``torch.autocast`` in bf16/fp16 over fp32 parameters, as is
-        otherwise (every forward of a step, a pipeline stage's included, runs inside it)."""
-        if self.autocast_dtype is None:
+        otherwise (every forward of a step, a pipeline stage's included, runs inside it). On the
+        meta device (``plan --dry-run``) there is no autocast: shapes alone, in the parameters' dtype."""
+        if self.autocast_dtype is None or self._device_type() == "meta":
             return nullcontext()
         return torch.autocast(self._device_type(), dtype=self.autocast_dtype)
 
