@@ -66,6 +66,7 @@ class LaunchError(RuntimeError):
 USER_ERRORS = (
     *("ConfigError", "SplitError", "NotBuiltError"),  # ConfigError and its kinds
     *("StateMismatchError", "CheckpointWriteError", "LossError", "NonFiniteStop"),
+    *("CorruptCheckpointError", "ManifestError"),  # a damaged --init-from (resume falls back instead)
 )
 
 
