@@ -54,7 +54,7 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--virtual-stages": (
         "parallel.virtual_stages",
-        {"help": "pipeline stages per pp rank (0, the default: 2 for interleaved and V schedules, else 1)"},
+        {"help": "pipeline stages per pp rank (0: 2 for interleaved and V schedules, else 1)"},
     ),
     "--pp-split": (
         "parallel.pp_split",
