@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -241,15 +242,20 @@ def plan_command(args: argparse.Namespace) -> int:
         "ranked": [{"rank": i + 1, **c.as_dict()} for i, c in enumerate(result.ranked)],
         "dropped": [c.as_dict() for c in result.dropped],
         "why": result.why,
-        "run_first": train_command(result.best.layout, training) if result.best else None,
+        "run_first": train_command(result.best.layout, training, _model_flags(args)) if result.best else None,
     }  # fmt: skip
     emit(out, args.json, lambda r: _render(r, args.top))
     return 0
 
 
-def train_command(layout: Layout, training: Training) -> str:
-    """The ``shardwise train`` flags that run ``layout`` (the model and data flags are the user's)."""
-    flags = [f"--nproc {layout.devices}", f"--strategy {layout.strategy}"]
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    """The model flags ``plan`` was given that ``train`` reads the same way (sizes by hand are not)."""
+    return [f"--{name} {value}" for name in ("preset", "model") if (value := getattr(args, name, None))]
+
+
+def train_command(layout: Layout, training: Training, model_flags: Sequence[str] = ()) -> str:
+    """The ``shardwise train`` flags that run ``layout`` (the model's as given to plan, if any)."""
+    flags = [*model_flags, f"--nproc {layout.devices}", f"--strategy {layout.strategy}"]
     flags += [f"--pp {layout.pp}"] if layout.pp > 1 else []
     flags += [f"--tp {layout.tp}"] if layout.tp > 1 else []
     flags += [f"--schedule {layout.schedule}"] if layout.pp > 1 else []
@@ -293,7 +299,7 @@ def _render(result: dict[str, Any], top: int) -> None:
         print(f"     {row['layout']}: {row['reason']}")
     print(result["why"])
     if result["run_first"]:
-        print(f"to run the first (with your model's flags): {result['run_first']}")
+        print(f"to run the first: {result['run_first']}")
 
 
 def _gb(nbytes: float) -> str:
