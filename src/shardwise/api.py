@@ -42,7 +42,9 @@ class _Joined:
 
     def __init__(self, fn: Callable[..., Any], timeout_s: float, device: str) -> None:
         self.fn, self.timeout_s, self.device = fn, timeout_s, device
-        functools.update_wrapper(self, fn)  # the agent names the entry point by its __qualname__
+        # the agent names the entry point by its __qualname__; updated=(): fn's own attributes (a
+        # wrapper's ``fn``) must not replace ours
+        functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any) -> Any:
         init(self.timeout_s, self.device)

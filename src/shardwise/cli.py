@@ -33,7 +33,10 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--seq-len": ("model.seq_len", {}),
     "--init-from": (
         "model.init_from",
-        {"help": "start from local weights: a Hugging Face folder of safetensors or an exported file"},
+        {
+            "help": "start from local weights: a Hugging Face folder of safetensors, an exported file, "
+            "or a shardwise checkpoint (a step folder or a checkpoints root)"
+        },
     ),
     "--global-batch": ("data.global_batch", {"help": "sequences per step over all ranks"}),
     "--micro-batches": ("data.micro_batches", {"help": "gradient accumulation (no_sync) steps"}),
@@ -51,7 +54,7 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--virtual-stages": (
         "parallel.virtual_stages",
-        {"help": "pipeline stages per pp rank (default: 2 for interleaved and V schedules, else 1)"},
+        {"help": "pipeline stages per pp rank (0: 2 for interleaved and V schedules, else 1)"},
     ),
     "--pp-split": (
         "parallel.pp_split",

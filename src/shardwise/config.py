@@ -144,8 +144,9 @@ class ModelConfig:
     dropout: float = checked(0.0, Range(ge=0, lt=1))
     tie_weights: bool = True
     freeze: tuple[str, ...] = ()  # parameter-name prefixes that stay frozen
-    # local weights to start from (a Hugging Face folder of safetensors, or a `shardwise ckpt export`
-    # file); "": the model's own random initialisation. See shardwise.checkpoint.pretrained
+    # local weights to start from (a Hugging Face folder of safetensors, a `shardwise ckpt export` file,
+    # or a shardwise checkpoint); "": the model's own random initialisation, recorded and replayed
+    # (shardwise.models.init_replay). Each rank reads only what it holds. See shardwise.checkpoint.pretrained
     init_from: str = ""
 
 

@@ -66,6 +66,7 @@ class LaunchError(RuntimeError):
 USER_ERRORS = (
     *("ConfigError", "SplitError", "NotBuiltError"),  # ConfigError and its kinds
     *("StateMismatchError", "CheckpointWriteError", "LossError", "NonFiniteStop"),
+    *("CorruptCheckpointError", "ManifestError"),  # a damaged --init-from (resume falls back instead)
 )
 
 
@@ -216,7 +217,9 @@ class _RankMain:
     def __init__(self, fn: Callable[..., Any], env: dict[str, str], stdio: procstart.Stdio) -> None:
         # the launcher's environment and output, which a forked rank adopts (``procstart``)
         self.fn, self.env, self.stdio = fn, env, stdio
-        functools.update_wrapper(self, fn)  # the agent names the entry point by __name__
+        # the agent names the entry point by __name__; updated=(): a wrapped _Joined's ``fn`` (the
+        # user's function, in its __dict__) must not replace ours, or the rank never joins the group
+        functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any) -> Any:
         # The agent stops ranks with SIGTERM; a Ctrl-C reaching the whole process group (or the

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.checkpoint.pretrained import open_weights
 from shardwise.collectives.api import check_algorithm, load_profile
 from shardwise.compression import check_compress
 from shardwise.config import ConfigError, TrainConfig
@@ -61,8 +61,7 @@ def check_init_from(config: TrainConfig) -> None:
     """The weights of ``model.init_from`` fit the model: the files' headers against the model built
     with its parameters on the meta device (no values drawn, no tensor data read)."""
     dtype = torch.float64 if config.dtype == "float64" else torch.float32
-    with PretrainedWeights.open(config.model.init_from, build_model(config.model, dtype, meta=True)):
-        pass
+    open_weights(config.model.init_from, build_model(config.model, dtype, meta=True)).close()
 
 
 def output_folders(config: TrainConfig, writes_run_files: bool = True) -> list[tuple[str, str]]:

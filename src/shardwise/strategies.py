@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm, build_compressed, check_compress
 from shardwise.config import ConfigError, TrainConfig
@@ -35,7 +35,7 @@ from shardwise.mesh import Mesh
 from shardwise.zero import build_zero_engine
 from shardwise.zero.hybrid import HybridReplicas
 
-Weights = PretrainedWeights | None
+Weights = HeldWeights | None
 Builder = Callable[[TrainConfig, nn.Module, Mesh, bool, Weights], Engine]
 
 
@@ -88,7 +88,9 @@ def _diloco(
     return DiLoCoEngine(model, dp, config.diloco, config.steps, share, Role.trainer(mesh.rank), compressor)
 
 
-READS_SHARDS = ("zero3",)  # strategies whose builders read each rank's shards of the initial weights
+# strategies whose engines read the initial values themselves: ZeRO-1/2 bucket by bucket into their flat
+# buffers, ZeRO-3 each rank's shards; the others get whole tensors before they are built
+READS_ITSELF = ("zero1", "zero2", "zero3")
 
 STRATEGIES: dict[str, Builder] = {
     "ddp": _ddp,
@@ -105,7 +107,7 @@ def build_data_parallel(
     model: nn.Module,
     mesh: Mesh,
     share_gradients: bool = False,
-    weights: PretrainedWeights | None = None,
+    weights: HeldWeights | None = None,
 ) -> Engine:
     """Apply ``config.strategy`` to ``model`` over ``mesh``; ``share_gradients``: make global gradients
     visible where a strategy keeps them elsewhere (the parameter server's workers), for ``verify``;
@@ -113,7 +115,7 @@ def build_data_parallel(
     builder = STRATEGIES.get(config.strategy)
     if builder is None:
         raise ValueError(f"unknown strategy {config.strategy!r}; known: {', '.join(STRATEGIES)}")
-    if weights is not None and config.strategy not in READS_SHARDS:  # every rank holds whole tensors
+    if weights is not None and config.strategy not in READS_ITSELF:  # every rank holds whole tensors
         weights.load_whole(model)
         weights = None
     return builder(config, model, mesh, share_gradients, weights)

@@ -407,6 +407,26 @@ def test_tp_with_the_default_loss_matches_one_process(tmp_path: Path) -> None:
     assert told.startswith("sequence parallelism cuts the sequence over tp: a batch of sequence length 9 is")
 
 
+def _built_apart(rank: int, world_size: int, run_dir: str, layout: dict[str, str]) -> dict[str, torch.Tensor]:
+    torch.manual_seed(100 + rank)  # every rank builds other values; rank 0's must win
+    model = build_model(ModelConfig(kind="gpt", preset="tiny", seq_len=16), torch.float64)
+    config = _tp_config(run_dir, **{"parallel.tp": "1", **layout}).validate(world_size)
+    engine = sw.parallelize(model, sw.build_mesh(config), config)
+    return engine.full_parameters()
+
+
+@pytest.mark.parametrize("layout", [{"parallel.tp": "2"}, {"parallel.pp": "2"}], ids=["tp2", "pp2"])
+def test_a_model_built_apart_on_each_rank_starts_from_rank_0s_values(tmp_path: Path, layout: dict) -> None:
+    """A ``model=`` passed in built under tp or pp: every part is cut from rank 0's values (a stage's
+    blocks, a replicated norm and each tp shard alike), as data parallelism alone gives."""
+    torch.manual_seed(100)
+    expected = build_model(ModelConfig(kind="gpt", preset="tiny", seq_len=16), torch.float64).state_dict()
+    for got in run_on_ranks(_built_apart, 2, str(tmp_path), layout, timeout_s=120):
+        assert got.keys() <= expected.keys() and len(got) > 4
+        for name, tensor in got.items():
+            assert torch.equal(tensor, expected[name]), name
+
+
 # -- failures through sw.launch: the rank's own exception, one line ------------------------------------
 def _main_with_a_bad_config(run_dir: str) -> None:
     config = sw.load_config(overrides={"steps": "1", "parallel.dp": "3", "run_dir": run_dir})
@@ -447,6 +467,18 @@ def test_launch_raises_a_ranks_config_error_as_itself_in_one_line(
         sw.launch(main, 2, str(tmp_path))
     assert str(raised.value).startswith(start) and "\n" not in str(raised.value)
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
+
+
+def _joined() -> tuple[bool, int, str]:
+    import torch.distributed as dist
+
+    return dist.is_initialized(), dist.get_world_size(), str(dist.get_backend())
+
+
+def test_launch_joins_every_rank_to_the_process_group() -> None:
+    """A hand-written loop under ``sw.launch`` may call ``sw.build_mesh`` at once: the rank has joined
+    (a wrapper's attributes once replaced the joining wrapper, and it never joined)."""
+    assert sw.launch(_joined, 2) == [(True, 2, "gloo"), (True, 2, "gloo")]
 
 
 def test_fit_raises_on_a_nan_and_launch_passes_it_on(tmp_path: Path) -> None:

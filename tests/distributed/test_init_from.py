@@ -70,12 +70,15 @@ def reference_loss(folder: Path, config: TrainConfig) -> float:
     return float(loss)
 
 
-def _build_and_step(rank: int, world_size: int, config: TrainConfig) -> dict[str, Any]:
-    """Build under the byte counter, then one step; the rank's peak beside its share and units."""
-    from shardwise.train.loop import Trainer
+def _build_and_step(rank: int, world_size: int, config: TrainConfig, whole: bool = False) -> dict[str, Any]:
+    """Build under the byte counter, then one step; the rank's peak beside its share and units.
+    ``whole``: the model is built whole first (as a user's own model is) and passed in."""
+    from shardwise.train.loop import Trainer, seed_everything, torch_dtype
 
     with TensorBytes() as counted:
-        trainer = Trainer.build(config)
+        seed_everything(config.seed)
+        model = build_model(config.model, torch_dtype(config.dtype)) if whole else None
+        trainer = Trainer.build(config, model=model)
     engine = trainer.engine
     groups = getattr(engine, "groups", [])
     out = {
@@ -110,8 +113,11 @@ def test_zero3_and_ddp_start_from_saved_weights_within_a_share_plus_one_unit(tmp
                 assert bound < got["model_bytes"], got  # the claim says something: less than the model
             else:  # every DDP rank holds the whole model, and the counter sees it
                 assert got["peak"] >= got["model_bytes"], got
-    # the counter catches a rank that builds the whole model: ZeRO-3 from random weights does
+    # from random weights ZeRO-3 draws only its shards too (the model built on meta, its init replayed)
     for got in run_on_ranks(_build_and_step, 2, without, timeout_s=240):
+        assert got["peak"] <= got["share"] + got["largest_unit"] + SLACK, got
+    # the counter catches a rank that holds the whole model: a model passed in built whole
+    for got in run_on_ranks(_build_and_step, 2, without, True, timeout_s=240):
         assert got["peak"] >= got["model_bytes"] > got["share"] + got["largest_unit"], got
 
 
@@ -154,8 +160,9 @@ def test_an_init_from_without_safetensors_is_one_line_before_any_rank_starts(tmp
 
 @pytest.mark.slow
 def test_a_shardwise_export_is_a_starting_point_too(tmp_path: Path) -> None:
-    """Train, export the checkpoint to one file, load it: the parameters are the trained ones (the
-    tied head is in the file once, as wte.weight)."""
+    """Train, export the checkpoint to one file, load it, or load the checkpoint itself: the parameters
+    are the trained ones (the tied head is in the file once, as wte.weight); verify from the checkpoint
+    under tp 2 (each rank reading its boxes) equals one process."""
     from shardwise.checkpoint.pretrained import load_pretrained
     from shardwise.train.loop import param_digest
 
@@ -167,6 +174,20 @@ def test_a_shardwise_export_is_a_starting_point_too(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     exported = tmp_path / "model.safetensors"
     assert shardwise("ckpt", "export", str(run), str(exported)).returncode == 0
-    model = build_model(load_config(None, {"model.preset": "tiny"}).model, meta=True)
-    load_pretrained(model, str(exported))
-    assert param_digest(dict(model.named_parameters())) == last_json(result)["final_param_digest"]
+    for source in (exported, run / "checkpoints"):  # the export, or the checkpoint itself
+        model = build_model(load_config(None, {"model.preset": "tiny"}).model, meta=True)
+        load_pretrained(model, str(source))
+        assert param_digest(dict(model.named_parameters())) == last_json(result)["final_param_digest"]
+    # the checkpoint read box by box into another layout's parts (tp 2), against one process reading it
+    result = shardwise(
+        "verify", "--preset", "tiny", "--init-from", str(run / "checkpoints"), "--strategy", "zero3",
+        "--tp", "2", "--nproc", "2", "--json",
+    )  # fmt: skip
+    report = last_json(result)
+    assert result.returncode == 0 and report["ok"] and report["layout"] == "dp1 x pp1 x tp2", report
+    result = shardwise(  # the exported file, each pipeline stage reading its own tensors
+        "verify", "--preset", "tiny", "--init-from", str(exported), "--strategy", "zero1", "--pp", "2",
+        "--nproc", "2", "--json",
+    )  # fmt: skip
+    report = last_json(result)
+    assert result.returncode == 0 and report["ok"] and report["layout"].startswith("dp1 x pp2 x tp1"), report

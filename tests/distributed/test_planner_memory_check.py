@@ -87,7 +87,8 @@ def test_checkpointing_tp2_and_pp2_peaks_are_within_10_percent(layout: Layout, t
 
 @pytest.mark.slow
 def test_plan_check_prints_predicted_beside_measured() -> None:
-    """``shardwise plan --check``: the command a user types; memory within the bound, time reported."""
+    """``shardwise plan --check``: the command a user types; memory and the build's own peak within the
+    bound, time reported."""
     from .cli_helpers import last_json, shardwise
 
     result = shardwise(
@@ -101,4 +102,5 @@ def test_plan_check_prints_predicted_beside_measured() -> None:
     ]
     for row in rows:
         assert 0.9 <= row["memory_ratio"] <= 1.1, row
+        assert 0.9 <= row["build_ratio"] <= 1.1, row  # the build alone: what the rank holds, its part
         assert row["measured_step_s"] > 0 and row["time_ratio"] > 0, row  # reported; this machine is shared

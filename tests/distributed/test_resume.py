@@ -97,6 +97,12 @@ def _resume_cases(rank: int, world_size: int, root: str, dtype: str, async_save:
     out_trunc = _run(_config(base / "full", dtype))
     if rank == 0:
         out["trunc"] = out_trunc
+        for _, step_dir in list_steps(str(base / "full" / "checkpoints")):
+            (Path(step_dir) / "manifest.json").write_text("{not json")
+    dist.barrier()
+    out_none = _run(_config(base / "full", dtype))
+    if rank == 0:
+        out["none"] = out_none
     return out
 
 
@@ -121,10 +127,18 @@ def test_resume_is_exact_and_damaged_checkpoints_fall_back(tmp_path, capfd, dtyp
         assert got["final_param_digest"] == full["final_param_digest"], case
         assert got["eval_losses"] == full["eval_losses"], case
 
-    lines = [x for x in capfd.readouterr().err.splitlines() if "is damaged" in x]
-    assert len(lines) == 2, lines  # one line per damaged checkpoint, from one rank
+    none = results["none"]  # every checkpoint damaged: said in one line, trained from the start
+    assert none["checkpoint"]["resumed_from"] is None
+    assert none["final_param_digest"] == full["final_param_digest"]
+
+    err = capfd.readouterr().err.splitlines()
+    lines = [x for x in err if "is damaged" in x]
+    assert len(lines) == 5, lines  # one line per damaged checkpoint, from one rank
     assert "step-00000008/rank0.safetensors: crc32 mismatch" in lines[0]
     assert "step-00000008/rank1.safetensors" in lines[1] and "truncated" in lines[1]
+    told = [x for x in err if "could be read" in x]
+    assert len(told) == 1 and told[0].startswith("shardwise: none of the 3 checkpoints under "), told
+    assert told[0].endswith("could be read; training starts from step 0 (move them away to keep them)")
 
 
 def test_resume_with_a_different_model_is_refused(tmp_path) -> None:

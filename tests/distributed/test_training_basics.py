@@ -129,7 +129,12 @@ def _summary(rank: int, world_size: int, config: TrainConfig) -> dict | None:
 def test_mixed_precision_trains_close_to_fp32(tmp_path, strategy: str, world: int, precision: str) -> None:
     losses = {}
     for name in ("fp32", precision):
-        overrides = {"strategy": strategy, "precision": name, "model.preset": "tiny", "steps": "25"}
+        # at lr 1e-3: at the default 3e-3 the tiny GPT's last losses are chaotic for some seeds (from the
+        # initial values drawn on the chunk grid, seed 0's fp32 and bf16 runs part at step 14: 3.72 vs
+        # 3.45), which says nothing about precision; seeds 1-3 stay within 0.6% there too
+        overrides = {
+            "strategy": strategy, "precision": name, "model.preset": "tiny", "steps": "25", "optim.lr": "1e-3"
+        }  # fmt: skip
         config = load_config(None, {**overrides, "eval_every": "0", "run_dir": str(tmp_path / name)})
         summary = next(s for s in run_on_ranks(_summary, world, config, timeout_s=240) if s)
         losses[name] = summary["final_loss"]

@@ -72,8 +72,9 @@ def test_a_rows_prediction_never_depends_on_its_own_timings() -> None:
     config = load_config(None, {"model.kind": "gpt", "model.preset": "base", **layout_overrides(layout)})
     calibration = Calibration(flops_per_s=2e10, checkpointed_flops_per_s=2.3e10, memory_bytes_per_s=1e10)
     runs = [
-        {"peak_bytes": 1e8, "step_s": [2.0, 1.0, 3.0], "comm_s": [0.1], "bytes_sent": 8.6e7},
-        {"peak_bytes": 2e8, "step_s": [9.0, 8.0], "comm_s": [0.5], "bytes_sent": 1.0},
+        {"peak_bytes": 1e8, "build_bytes": 5e7, "step_s": [2.0, 1.0, 3.0], "comm_s": [0.1],
+         "bytes_sent": 8.6e7},
+        {"peak_bytes": 2e8, "build_bytes": 5e7, "step_s": [9.0, 8.0], "comm_s": [0.5], "bytes_sent": 1.0},
     ]
     rows = [compare(base, Training(16, 64), layout, config, run, calibration) for run in runs]
     assert rows[0]["predicted_step_s"] == rows[1]["predicted_step_s"] > 0
@@ -93,8 +94,9 @@ def test_more_ranks_than_cores_gives_memory_alone(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(plan_check.os, "cpu_count", lambda: 2)
     base, layout = preset_shape("base", 64), Layout("zero2", dp=4)
     config = load_config(None, {"model.kind": "gpt", "model.preset": "base", **layout_overrides(layout)})
-    run = {"peak_bytes": 1e8, "step_s": [], "comm_s": [], "bytes_sent": 5.0}
+    run = {"peak_bytes": 1e8, "build_bytes": 5e7, "step_s": [], "comm_s": [], "bytes_sent": 5.0}
     row = plan_check.compare(base, Training(16, 64), layout, config, run, Calibration())
     assert row["time_note"] == "time not meaningful: 4 ranks on 2 cores"
     assert row["predicted_step_s"] is row["measured_step_s"] is row["time_ratio"] is None
     assert row["memory_ratio"] == row["predicted_bytes"] / 1e8 and row["measured_comm_s"] is None
+    assert row["build_ratio"] == row["predicted_build_bytes"] / 5e7

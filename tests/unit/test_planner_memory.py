@@ -273,22 +273,42 @@ def test_gradients_held_between_micro_batches_by_stage() -> None:
         assert "accumulated_grads" not in device and phases["grads"] == ("step", "update")
 
 
-def test_the_build_makes_the_whole_model_then_keeps_a_part() -> None:
-    """Measured (``plan --preset large --nproc 4 --check``): at dp 2 x tp 2 every rank's peak is the
-    build, 596.72 MB = the whole model (397.9 MB) + its tp shard (198.8); ZeRO-3 on dp 4 with
-    checkpointing 518.7 MB (the whole, its shard and the unit being flattened). Before this term the
-    planner said 0.69 and 0.81 of those."""
+# The build's peak tensor bytes per rank (``TensorBytes`` around ``Trainer.build``; the large GPT,
+# 2 ranks, seq 64): the model made on meta, each rank reading only what it holds. Measured this session.
+BUILD_MEASURED_MB = {
+    ("ddp", 2, 1, 1, "fp32"): 795.8,
+    ("zero1", 2, 1, 1, "fp32"): 796.6,
+    ("zero2", 2, 1, 1, "fp32"): 402.1,
+    ("zero3", 2, 1, 1, "fp32"): 217.3,
+    ("ddp", 2, 1, 1, "bf16"): 795.8,
+    ("zero1", 2, 1, 1, "bf16"): 597.7,
+    ("zero2", 2, 1, 1, "bf16"): 413.5,
+    ("zero3", 2, 1, 1, "bf16"): 203.1,
+    ("ddp", 1, 1, 2, "fp32"): 202.3,
+    ("zero3", 1, 1, 2, "fp32"): 203.4,
+    ("zero2", 1, 2, 1, "fp32"): 203.6,
+    ("zero3", 1, 2, 1, "fp32"): 203.6,
+}
+
+
+def test_the_build_is_what_the_rank_holds_within_10_percent_of_the_measured() -> None:
+    """Before the model was built on meta every rank made the whole model first (596.7 MB at
+    dp 2 x tp 2); now ZeRO-3 builds its shard plus one unit's instant, tp and pp their part."""
     large = preset_shape("large", 64)
-    for strategy in ("ddp", "zero3"):
-        found = estimate_memory(
-            large, Training(16, 64), Layout(strategy, dp=2, tp=2, activation_checkpointing=True)
-        )
-        assert found.device["model_build"] == 4 * (large.params + _stage_params(large, tp=2))
-    z3 = estimate_memory(large, Training(16, 64), Layout("zero3", dp=4, activation_checkpointing=True))
-    assert z3.peak_phase == "build" and z3.total == pytest.approx(518.65e6, rel=0.03)
-    assert estimate_memory(large, Training(16, 64), Layout("zero3", dp=2, tp=2)).total == pytest.approx(
-        596.72e6, rel=1e-3
-    )
+    ratios = {}
+    for (strategy, dp, pp, tp, precision), measured in BUILD_MEASURED_MB.items():
+        layout = Layout(strategy, dp=dp, pp=pp, tp=tp, micro_batches=2 if pp > 1 else 1)
+        predicted = estimate_memory(large, Training(8, 64, precision), layout).device["model_build"]
+        ratios[layout.name() + " " + precision] = predicted / (measured * 1e6)
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+
+
+def test_zero3_builds_its_shard_not_the_model() -> None:
+    """The ZeRO paper's 7.5B on 64 devices: the build is under the rank's model state, not the peak."""
+    paper = ModelShape(n_layer=36, d_model=4096, n_head=32, vocab=50257, positions=64)
+    found = estimate_memory(paper, Training(64, 64, "bf16", "adam"), Layout("zero3", dp=64))
+    state = sum(found.device[k] for k in ("params", "master_params", "grads", "optimizer_state"))
+    assert found.device["model_build"] <= 1.1 * state and found.peak_phase != "build"
 
 
 def _stage_params(shape: ModelShape, tp: int) -> float:

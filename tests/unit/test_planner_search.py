@@ -129,9 +129,10 @@ def test_a_pipeline_layout_is_costed_with_its_bubble_and_in_flight_micro_batches
 
 
 def test_on_a_dp_group_of_one_zero1_and_zero2_tie_with_ddp_and_ddp_ranks_first() -> None:
-    """ZeRO-1/2 over dp = 1 shard nothing: the same time and memory as DDP (the tied embedding's sum
-    between the pipeline's ends used to hide behind their update, and ranked them first), and the tie
-    goes to the simpler strategy, whatever order --strategies named them in."""
+    """ZeRO-1/2 over dp = 1 shard nothing: the same time as DDP (the tied embedding's sum between the
+    pipeline's ends used to hide behind their update, and ranked them first) and no less memory
+    (their optimizer's temporaries are a bucket's, DDP's a tensor's), and the tie goes to the simpler
+    strategy, whatever order --strategies named them in."""
     large = preset_shape("large", 64)  # tied embedding and head
     train = Training(16, 64)
     layouts = [
@@ -145,10 +146,11 @@ def test_on_a_dp_group_of_one_zero1_and_zero2_tie_with_ddp_and_ddp_ranks_first()
         assert c.time is not None and c.layout.dp == 1
         key = (c.layout.micro_batches, c.layout.schedule, c.layout.virtual_stages)
         by_mesh.setdefault(key, {})[c.layout.strategy] = (c.time.total_s, c.memory.total)  # type: ignore[assignment]
-    assert by_mesh and all(len(set(v.values())) == 1 for v in by_mesh.values())
+    assert by_mesh and all(len({t for t, _ in v.values()}) == 1 for v in by_mesh.values())
+    for v in by_mesh.values():  # DDP holds no more than they do: at most two 25 MB buckets' temporaries
+        assert v["ddp"][1] <= min(v["zero1"][1], v["zero2"][1]) <= 1.10 * v["ddp"][1], v
     assert result.ranked[0].layout.strategy == "ddp"
     assert [c.layout.strategy for c in result.ranked[:3]] == ["ddp", "zero1", "zero2"]
     assert "zero1 shards nothing over a dp group of one: it does ddp's work" in result.why
-    row = result.ranked[0].as_dict()
-    assert row["memory_largest"] == ["model_build", row["memory_by_component"]["model_build"]]
-    assert row["memory_peak_phase"] == "build"
+    row = result.ranked[0].as_dict()  # built on meta: the build (its stage) is not the peak
+    assert row["memory_peak_phase"] != "build"

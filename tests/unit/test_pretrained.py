@@ -15,7 +15,7 @@ from torch import nn
 from shardwise.checkpoint.pretrained import PretrainedWeights, load_pretrained
 from shardwise.config import ConfigError, load_config
 from shardwise.models import build_model
-from shardwise.models.meta import parameters_on_meta
+from shardwise.models.init_replay import build_recorded
 from shardwise.preflight import preflight
 
 
@@ -50,8 +50,7 @@ class Recording(PretrainedWeights):
 def test_a_flat_range_reads_only_the_boxes_it_covers(tmp_path: Path) -> None:
     cube = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)
     save_file({"cube": cube, "embed.weight": torch.zeros(5, 4)}, tmp_path / "w.safetensors")
-    with parameters_on_meta():
-        model = Tied()
+    model = build_recorded(Tied)
     weights = Recording.open(str(tmp_path / "w.safetensors"), model)
     for start, stop in itertools.combinations(range(0, 61, 3), 2):
         weights.taken = 0
@@ -62,8 +61,7 @@ def test_a_flat_range_reads_only_the_boxes_it_covers(tmp_path: Path) -> None:
 def test_a_tied_weight_loads_once_by_the_name_the_file_has_and_stays_tied(tmp_path: Path) -> None:
     embed = torch.randn(5, 4)
     save_file({"head.weight": embed, "cube": torch.ones(3, 4, 5)}, tmp_path / "w.safetensors")
-    with parameters_on_meta():
-        model = Tied()
+    model = build_recorded(Tied)
     assert all(p.is_meta for p in model.parameters()) and not model.scale.is_meta
     load_pretrained(model, str(tmp_path / "w.safetensors"))
     assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, embed)
@@ -87,8 +85,7 @@ def test_a_sharded_hugging_face_folder_loads_into_a_meta_model(kind: str, tmp_pa
 def test_the_dtype_note_says_whether_values_are_rounded(tmp_path: Path) -> None:
     wide = {"cube": torch.ones(3, 4, 5, dtype=torch.float64), "embed.weight": torch.ones(5, 4)}
     save_file(wide, tmp_path / "w.safetensors")
-    with parameters_on_meta():
-        model = Tied()
+    model = build_recorded(Tied)
     note = PretrainedWeights.open(str(tmp_path / "w.safetensors"), model).cast_note()
     assert note is not None and "float64 -> float32" in note and "precision is lost" in note
     model.double()

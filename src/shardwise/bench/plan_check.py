@@ -5,7 +5,9 @@ probes, all ranks at once so that the contention is the training's own, each wit
 thread count: the model's own forward and backward on a data-parallel rank's micro-batch (no strategy),
 the same with each block checkpointed, and a large in-place add (memory bandwidth), three interleaved
 repeats; then it builds the trainer and runs two steps under ``TensorBytes`` (a dispatch mode counting
-live floating-point storages: tensor bytes, not RSS) for the peak; then builds it again and times
+live floating-point storages: tensor bytes, not RSS) for the peak, the build's own peak counted apart
+(``Trainer.build``: the model made on meta, ``parallelize`` reading each rank's part) beside the
+planner's ``model_build``; then builds it again and times
 ``steps`` steps without the counter (each the slowest rank's, as ``Trainer.step`` reports it), with the
 bytes each rank sent. The probes' samples of every launch are pooled into one calibration for the whole
 check (``calibration_from``: each rate's best repeat), so no row is predicted from its own launch alone
@@ -161,7 +163,8 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int, timed: bool
         rates = measure_rates(config, model, CALIBRATION_REPEATS) if timed else []
         reset_peak_memory(joined_device(config.device))  # a GPU's peaks: the counted steps' own
         with TensorBytes() as counted:
-            trainer = Trainer.build(config)
+            with TensorBytes() as built:  # parallelize: the model made on meta, each rank's part read
+                trainer = Trainer.build(config)
             records = [trainer.step(step) for step in range(MEMORY_STEPS)]
         device_memory = memory_mb(trainer.engine.device)  # the allocator's peaks on a GPU, RSS here
         trainer.engine.close()
@@ -171,7 +174,7 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int, timed: bool
             records = [trainer.step(step) for step in range(steps)]
             trainer.engine.close()
         keys = sorted(k for k in device_memory if k != "rss_mb")
-        figures = [counted.peak, *(device_memory[k] for k in keys)]
+        figures = [counted.peak, built.peak, *(device_memory[k] for k in keys)]
         mine = torch.tensor(figures, dtype=torch.float64, device=HOST)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
@@ -179,8 +182,9 @@ def check_worker(config: TrainConfig, model: ModelShape, steps: int, timed: bool
         return {
             "rates": rates,
             "peak_bytes": max(float(t[0]) for t in everyone),
+            "build_bytes": max(float(t[1]) for t in everyone),
             # the largest rank's: max_memory_allocated/reserved on a GPU, peak RSS on the CPU
-            "memory_mb": {k: max(float(t[1 + i]) for t in everyone) for i, k in enumerate(keys)},
+            "memory_mb": {k: max(float(t[2 + i]) for t in everyone) for i, k in enumerate(keys)},
             "step_s": [r.step_s for r in kept] if timed else [],
             "comm_s": [r.comm_s for r in kept] if timed else [],
             "bytes_sent": max(float(b) for b in kept[-1].bytes_sent),
@@ -303,6 +307,9 @@ def compare(
         "predicted_bytes": memory.total,
         "measured_bytes": measured["peak_bytes"],
         "memory_ratio": memory.total / measured["peak_bytes"],
+        "predicted_build_bytes": memory.device["model_build"],
+        "measured_build_bytes": measured["build_bytes"],
+        "build_ratio": memory.device["model_build"] / measured["build_bytes"],
         "measured_memory_mb": measured.get("memory_mb"),  # the device's own figures (device.memory_mb)
         "predicted_step_s": None if note else time_.total_s,  # no calibration was measured
         "measured_step_s": None if note else best,

@@ -69,6 +69,38 @@ class Box:
         return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(self.offsets, self.lengths, strict=True)) + "]"
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Global elements ``global_box`` are held at local elements ``local_box`` (same lengths): how a
+    tensor-parallel shard, or a whole tensor, sits in its global tensor."""
+
+    global_box: Box
+    local_box: Box
+
+    def __post_init__(self) -> None:
+        if self.global_box.lengths != self.local_box.lengths:
+            raise ValueError(f"placement {self.global_box} -> {self.local_box}: the lengths differ")
+
+    @staticmethod
+    def whole(shape: Sequence[int]) -> Placement:
+        box = Box.full(tuple(shape))
+        return Placement(box, box)
+
+    def global_part(self, local: Box) -> tuple[Box, Box] | None:
+        """The part of local box ``local`` this placement holds: (its global box, its local box), or None."""
+        part = intersect(local, self.local_box)
+        if part is None:
+            return None
+        shift = [g - lo for g, lo in zip(self.global_box.offsets, self.local_box.offsets, strict=True)]
+        return Box(tuple(o + d for o, d in zip(part.offsets, shift, strict=True)), part.lengths), part
+
+
+def index_of(box: Box, within: Box | None = None) -> tuple[slice, ...]:
+    """The slices that select ``box`` from a tensor holding ``within`` (default: the global tensor)."""
+    base = within.offsets if within is not None else (0,) * box.ndim
+    return tuple(slice(o - b, o - b + n) for o, b, n in zip(box.offsets, base, box.lengths, strict=True))
+
+
 def strides(lengths: Sequence[int]) -> tuple[int, ...]:
     """Row-major element strides of a tensor (or box storage) of shape ``lengths``."""
     out, step = [], 1

@@ -1,28 +1,24 @@
 """Start a model from local weights: ``model.init_from`` (``--init-from PATH``).
 
 PATH is a Hugging Face folder (``model.safetensors``, or the ``model-0000x-of-0000y.safetensors``
-shards ``model.safetensors.index.json`` lists) or one safetensors file (``shardwise ckpt export``).
-``PretrainedWeights.open(path, model)`` reads only the files' headers (each tensor's file, shape and
-dtype) and matches them to the model by name: a tied parameter is one tensor with several names, and
-the file may hold it under any of them. It refuses, in one line naming the item and the fix, a path
-that does not exist or holds no safetensors, parameters the file lacks, tensors the model lacks, and
-a shape that differs. Then the model's parameters, built on the meta device, get their values:
+shards ``model.safetensors.index.json`` lists), one safetensors file (``shardwise ckpt export``), or a
+shardwise checkpoint (a ``step-<k>`` folder or a checkpoint root: its ``model/<name>`` tensors, in
+flat ranges or boxes, whatever layout wrote them). ``open_weights(path, model)`` reads only the files'
+headers (or the manifest) and matches them to the model as built, before any split
+(``match_tensors``): a tied parameter is one tensor with several names, and the file may hold it under
+any of them. It refuses, in one line naming the item and the fix, a path that does not exist or holds
+no safetensors, parameters the file lacks, tensors the model lacks, and a shape that differs.
 
-* ``read(name, start, stop)``: a flat range of one parameter, reading only the rows or boxes that
-  range covers (:func:`~shardwise.checkpoint.boxes.flat_segments` through ``safe_open(...).get_slice``):
-  what a ZeRO-3 rank reads for its shard;
-* ``load_whole(model)``: every parameter (and any buffer the file holds) whole, for the strategies
-  whose ranks hold whole tensors (DDP, ZeRO-1/2, the parameter server) and for one process.
-
-Values are cast from the file's dtype to the parameter's (the run's); ``cast_note`` says so. No
-communication: every rank reads what it holds from the same files.
+Both are ``WeightSource`` s (:mod:`shardwise.checkpoint.source`): ``read_box(name, box)`` reads one box
+of one tensor and nothing more (``safe_open(...).get_slice``; the checkpoint reader, CRC-checked), so
+a rank reads only its tp shards, its stage's tensors or its ZeRO-3 shard. ``load_pretrained`` loads a
+whole model in one process. Values are cast from the file's dtype to the parameter's (the run's);
+``cast_note`` says so. No communication: every rank reads what it holds from the same files.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +27,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from shardwise.checkpoint.boxes import flat_segments
-from shardwise.checkpoint.format import DTYPES
+from shardwise.checkpoint.boxes import Box, index_of
+from shardwise.checkpoint.format import DTYPES, MANIFEST_NAME, CheckpointError, read_manifest
+from shardwise.checkpoint.source import HeldWeights
+from shardwise.checkpoint.source import materialize as materialize
 from shardwise.config import ConfigError
-from shardwise.device import HOST
 
 INDEX_NAME = "model.safetensors.index.json"
 KEY = "model.init_from"
@@ -125,67 +122,28 @@ def _listed(names: list[str]) -> str:
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def materialize(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """Give a tensor on the meta device ``value``'s data, in place: the same Python object (ties,
-    hooks and references to it stay valid), now real."""
-    new = value
-    if isinstance(tensor, nn.Parameter):
-        new = nn.Parameter(value, requires_grad=tensor.requires_grad)
-    new.__dict__.update(tensor.__dict__)  # attributes libraries set on parameters survive the swap
-    torch.utils.swap_tensors(tensor, new)
-
-
 class PretrainedWeights:
-    """The files of ``model.init_from``, matched to one model's parameters (see the module docstring).
+    """The files of ``model.init_from``, matched to one model's tensors: a ``WeightSource``
+    (:mod:`shardwise.checkpoint.source`) read slice by slice (see the module docstring).
 
-    ``keys`` maps each parameter's first name (``named_parameters``) and each buffer the file holds to
-    its key in the files; ``dtypes`` is what each is cast to. Open files are kept until ``close``.
+    ``keys`` maps every name of each parameter (a tied one has several) and each buffer the file holds
+    to its key in the files; ``dtypes`` is what each is cast to (the run's). Open files are kept until
+    ``close``.
     """
 
     def __init__(
-        self,
-        path: str,
-        entries: dict[str, _Entry],
-        keys: dict[str, str],
-        dtypes: dict[str, torch.dtype],
-        device: torch.device = HOST,
+        self, path: str, entries: dict[str, _Entry], keys: dict[str, str], dtypes: dict[str, torch.dtype]
     ) -> None:
         self.path, self.entries, self.keys, self.dtypes = path, entries, keys, dtypes
-        self.device = device  # where parameters on meta are materialised (the rank's device)
         self._handles: dict[Path, Any] = {}
 
     @classmethod
-    def open(cls, path: str, model: nn.Module, device: torch.device = HOST) -> PretrainedWeights:
-        """Match the files' headers to ``model``; a one-line ``ConfigError`` when they do not fit.
-        ``device``: where parameters on meta are materialised (reads land on the host first)."""
+    def open(cls, path: str, model: nn.Module) -> PretrainedWeights:
+        """Match the files' headers to ``model`` (whole, as built: before any split); a one-line
+        ``ConfigError`` when they do not fit."""
         entries = read_headers(path)
-        aliases: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        keys, dtypes, missing, known = {}, {}, [], set()
-        for name, p in model.named_parameters():
-            names = aliases[id(p)]
-            known.update(names)
-            present = [n for n in names if n in entries]
-            if not present:
-                missing.append(" / ".join(names))
-                continue
-            keys[name], dtypes[name] = present[0], p.dtype
-        for name, b in model.named_buffers():
-            known.add(name)
-            if name in entries:  # a persistent buffer saved with the weights: loaded too
-                keys[name], dtypes[name] = name, b.dtype
-        extra = sorted(set(entries) - known)
-        if missing or extra:
-            raise ConfigError(_names_message(path, missing, extra))
-        shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-        for name, key in keys.items():
-            if entries[key].shape != shapes[name]:
-                raise ConfigError(
-                    f"{KEY} {path!r}: {key} has shape {list(entries[key].shape)} in the file but "
-                    f"{list(shapes[name])} in the model; give weights saved from a model of this size"
-                )
-        return cls(path, entries, keys, dtypes, device)
+        keys, dtypes = match_tensors(path, model, {k: e.shape for k, e in entries.items()})
+        return cls(path, entries, keys, dtypes)
 
     # -- reading ------------------------------------------------------------------------------------
     def _slice(self, name: str) -> tuple[Any, _Entry]:
@@ -194,34 +152,31 @@ class PretrainedWeights:
             self._handles[entry.file] = safe_open(str(entry.file), framework="pt")
         return self._handles[entry.file].get_slice(self.keys[name]), entry
 
+    def has(self, name: str) -> bool:
+        return name in self.keys
+
+    def read_box(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``box`` of ``name`` (in the file's dtype, or into ``out``): only that slice is read."""
+        sl, _ = self._slice(name)
+        part = sl[index_of(box)].reshape(box.lengths)  # () for a 0-d tensor: the whole of it
+        return part if out is None else out.copy_(part)
+
+    def _view(self, name: str) -> HeldWeights:
+        shape = self.entries[self.keys[name]].shape
+        return HeldWeights(self, {name: shape}, {name: self.dtypes[name]})
+
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of ``name``'s row-major flattening (1-D, in ``dtypes[name]``),
         reading only the boxes that cover them."""
-        sl, entry = self._slice(name)
-        out = torch.empty(stop - start, dtype=self.dtypes[name], device=HOST)  # read from the file
-        for box, at in flat_segments(entry.shape, start, stop):
-            index = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
-            part = sl[index]  # () for a 0-d tensor: the whole of it
-            out[at : at + box.volume] = part.reshape(-1)  # casts to the run's dtype
-        return out
+        return self._view(name).read(name, start, stop)
 
     def read_whole(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` at its shape, in ``dtypes[name]``."""
-        shape = self.entries[self.keys[name]].shape
-        return self.read(name, 0, math.prod(shape)).reshape(shape)
+        return self._view(name).read_whole(name)
 
-    def load_whole(self, model: nn.Module, skip: Collection[int] = ()) -> None:
-        """Read every parameter whole (those on meta materialised, the others overwritten), except the
-        tensors whose ``id`` is in ``skip``, and every buffer the file holds."""
-        with torch.no_grad():
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if id(tensor) in skip or name not in self.keys:
-                    continue
-                value = self.read_whole(name)
-                if tensor.is_meta:
-                    materialize(tensor, value.to(self.device))
-                else:
-                    tensor.copy_(value)
+    def notes(self) -> list[str]:
+        note = self.cast_note()
+        return [note] if note else []
 
     def cast_note(self) -> str | None:
         """One line when the file's dtypes differ from the run's (saying whether values are rounded)."""
@@ -247,6 +202,96 @@ class PretrainedWeights:
         self.close()
 
 
+def match_tensors(
+    path: str, model: nn.Module, stored: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, str], dict[str, torch.dtype]]:
+    """Match stored tensors (key -> shape) to ``model``'s by name: every name of each parameter (the
+    file may hold a tied one under any of them) and each buffer stored -> its key, and each -> the
+    dtype it is cast to. A one-line ``ConfigError`` for parameters missing, tensors the model lacks,
+    or a shape that differs."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    keys, dtypes, missing, known = {}, {}, [], set()
+    for _, p in model.named_parameters():
+        names = aliases[id(p)]
+        known.update(names)
+        present = [n for n in names if n in stored]
+        if not present:
+            missing.append(" / ".join(names))
+            continue
+        for name in names:
+            keys[name], dtypes[name] = present[0], p.dtype
+    for name, b in model.named_buffers():
+        known.add(name)
+        if name in stored:  # a persistent buffer saved with the weights: loaded too
+            keys[name], dtypes[name] = name, b.dtype
+    extra = sorted(set(stored) - known)
+    if missing or extra:
+        raise ConfigError(_names_message(path, missing, extra))
+    shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    for name, key in keys.items():
+        if name in shapes and stored[key] != shapes[name]:
+            raise ConfigError(
+                f"{KEY} {path!r}: {key} has shape {list(stored[key])} in the file but "
+                f"{list(shapes[name])} in the model; give weights saved from a model of this size"
+            )
+    return keys, dtypes
+
+
+class CheckpointWeights:
+    """A shardwise checkpoint (a ``step-<k>`` folder, or a run's checkpoint root: its newest valid one)
+    as a source: the model's tensors are stored as ``model/<name>`` in flat ranges or boxes, whatever
+    layout wrote them; each box is read alone, CRC-checked, only the chunks it covers."""
+
+    PREFIX = "model/"
+
+    def __init__(self, path: str, model: nn.Module) -> None:
+        from shardwise.checkpoint.reader import resolve
+
+        try:
+            self.path = resolve(path)
+            self.manifest = read_manifest(self.path)
+        except CheckpointError as exc:
+            raise ConfigError(f"{KEY} {path!r}: {exc}") from None
+        stored = {
+            name.removeprefix(self.PREFIX): tuple(record.global_shape)
+            for name, record in self.manifest.tensors.items()
+            if name.startswith(self.PREFIX)
+        }
+        self.keys, self.dtypes = match_tensors(path, model, stored)
+
+    def has(self, name: str) -> bool:
+        return name in self.keys
+
+    def read_box(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        from shardwise.checkpoint.reader import load
+
+        key = self.PREFIX + self.keys[name]
+        part = load(self.path, {key: box}, manifest=self.manifest)[key]
+        return part if out is None else out.copy_(part)
+
+    def notes(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        return None
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a shardwise checkpoint (a step folder with a manifest, or a root of them)."""
+    root = Path(path).expanduser()
+    return (root / MANIFEST_NAME).is_file() or any(root.glob(f"step-*/{MANIFEST_NAME}"))
+
+
+def open_weights(path: str, model: nn.Module) -> PretrainedWeights | CheckpointWeights:
+    """The source ``model.init_from`` names, matched to ``model`` (whole, as built): a shardwise
+    checkpoint, or safetensors files."""
+    if is_checkpoint(path):
+        return CheckpointWeights(path, model)
+    return PretrainedWeights.open(path, model)
+
+
 def _names_message(path: str, missing: list[str], extra: list[str]) -> str:
     parts = []
     if missing:
@@ -269,5 +314,8 @@ def _bits(dtype: torch.dtype) -> int:
 
 def load_pretrained(model: nn.Module, path: str) -> None:
     """Load ``path``'s weights whole into ``model`` (parameters on meta are materialised)."""
-    with PretrainedWeights.open(path, model) as weights:
-        weights.load_whole(model)
+    weights = open_weights(path, model)
+    try:
+        HeldWeights.of(weights, model, overwrite=True).load_whole(model)
+    finally:
+        weights.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,12 @@ def add_plan_parser(sub: Any) -> None:
         "--check",
         action="store_true",
         help="run each strategy here on --nproc local ranks; predicted beside measured memory and time",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run one rank of the layout --strategies/--pp/--tp name on --devices (up to 1024) here, on the "
+        "meta device with a fake process group: what it holds after a step beside the planner",
     )
     p.add_argument("--nproc", type=int, default=2, help="--check: local ranks (default 2)")
     p.add_argument("--steps", type=int, default=5, help="--check: timed steps per layout (default 5)")
@@ -202,6 +209,10 @@ def plan_command(args: argparse.Namespace) -> int:
     strategies = _strategies(args)
     if args.check:
         return check_command(args, model, training, strategies)
+    if args.dry_run:
+        from shardwise.commands.plan_dry_run import dry_run_command
+
+        return dry_run_command(args, model, training, strategies)
     machine = machine_from_args(args)
     overhead = 0.0 if args.overhead is None else parse_bytes(args.overhead, "--overhead", zero_ok=True)
     calibration = Calibration(
@@ -231,15 +242,20 @@ def plan_command(args: argparse.Namespace) -> int:
         "ranked": [{"rank": i + 1, **c.as_dict()} for i, c in enumerate(result.ranked)],
         "dropped": [c.as_dict() for c in result.dropped],
         "why": result.why,
-        "run_first": train_command(result.best.layout, training) if result.best else None,
+        "run_first": train_command(result.best.layout, training, _model_flags(args)) if result.best else None,
     }  # fmt: skip
     emit(out, args.json, lambda r: _render(r, args.top))
     return 0
 
 
-def train_command(layout: Layout, training: Training) -> str:
-    """The ``shardwise train`` flags that run ``layout`` (the model and data flags are the user's)."""
-    flags = [f"--nproc {layout.devices}", f"--strategy {layout.strategy}"]
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    """The model flags ``plan`` was given that ``train`` reads the same way (sizes by hand are not)."""
+    return [f"--{name} {value}" for name in ("preset", "model") if (value := getattr(args, name, None))]
+
+
+def train_command(layout: Layout, training: Training, model_flags: Sequence[str] = ()) -> str:
+    """The ``shardwise train`` flags that run ``layout`` (the model's as given to plan, if any)."""
+    flags = [*model_flags, f"--nproc {layout.devices}", f"--strategy {layout.strategy}"]
     flags += [f"--pp {layout.pp}"] if layout.pp > 1 else []
     flags += [f"--tp {layout.tp}"] if layout.tp > 1 else []
     flags += [f"--schedule {layout.schedule}"] if layout.pp > 1 else []
@@ -283,7 +299,7 @@ def _render(result: dict[str, Any], top: int) -> None:
         print(f"     {row['layout']}: {row['reason']}")
     print(result["why"])
     if result["run_first"]:
-        print(f"to run the first (with your model's flags): {result['run_first']}")
+        print(f"to run the first: {result['run_first']}")
 
 
 def _gb(nbytes: float) -> str:
@@ -335,13 +351,14 @@ def check_command(
 
 def _render_check(result: dict[str, Any]) -> None:
     print(f"{result['model']}; measured on {result['nproc']} local ranks (tensor bytes, not RSS)")
-    heads = ("pred MB", "meas MB", "mem x", "pred ms", "meas ms", "time x")
+    heads = ("pred MB", "meas MB", "mem x", "build x", "pred ms", "meas ms", "time x")
     print(f"{'layout':<30} " + " ".join(f"{h:>8}" for h in heads))
     for row in result["check"]:
         cells = (
             row["predicted_bytes"] / 1e6,
             row["measured_bytes"] / 1e6,
             row["memory_ratio"],
+            row["build_ratio"],
             row["predicted_step_s"] * 1e3 if row["predicted_step_s"] is not None else None,
             row["measured_step_s"] * 1e3 if row["measured_step_s"] is not None else None,
             row["time_ratio"],

@@ -214,11 +214,13 @@ class Engine(ABC):
 
     @property
     def device(self) -> torch.device:
-        """Where this rank computes: its parameters' device (the CPU for a rank that holds none)."""
-        for p in self.model.parameters():
+        """Where this rank computes: its parameters' device (the CPU for a rank that holds none; the
+        meta device for a rank whose parameters all are: ``plan --dry-run``)."""
+        params = list(self.model.parameters())
+        for p in params:
             if not p.is_meta:
                 return p.device
-        return HOST
+        return params[0].device if params else HOST
 
     def begin_step(self, micro_batches: Sequence[Any], global_count: float) -> float:
         """Before the step's first forward: the engine's preparation (gradient buffers attached,
@@ -253,8 +255,9 @@ class Engine(ABC):
 
     def autocast(self) -> AbstractContextManager[Any]:
         """Where forward computes: under ``torch.autocast`` in bf16/fp16 over fp32 parameters, as is
-        otherwise (every forward of a step, a pipeline stage's included, runs inside it)."""
-        if self.autocast_dtype is None:
+        otherwise (every forward of a step, a pipeline stage's included, runs inside it). On the
+        meta device (``plan --dry-run``) there is no autocast: shapes alone, in the parameters' dtype."""
+        if self.autocast_dtype is None or self._device_type() == "meta":
             return nullcontext()
         return torch.autocast(self._device_type(), dtype=self.autocast_dtype)
 

@@ -15,6 +15,8 @@ strategies distribute it afterwards. Parameter counts at vocab 256, seq_len 64 (
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -24,7 +26,8 @@ from shardwise.config import ConfigError, ModelConfig, check_model_kind, model_s
 from shardwise.models.factory import build_factory_model, check_factory
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.hf import build_hf_model, load_hf_config, shipped_configs
-from shardwise.models.meta import parameters_on_meta
+from shardwise.models.init_record import load_transformers_init
+from shardwise.models.init_replay import build_recorded, materialize_whole
 from shardwise.models.mlp import MLP, MLPConfig
 
 __all__ = [
@@ -97,37 +100,60 @@ def _preset(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, meta: bool = False) -> nn.Module:
-    """Build the model ``cfg`` describes, under the caller's torch seed, then apply ``cfg.freeze``.
+    """Build the model ``cfg`` describes, then apply ``cfg.freeze``.
 
-    Parameters are drawn in float32 (a Hugging Face model: in its config's dtype) and then cast, so
-    a float64 model holds exactly the float32 model's initial values. ``meta``: parameters on the meta
-    device, no values drawn (buffers are real); they are loaded from ``cfg.init_from`` later.
+    The model is made on the meta device while its initialisation is recorded
+    (:mod:`shardwise.models.init_record`: parameters in float32, a Hugging Face model in its config's
+    dtype); ``meta``: it is returned so, and ``parallelize`` materialises what each rank holds. Else
+    every tensor is given its recorded values, drawn on the chunk grid of
+    :mod:`shardwise.models.init_replay` under the caller's torch seed, then cast to ``dtype`` (so a
+    float64 model holds exactly the float32 model's values): what every layout's ranks read parts of.
+    A factory whose build needs real values (it reads one) is built whole, as a model passed in built
+    is, said once on stderr.
     """
-    if meta:
-        with parameters_on_meta():
-            return build_model(cfg, dtype)
+    if model_source(cfg.kind) in ("hf", "factory"):
+        load_transformers_init()  # a Hugging Face model's init functions, to be recorded
+    state = torch.random.get_rng_state()
+    try:
+        model = build_recorded(lambda: _construct(cfg))
+    except ConfigError:
+        raise
+    except Exception as exc:  # a factory that needs real values while it builds: built whole, as before
+        torch.random.set_rng_state(state)
+        model = _construct(cfg)
+        if os.environ.get("RANK", "0") == "0":
+            reason = " ".join(str(exc).split())[:160]
+            what = f"{type(exc).__name__}: {reason}"
+            print(
+                f"shardwise: model.kind {cfg.kind!r} cannot be built on the meta device ({what}); it is "
+                "built whole on each rank, from the torch seed",
+                file=sys.stderr,
+                flush=True,
+            )
+    model.to(dtype)  # on meta: dtypes only; values are drawn in the dtype the record has, then cast
+    apply_freeze(model, cfg.freeze)
+    if not meta:
+        materialize_whole(model)
+    return model
+
+
+def _construct(cfg: ModelConfig) -> nn.Module:
     check_model_kind(cfg.kind)
-    model: nn.Module
     source = model_source(cfg.kind)
     if source == "hf":
-        model = build_hf_model(cfg)
-    elif source == "factory":
-        model = build_factory_model(cfg)
-    elif cfg.kind == GPT_KIND:
-        sizes = _preset(cfg)
-        model = GPT(GPTConfig(**sizes, seq_len=cfg.seq_len, dropout=cfg.dropout, tie_weights=cfg.tie_weights))
-    else:
-        sizes = _preset(cfg)
-        mlp_config = MLPConfig(**sizes, dropout=cfg.dropout)
-        if mlp_config.context > cfg.seq_len:
-            raise ConfigError(
-                f"mlp preset {cfg.preset!r} reads {mlp_config.context} tokens, more than "
-                f"model.seq_len({cfg.seq_len}); raise seq_len or pick a smaller preset"
-            )
-        model = MLP(mlp_config)
-    model.to(dtype)
-    apply_freeze(model, cfg.freeze)
-    return model
+        return build_hf_model(cfg)
+    if source == "factory":
+        return build_factory_model(cfg)
+    sizes = _preset(cfg)
+    if cfg.kind == GPT_KIND:
+        return GPT(GPTConfig(**sizes, seq_len=cfg.seq_len, dropout=cfg.dropout, tie_weights=cfg.tie_weights))
+    mlp_config = MLPConfig(**sizes, dropout=cfg.dropout)
+    if mlp_config.context > cfg.seq_len:
+        raise ConfigError(
+            f"mlp preset {cfg.preset!r} reads {mlp_config.context} tokens, more than "
+            f"model.seq_len({cfg.seq_len}); raise seq_len or pick a smaller preset"
+        )
+    return MLP(mlp_config)
 
 
 def apply_freeze(model: nn.Module, prefixes: tuple[str, ...]) -> nn.Module:

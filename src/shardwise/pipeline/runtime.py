@@ -190,7 +190,7 @@ class PipelineRunner:
             received = self._incoming("activation", action.stage - 1, action.microbatch, state)
             assert received is not None, f"no activation for {action}"
             x = received.detach().requires_grad_(True)
-        with _autocast(engine):
+        with engine.autocast():
             out = stage(x, given)
         state.inputs[key] = x
         if stage.last:
@@ -250,7 +250,7 @@ class PipelineRunner:
             else:
                 x = _hidden_buffer(given.ids, self.split.hidden_size, _dtype(engine), engine.device)
                 self.comm.recv(x, self.placement[s - 1], TAG)
-            with _autocast(engine), engine.pipeline_stage(self.split.params[s]):
+            with engine.autocast(), engine.pipeline_stage(self.split.params[s]):
                 hidden = stage(x, given)
             if stage.last:
                 loss = engine.loss(hidden, batch).detach().to(torch.float64)
@@ -342,9 +342,3 @@ def _dtype(engine: Engine) -> torch.dtype:
     """What crosses a stage boundary is in the parameters' dtype: under autocast the residual stream
     stays in it (the autocast dtype is only the matmuls'), ZeRO's compute copies are in theirs."""
     return next((p.dtype for p in engine.model.parameters()), torch.float32)
-
-
-def _autocast(engine: Engine) -> Any:
-    if engine.autocast_dtype is None:
-        return nullcontext()
-    return torch.autocast(next(engine.model.parameters()).device.type, dtype=engine.autocast_dtype)

@@ -28,8 +28,9 @@ pipeline reduces after its last backward, so ZeRO's reduce buffers come at the s
 steps one tensor at a time and makes two temporaries of it (``_optimizer_temporaries``: a parameter
 for DDP, a bucket's or unit's shard for ZeRO).
 
-**Phases.** Not everything is alive at once: the peak is the largest of five phases: the build (every
-rank makes the whole model, then keeps its part: ``_build_bytes``), the end of forward (every
+**Phases.** Not everything is alive at once: the peak is the largest of five phases: the build (the
+model is made on the meta device and each rank materialises only its part: ``_build_bytes``), the
+end of forward (every
 activation, the logits peak at the loss), backward (activations, the buffers gradients fill), the step's
 reductions (ZeRO-2/3's gradient shards and stage 1's fp32 slice, which arrive as the activations go,
 and the buffers they came through) and the update (the optimizer's temporaries, once those buffers
@@ -335,7 +336,7 @@ def logits_peak_bytes(tokens: int, vocab: int, compute_bytes: int, loss_bytes: i
 
 # the end of forward (at the loss), backward, the step's reductions, the optimizer's update
 ALWAYS = ("forward", "backward", "step", "update")
-PHASES = ("build", *ALWAYS)  # build: every rank makes the whole model, then keeps its part
+PHASES = ("build", *ALWAYS)  # build: each rank materialises its part of the model (made on meta)
 STEP = ("step", "update")  # from the end of backward through the update
 
 
@@ -473,16 +474,45 @@ def _accumulated_grads(psi: float, training: Training, layout: Layout, states: M
     return {"accumulated_grads": (psi * dtype, ("forward", "backward"))}
 
 
-def _build_bytes(model: ModelShape, training: Training, layout: Layout, share: RankShare) -> float:
-    """The build's peak: each rank makes the whole model (in the parameters' dtype) and, before the
-    whole is dropped, the copy it keeps: its tensor-parallel shard, ZeRO-1/2's flat buffer or DDP's
-    buckets (its stage's parameters), or ZeRO-3's shard plus the unit being flattened. A model built
-    on the meta device (``model.init_from``) never holds the whole: not modelled."""
+INIT_CHUNK_ELEMENTS = 2**20  # one chunk of the replayed initialisation (models.init_replay), in float32
+
+
+def _largest_tensor(model: ModelShape, layout: Layout, share: RankShare) -> float:
+    """Elements of the largest parameter a rank holds: an MLP matrix or the fused qkv of its blocks,
+    the embedding on the first stage or an untied head on the last."""
+    h = model.d_model
+    matrices = [h * model.ff, 3 * h * h] if share.blocks else []
+    if share.first or (share.last and not model.tie_weights):  # the embedding, or an untied head
+        matrices.append(model.vocab * h)
+    _, _, root = _stage_psi(model, layout, share)
+    return max(matrices, default=root * layout.tp) / layout.tp
+
+
+def _build_bytes(
+    model: ModelShape, training: Training, layout: Layout, share: RankShare, states: ModelStates
+) -> float:
+    """The build's peak. The model is made on the meta device and each rank materialises only what
+    it holds (its stage, its tp shards), one chunk of the replayed initialisation alive at a time:
+    DDP (and the parameter server, DiLoCo) its parameters whole, then its gradient buckets on a dp
+    group of more than one (rank 0's values broadcast through one flat copy first); ZeRO-1/2 read
+    each bucket straight into its flat buffer (under mixed precision a bucket's run-dtype copy is
+    alive while its compute copy and master shard are made), then stage 1 its flat gradients; ZeRO-3
+    its master shards, beside one unit's flat buffer for the instant its parameters become views."""
     psi, block, root = _stage_psi(model, layout, share)
-    kept = psi
-    if zero_stage(layout.strategy) == 3 and layout.tp == 1:
-        kept = psi / layout.dp + max(block, root)
-    return training.param_bytes * (model.params + kept)
+    stage, pb, cb = zero_stage(layout.strategy), training.param_bytes, training.compute_bytes
+    largest = _largest_tensor(model, layout, share)
+    chunk = 4 * min(INIT_CHUNK_ELEMENTS, largest)
+    if stage == 0:
+        copies = 2 if layout.dp > 1 or layout.strategy != "ddp" else 1  # + buckets (or ps's flat message)
+        return copies * pb * psi + (chunk if copies == 1 else 0.0)
+    kept = states.params + states.master
+    if stage == 3:
+        unit = max(block, root)
+        return kept + max(cb * unit - training.master_bytes * unit / layout.dp, 0.0) + chunk
+    bucket = min(max(layout.bucket_mb * 2**20 / training.master_bytes, largest), psi)  # one tensor at least
+    flattening = kept + (bucket * pb if training.mixed else 0.0) + chunk
+    full_grads = (cb if training.mixed else pb) * psi  # stage 1's, made once every bucket is flat
+    return max(flattening, kept + full_grads) if stage == 1 else flattening
 
 
 def _optimizer_temporaries(model: ModelShape, training: Training, layout: Layout, share: RankShare) -> float:
@@ -495,11 +525,7 @@ def _optimizer_temporaries(model: ModelShape, training: Training, layout: Layout
     if training.optimizer not in ("adam", "adamw"):
         return 0.0
     psi, block, root = _stage_psi(model, layout, share)
-    h, tp = model.d_model, layout.tp
-    matrices = [h * model.ff, 3 * h * h] if share.blocks else []
-    if share.first or (share.last and not model.tie_weights):  # the embedding, or an untied head
-        matrices.append(model.vocab * h)
-    largest = max(matrices, default=root * tp) / tp
+    largest = _largest_tensor(model, layout, share)
     stage = zero_stage(layout.strategy)
     if stage in (1, 2):
         bucket = layout.bucket_mb * 2**20 / training.master_bytes
@@ -571,7 +597,7 @@ def _estimate_rank(
     if share.tied_copy:  # the head's copy of the first stage's embedding, and its gradient until sent
         copy = training.param_bytes * model.vocab * model.d_model / layout.tp
         parts["tied_copy"], parts["tied_copy_grad"] = (copy, ALWAYS), (copy, ("backward",))
-    parts["model_build"] = (_build_bytes(model, training, layout, share), ("build",))
+    parts["model_build"] = (_build_bytes(model, training, layout, share, states), ("build",))
     parts["overhead"] = (calibration.overhead_bytes, ALWAYS)
     device = {name: value for name, (value, _) in parts.items()}
     phases = {name: when for name, (_, when) in parts.items()}

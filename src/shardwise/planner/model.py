@@ -85,6 +85,16 @@ class ModelShape:
         head = 0 if self.tie_weights else self.vocab * self.d_model
         return (self.vocab + self.positions) * self.d_model + self._norm() + head
 
+    def end_params(self, pp: int) -> int:
+        """Parameters outside the blocks that one pipeline rank holds, on the heavier end: all of
+        them without a pipeline; else the first stage's embeddings or the last stage's final norm and
+        untied head (a tied head is the first stage's parameter; the last holds a copy of it)."""
+        if pp == 1:
+            return self.root_params
+        first = (self.vocab + self.positions) * self.d_model
+        last = self._norm() + (0 if self.tie_weights else self.vocab * self.d_model)
+        return max(first, last)
+
     @property
     def params(self) -> int:
         """Every parameter value, a tied matrix once."""

@@ -262,16 +262,17 @@ def _behind(best: Candidate, other: Candidate) -> str:
     """How far ``other`` is behind ``best``, and what makes the difference."""
     assert best.time is not None and other.time is not None
     gap = other.time.total_s / best.time.total_s - 1
-    if gap < 5e-4 and other.memory.total == best.memory.total:  # a tie: the simpler strategy ranks first
+    if gap < 5e-4:  # a tie on time: the ranking took the layout that needs less memory, or the simpler
         same = best.layout.dp == other.layout.dp == 1 and best.layout.strategy != other.layout.strategy
-        return f"is as fast and needs as much, {_gb(best.memory.total)}" + (
+        note = (
             f" ({other.layout.strategy} shards nothing over a dp group of one: it does "
             f"{best.layout.strategy}'s work, and the simpler strategy ranks first)"
             if same and zero_stage(other.layout.strategy) in (1, 2)
             else ""
         )
-    if gap < 5e-4:  # a tie on time: the ranking took the layout that needs less memory
-        return f"is as fast and needs {_gb(other.memory.total)} against {_gb(best.memory.total)}"
+        if other.memory.total == best.memory.total:
+            return f"is as fast and needs as much, {_gb(best.memory.total)}" + note
+        return f"is as fast and needs {_gb(other.memory.total)} against {_gb(best.memory.total)}" + note
     shown = f"{gap:.1%}" if gap >= 0.01 else f"{gap:.2%}"
     return f"is {shown} slower ({_differs(best, other)})"
 

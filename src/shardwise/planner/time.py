@@ -123,7 +123,7 @@ def bucket_sizes(total: float, bucket: float, first: float = 0.0) -> list[float]
 
 def _rank_params(model: ModelShape, layout: Layout) -> tuple[float, float, float]:
     blocks = math.ceil(model.n_layer / layout.pp)
-    block, root = model.block_params / layout.tp, model.root_params / layout.tp
+    block, root = model.block_params / layout.tp, model.end_params(layout.pp) / layout.tp
     return blocks * block + root, block, root
 
 

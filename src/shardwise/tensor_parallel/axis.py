@@ -75,17 +75,18 @@ class TensorParallelAxis(Axis):
         """The split regions' dropout streams (activation checkpointing replays them), if any."""
         return self.layout.tracker if self.layout is not None else None
 
-    def apply(self, model: nn.Module) -> None:
+    def apply(self, model: nn.Module, device: torch.device | None = None) -> None:
         """Step 1 of ``parallelize``: cut the model's layers over tp by its adapter's plan (a model
         with none, or a subclass overriding its family's forward, is refused by name): parameters
-        become local shards, each knowing its global name, shape and box. Nothing at tp 1."""
+        become local shards, each knowing its global name, shape and box (on ``device``: where a
+        model on meta gets the shards' extra buffers). Nothing at tp 1."""
         if self.parallel.tp == 1 or not self.mesh.in_mesh:
             return
         plan = adapter_for(model).tp_plan()
         try:
             layout = apply_tensor_parallel(
                 model, self.mesh.comm("tp"), plan, sequence_parallel=self.parallel.sequence_parallel,
-                seed=self.seed,
+                seed=self.seed, device=device,
             )  # fmt: skip
         except ValueError as exc:  # a width tp does not divide: the arithmetic, in one line
             raise ConfigError(f"tensor parallelism: {exc}") from None

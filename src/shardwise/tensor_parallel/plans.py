@@ -270,19 +270,28 @@ class TensorParallelLayout:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, comm: Comm, plan: TensorParallelPlan, sequence_parallel: bool = False, seed: int = 0
+    model: nn.Module,
+    comm: Comm,
+    plan: TensorParallelPlan,
+    sequence_parallel: bool = False,
+    seed: int = 0,
+    device: torch.device | None = None,
 ) -> TensorParallelLayout:
     """Cut ``model`` in place over ``comm`` (the tp axis) as ``plan`` says; returns the layout.
 
-    Every rank must hold the same full model (built under the same seed). ``seed`` seeds the tracker's
-    per-rank state (``seed + 2718 + tp_rank``). Each pattern must match a module and no module may
-    match two patterns; a split tp does not divide is refused with the arithmetic.
+    Every rank must hold the same full model (built under the same seed), or the model on the meta
+    device (its values read afterwards, each rank its boxes). ``seed`` seeds the tracker's per-rank
+    state (``seed + 2718 + tp_rank``) on ``device`` (default: the parameters'). Each pattern must match
+    a module and no module may match two patterns; a split tp does not divide is refused with the
+    arithmetic.
     """
     if sequence_parallel and plan.no_sequence_parallel:
         raise ValueError(
             f"plan {plan.name} cannot run with sequence parallelism: {plan.no_sequence_parallel}"
         )
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    # the tracker's states live where the parameters will be (``device``: given for a model on meta)
+    if device is None:
+        device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     ctx = _Context(comm, sequence_parallel, Sharder(), tensor_parallel_tracker(seed, comm.rank, device))
     modules = dict(model.named_modules())
     chosen: dict[str, tuple[str, tuple[Style, ...]]] = {}

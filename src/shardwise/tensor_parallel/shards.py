@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.checkpoint.boxes import Box
+from shardwise.checkpoint.boxes import Box, Placement
 from shardwise.device import HOST
 
 
@@ -31,18 +31,6 @@ def even_share(size: int, tp: int, what: str) -> int:
     if size % tp:
         raise ValueError(f"{what} {size} is not divisible by tp {tp}")
     return size // tp
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Global elements ``global_box`` are held at local elements ``local_box`` (same lengths)."""
-
-    global_box: Box
-    local_box: Box
-
-    def __post_init__(self) -> None:
-        if self.global_box.lengths != self.local_box.lengths:
-            raise ValueError(f"placement {self.global_box} -> {self.local_box}: the lengths differ")
 
 
 def _index(box: Box) -> tuple[slice, ...]:

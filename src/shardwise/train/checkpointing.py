@@ -147,7 +147,8 @@ class TrainCheckpoints:
             return None
         if self.rank == 0:
             clean_tmp(self.root)  # half-written folders of a killed attempt: no save is in flight now
-        for step_dir in reversed(self._candidates()):
+        candidates = self._candidates()
+        for step_dir in reversed(candidates):
             error = self._try_load(step_dir)
             flags = torch.zeros(self.world_size, dtype=torch.int64, device=HOST)
             flags[self.rank] = int(error is not None)
@@ -157,6 +158,10 @@ class TrainCheckpoints:
             if error is not None and self.rank == int(flags.nonzero()[0]):
                 print(f"shardwise: checkpoint {step_dir} is damaged ({error}); trying the previous one",
                       file=sys.stderr, flush=True)  # fmt: skip
+        if candidates and self.rank == 0:
+            told = f"none of the {len(candidates)} checkpoints under {self.root} could be read"
+            print(f"shardwise: {told}; training starts from step 0 (move them away to keep them)",
+                  file=sys.stderr, flush=True)  # fmt: skip
         return None
 
     def _candidates(self) -> list[str]:

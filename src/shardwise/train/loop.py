@@ -147,12 +147,10 @@ class Trainer:
         device = joined_device(config.device)
         mesh = build_mesh(config.dims(world), config.comm, device.type)
         seed_everything(config.seed)
-        # with weights to load, parameters start on meta: each rank materialises only what it holds
-        meta = bool(config.model.init_from)
         if model is not None:
             net = apply_freeze(model, config.model.freeze)  # as build_model does for its own models
-        else:
-            net = build_model(config.model, torch_dtype(config.dtype), meta=meta)
+        else:  # on meta: each rank materialises only what it holds (parallelize)
+            net = build_model(config.model, torch_dtype(config.dtype), meta=True)
         chosen = as_loss(loss) if loss is not None else default_loss(config, model is not None)
         engine = parallelize(net, mesh, config, optimizer, share_gradients, loss=chosen, scheduler=scheduler)
         counts = split_counts(config.data.global_batch, config.data.weights or [1.0] * config.parallel.dp)

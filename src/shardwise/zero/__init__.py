@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
@@ -33,20 +33,19 @@ def build_zero_engine(
     stage: int,
     config: ZeroConfig,
     role: Role | None = None,
-    weights: PretrainedWeights | None = None,
+    weights: HeldWeights | None = None,
     compressor: CompressedComm | None = None,
 ) -> ZeroBase:
     """The ZeRO engine of ``stage`` (1, 2 or 3) over the data-parallel group ``comm`` (no optimizers
     yet: ``engine.optim.attach_optimizers`` builds them over its shards). ``weights``: the initial
-    values, read whole by stages 1-2 (every rank holds the full model) and shard by shard by stage 3;
+    values, read bucket by bucket into stages 1-2's flat buffers (every rank holds the full model)
+    and shard by shard by stage 3;
     with ``compressor``, gradients are reduced through the codec layer."""
     engine: ZeroBase
     if stage == 3:
         engine = ShardedModule(model, comm, config, role, weights)
     else:
-        if weights is not None:
-            weights.load_whole(model)
-        engine = ZeroEngine(model, comm, stage, config, role)
+        engine = ZeroEngine(model, comm, stage, config, role, weights)
     if compressor is not None:
         engine.use_compression(compressor)
     return engine

@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from shardwise.checkpoint.manager import Piece
-from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
@@ -59,11 +59,11 @@ class ZeroBase(Engine):
         comm: Comm,
         config: ZeroConfig,
         role: Role | None = None,
-        weights: PretrainedWeights | None = None,
+        weights: HeldWeights | None = None,
     ) -> None:
         super().__init__(model, role)
         self.comm, self.config = comm, config
-        self.weights = weights  # stage 3: each group reads its shard from it (build_groups)
+        self.weights = weights  # parameters on meta: each group reads its part (build_groups)
         self.usage_comms: list[Comm] = []  # more groups the used flags are agreed over (hybrid replicas)
         broadcast_initial_state(model, comm)
         self.trainable = unique_parameters(model.named_parameters())

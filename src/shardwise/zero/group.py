@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardwise.checkpoint.pretrained import PretrainedWeights, materialize
+from shardwise.checkpoint.source import HeldWeights, materialize
 from shardwise.collectives.api import Comm, Work
 from shardwise.collectives.p2p import Done
 from shardwise.compression import CodecState, CompressedComm, Segment
@@ -55,13 +55,20 @@ class FlatGroup:
         comm: Comm,
         precision: Precision,
         alias_master: bool,
-        weights: PretrainedWeights | None = None,
+        weights: HeldWeights | None = None,
+        whole: bool = False,
     ) -> None:
+        """``weights``: where parameters on the meta device get their values: read straight into
+        the full buffer (``whole``: stages 1-2, which keep it) or into this rank's shard alone
+        (stage 3)."""
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.comm, self.precision = comm, precision
         self.layout: FlatLayout = layout_of(named, comm.world_size)
-        master = self._flatten_params(alias_master) if weights is None else self._read_shard(weights)
+        if weights is not None and not whole and all(weights.knows(n) for n in self.names):
+            master = self._read_shard(weights)
+        else:
+            master = self._flatten_params(alias_master, weights)
         self.master = nn.Parameter(master)
         self.grad_shard: torch.Tensor | None = None  # (shard_size,) master dtype, summed over ranks
         self.flat_grad: torch.Tensor | None = None  # stage 1: (padded_numel,) the parameters' .grad views
@@ -84,13 +91,20 @@ class FlatGroup:
         self.codec_state = compressor.new_state(self.layout.padded_numel, self.precision.master, segments)
 
     # -- parameters ---------------------------------------------------------------------------------
-    def _flatten_params(self, alias_master: bool) -> torch.Tensor:
-        """The full buffer from the parameters' values; returns this rank's master shard."""
+    def _flatten_params(self, alias_master: bool, weights: HeldWeights | None = None) -> torch.Tensor:
+        """The full buffer from the parameters' values (those on meta read from ``weights`` straight
+        into it: no parameter is ever held whole beside it); returns this rank's master shard."""
         start, end = self.layout.shard_range(self.comm.rank)
-        device = self.params[0].device
+        device = weights.device if weights is not None and self.params[0].is_meta else self.params[0].device
         source = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=device)
-        for slot, p in zip(self.layout.slots, self.params, strict=True):
-            source[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        for name, slot, p in zip(self.names, self.layout.slots, self.params, strict=True):
+            into = source[slot.offset : slot.offset + slot.numel]
+            if weights is not None and weights.knows(name):
+                weights.read(name, 0, slot.numel, into)
+                if p.is_meta:
+                    materialize(p, torch.empty(0, dtype=p.dtype, device=device))  # a view of the buffer below
+            else:
+                into.copy_(p.detach().reshape(-1))
         # (padded_numel,) in the compute dtype; parameters are views of it
         compute = self.precision.compute
         self.full = source.to(compute) if compute != source.dtype else source
@@ -99,7 +113,7 @@ class FlatGroup:
             return self.full[start:end]  # stages 1-2 in one dtype: the shard is the buffer itself
         return source[start:end].to(self.precision.master).clone()
 
-    def _read_shard(self, weights: PretrainedWeights) -> torch.Tensor:
+    def _read_shard(self, weights: HeldWeights) -> torch.Tensor:
         """Stage 3 from a file (``model.init_from``), parameters on meta: only this rank's shard is read
         (each parameter's overlap with it, ``layout.overlaps``) and kept as the master. The full buffer
         exists for an instant, so that the parameters can view it, and is freed before any read: a
@@ -114,9 +128,9 @@ class FlatGroup:
         start, end = self.layout.shard_range(self.comm.rank)
         master = torch.zeros(end - start, dtype=self.precision.master, device=device)  # padding: zero
         for piece in self.layout.overlaps(self.comm.rank):
-            # read in the run's dtype, then cast to the master's, as _flatten_params does
-            values = weights.read(piece.name, piece.param_start, piece.param_end)
-            master[piece.shard_start : piece.shard_end] = values
+            # straight into the master (cast to its dtype): nothing of the parameter is held beside it
+            into = master[piece.shard_start : piece.shard_end]
+            weights.read(piece.name, piece.param_start, piece.param_end, into)
         return master
 
     def _bind_views(self) -> None:

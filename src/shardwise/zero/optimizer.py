@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Role
@@ -56,6 +57,7 @@ class ZeroEngine(ZeroBase):
         stage: int,
         config: ZeroConfig,
         role: Role | None = None,
+        weights: HeldWeights | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroEngine runs stages 1 and 2; got {stage} (stage 3: ShardedModule)")
@@ -63,7 +65,7 @@ class ZeroEngine(ZeroBase):
         self.name = f"zero{stage}"
         # stage 1 reduces in place in gradient buffers that live all step: never block backward
         self.reduce_window = None if stage == 1 else 2
-        super().__init__(model, comm, config, role)
+        super().__init__(model, comm, config, role, weights)
         self._sync = True
         self._launched = 0  # buckets whose reduce-scatter has started this step, in order
         self._missing: list[int] = []  # per bucket: gradients not yet accumulated
@@ -81,7 +83,10 @@ class ZeroEngine(ZeroBase):
         element = self.precision.master.itemsize
         buckets = split_buckets(named, self.config.bucket_mb * 2**20, element)
         alias = self.config.offload == "none"
-        return [FlatGroup(bucket, self.comm, self.precision, alias_master=alias) for bucket in buckets]
+        return [
+            FlatGroup(bucket, self.comm, self.precision, alias_master=alias, weights=self.weights, whole=True)
+            for bucket in buckets
+        ]
 
     def _reset_counts(self) -> None:
         self._launched = 0

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.checkpoint.pretrained import PretrainedWeights
+from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Role
@@ -77,7 +77,7 @@ class ShardedModule(ZeroBase):
         comm: Comm,
         config: ZeroConfig,
         role: Role | None = None,
-        weights: PretrainedWeights | None = None,
+        weights: HeldWeights | None = None,
     ) -> None:
         """``weights``: the parameters (on meta) are read from it, each rank only its shards."""
         self._unit_group: list[int | None] = []  # unit index -> group index (None: nothing to shard)

@@ -48,6 +48,7 @@ __all__ = [
     "config_blocks",
     "get_module",
     "hf_shape",
+    "model_of_shape",
     "pipeline_adapter",
     "preset_shape",
     "resolve_units",
@@ -83,6 +84,11 @@ def config_blocks(cfg: ModelConfig) -> int | None:
 def preset_shape(preset: str, seq_len: int, tie_weights: bool = True) -> ModelShape:
     """The built-in GPT ``preset`` (``shardwise.models.PRESETS``) at ``seq_len`` learned positions."""
     return GPTAdapter.preset_shape(preset, seq_len, tie_weights)
+
+
+def model_of_shape(shape: ModelShape) -> nn.Module:
+    """A model of ``shape``'s sizes when given by hand (the built-in GPT's structure)."""
+    return GPTAdapter.from_shape(shape)
 
 
 def hf_shape(kind: str) -> ModelShape:

@@ -30,7 +30,7 @@ from shardwise.models.adapters.plan import (
     TensorParallelPlan,
     VocabEmbedding,
 )
-from shardwise.models.gpt import GPT
+from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.hf import BYTE_VOCAB
 from shardwise.planner.model import ModelShape
 
@@ -126,6 +126,15 @@ class GPTAdapter(ModelAdapter):
             tie_weights=tie_weights,
             name=f"{GPT_KIND} {preset}",
         )
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape) -> nn.Module:
+        """The built-in GPT of ``shape``'s sizes (built under the caller's device context, e.g. meta)."""
+        sizes = GPTConfig(
+            vocab_size=shape.vocab, seq_len=shape.positions, n_layer=shape.n_layer, n_head=shape.n_head,
+            d_model=shape.d_model, d_ff=shape.ff, tie_weights=shape.tie_weights,
+        )  # fmt: skip
+        return GPT(sizes)
 
     @classmethod
     def config_blocks(cls, cfg: ModelConfig) -> int | None:
