@@ -2,10 +2,12 @@
 
 One launch of 4 ranks. A GPT of 1.02 GB in float32 (36 blocks of width 768) is built on the meta
 device with its initialisation recorded, then ``parallelize`` runs under ZeRO-3 on
-dp 4, on tp 2 x dp 2 and on pp 2 x dp 2. Each rank's rise during ``parallelize``, in tensor bytes
-(``TensorBytes``: the peak of live floating-point storages) and in resident memory (the peak RSS
-over it, less the RSS before it), stays within 1.15 x the tensor bytes it holds afterwards plus one
-chunk of the replayed initialisation, and under 0.6 x the whole model. In the same world, ``verify``'s
+dp 4, on tp 2 x dp 2 and on pp 2 x dp 2. Each rank's rise during ``parallelize`` in tensor bytes
+(``TensorBytes``: the peak of live floating-point storages) stays within 1.15 x the tensor bytes it
+holds afterwards plus one chunk of the replayed initialisation, and so does its rise in resident memory
+(the peak RSS over it less the RSS before it) with 64 MB more for what the allocator and the process
+keep beside tensors (37-324 MB of RSS rise measured against 267-281 MB of tensor peak); both stay under
+0.6 x the whole model. In the same world, ``verify``'s
 path runs the same three layouts on a small model against one process, which draws the same initial
 values: differences <= 1e-10.
 """
@@ -33,6 +35,7 @@ LAYOUTS = {
     "zero3-dp2-pp2": {"parallel.dp": "2", "parallel.pp": "2", "data.micro_batches": "2"},
 }
 TOL = 1e-10
+RSS_SLACK = 64 * 2**20  # malloc's arenas and pages it has not returned, thread stacks: not tensors
 
 
 def _big_config(layout: dict[str, str], run_dir: str) -> TrainConfig:
@@ -97,7 +100,7 @@ def test_four_ranks_build_a_1gb_model_part_by_part_and_equal_one_process(tmp_pat
                 f"(whole {whole / 1e6:.1f} MB)"
             )
             bound = 1.15 * got["held"] + CHUNK_BYTES
-            assert got["peak"] <= bound and got["rss_rise"] <= bound, (name, rank, got)
+            assert got["peak"] <= bound and got["rss_rise"] <= bound + RSS_SLACK, (name, rank, got)
             assert got["peak"] < 0.6 * whole and got["rss_rise"] < 0.6 * whole, (name, rank, got)
     for name, layout in LAYOUTS.items():
         reference = reference_run(_small_config(layout).validate(4))
