@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardwise import procstart, signals
-from shardwise.config import ConfigError, TrainConfig, load_config, set_key
+from shardwise.config import ConfigError, TrainConfig, load_config, model_source, set_key
 
 # flag -> (dotted config key, argparse kwargs)
 TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -189,7 +189,18 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, str] | None =
             )
         overrides[key] = value
         given[key] = f"--set {key}={value}"
+    _check_preset_sizes(overrides, given)
     return load_config(args.config, overrides)
+
+
+def _check_preset_sizes(overrides: dict[str, Any], given: dict[str, str]) -> None:
+    """A preset sizes the built-in models only: given beside another model.kind, it would be ignored."""
+    kind = str(overrides.get("model.kind", ""))
+    if "model.preset" in given and kind and model_source(kind) not in ("", "builtin"):
+        raise CLIError(
+            f"{given['model.preset']} sizes the built-in models (gpt, mlp); model.kind {kind!r} is sized by "
+            "its own config or factory: drop the preset"
+        )
 
 
 def _differ(key: str, first: str, second: str) -> bool:

@@ -20,6 +20,8 @@ BAD_INPUTS = [
     (["--nproc", "2", "--data-weights", "0,0"], "data.weights must be >= 0 with a positive sum"),
     (["--strategy", "ps", "--nproc", "2", "--ps-mode", "async", "--max-staleness", "-1"], "ps.max_staleness"),
     (["--checkpoint-every", "-3"], "checkpoint.every must be an integer >= 0, got -3"),
+    # a preset beside a model it cannot size (it was ignored without a word)
+    (["--model", "hf:tiny-gpt2"], "--preset tiny sizes the built-in models (gpt, mlp); model.kind 'hf:tiny"),
     # a table set to a plain value
     (
         ["--set", "model=gpt"],
