@@ -65,7 +65,8 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks and return what each returned, by rank.
 
-    Under torchrun the ranks already exist: ``fn`` runs once here and the list holds this rank's
+    Under torchrun the ranks already exist: ``fn`` runs once here (joining the group first and leaving
+    it after, unless the group was already joined) and the list holds this rank's
     result. A rank that fails stops the job. A mistake in the input (``ConfigError``, ``LossError``,
     ``StateMismatchError``, ``CheckpointWriteError``) or a run stopped on a non-finite value
     (``NonFiniteStop``) is raised here as that same exception, its message one line, as under
@@ -75,9 +76,11 @@ def launch(
     else ``LaunchError`` says so at once. ``device``: as ``init``'s; ``cuda`` on a machine without
     it, or more ranks than GPUs, is a one-line ``ConfigError`` before any rank starts.
     """
-    if running_under_torchrun() or dist.is_initialized():
+    if dist.is_initialized():  # the caller's group: theirs to leave
         init(timeout_s, device)
         return [fn(*args)]
+    if running_under_torchrun():  # joined here, so left here: a group left to interpreter exit can abort
+        return [_Joined(fn, timeout_s, device)(*args)]
     _check_sendable(fn, args)
     check_device(device, nproc)
     try:
