@@ -1,9 +1,14 @@
-"""Pipeline parallelism end to end: ``shardwise verify --pp ...`` against one process, float64.
+"""Pipeline parallelism end to end: ``shardwise verify --pp ...``'s path against one process, float64.
 
-Every schedule at pp 2 (four micro-batches), pp 4, one micro-batch, fewer micro-batches than stages and
-empty ones, pp x dp with DDP and ZeRO-1/2/3 on the dp axis, stage boundaries the user names, Hugging
-Face Llama and GPT-2; evaluation and the reported loss under a pipeline equal one process's;
-checkpoints across layouts; refusals in one line.
+Every schedule at pp 2 (four micro-batches; zb and zbv also with activation checkpointing), pp 4, one
+micro-batch, fewer micro-batches than stages and empty ones, pp x dp with DDP and ZeRO-1/2/3 on the dp
+axis, stage boundaries the user names, Hugging Face Llama and GPT-2; evaluation and the reported loss
+under a pipeline equal one process's; checkpoints across layouts; refusals in one line.
+
+The parity cases are the command lines ``shardwise verify`` takes, read by the CLI's own parser into the
+configs it would run; those of one world size run in one launched world (each rank trains every case in
+turn, as ``verify``'s ranks do), each case's one-process reference computed once in the test process.
+One case goes through the real ``shardwise verify`` command.
 """
 
 from __future__ import annotations
@@ -17,7 +22,18 @@ from typing import Any
 
 import pytest
 
+from shardwise.cli import build_parser, config_from_args, main
+from shardwise.commands.verify import (
+    VERIFY_DEFAULTS,
+    check_comparable,
+    collect_run,
+    compare_runs,
+    reference_run,
+    verify_defaults,
+)
+from shardwise.config import TrainConfig
 from shardwise.pipeline.schedules import build
+from shardwise.preflight import preflight
 from shardwise.testing import run_on_ranks
 
 from .cli_helpers import last_json, shardwise
@@ -35,6 +51,7 @@ CASES = {
     "pp2-gpipe": pp2("gpipe"),
     "pp2-1f1b": pp2("1f1b"),
     "pp2-zb": pp2("zb"),
+    "pp2-zb-ac": [*pp2("zb"), "--activation-checkpointing"],
     "pp2-interleaved": pp2("interleaved", 2),
     "pp2-interleaved-zb": pp2("interleaved-zb", 2),
     "pp2-zbv": pp2("zbv", 2),
@@ -65,15 +82,69 @@ CASES = {
 }  # fmt: skip
 
 
+TOL = 1e-10
+# through the real command (its parser, preflight, launcher, report and exit code): the V schedule with
+# activation checkpointing
+CLI_CASE = [*pp2("zbv", 2), "--activation-checkpointing"]
+
+
+def _verify_config(args: list[str]) -> tuple[TrainConfig, int]:
+    """The config and rank count ``shardwise verify <args>`` runs: the CLI's parser and defaults (they
+    depend on the model and strategy), then ``run_verify``'s checks."""
+    parsed = build_parser().parse_args(["verify", *args, *SHORT])
+    first = config_from_args(parsed, VERIFY_DEFAULTS)
+    config = config_from_args(parsed, verify_defaults(first.model.kind, first.strategy))
+    config = preflight(config, parsed.nproc, writes_run_files=False)
+    check_comparable(config)
+    return config, parsed.nproc
+
+
+def _verify_world(rank: int, world_size: int, cases: dict[str, TrainConfig]) -> dict[str, Any]:
+    """Every case in turn, as ``verify``'s ranks run one; a case that raises stops the world (the
+    harness ends the other ranks at once) with its name in the traceback."""
+    out: dict[str, Any] = {}
+    for name, config in cases.items():
+        try:
+            out[name] = collect_run(config)
+        except Exception as exc:
+            raise RuntimeError(f"case {name} failed on rank {rank}: {exc}") from exc
+    return out
+
+
+def _nproc(args: list[str]) -> int:
+    return int(build_parser().parse_args(["verify", *args]).nproc)
+
+
+WORLDS = sorted({_nproc(args) for args in CASES.values()})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("args", list(CASES.values()), ids=list(CASES))
-def test_verify_pipeline_equals_one_process(args: list[str]) -> None:
-    result = shardwise("verify", *args, *SHORT, "--json", timeout_s=300)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"{n}-ranks" for n in WORLDS])
+def test_verify_pipeline_equals_one_process(world: int) -> None:
+    """Losses, gradient norms, learning rates, the first step's gradients, final parameters and
+    buffers within 1e-10 of one process, for every case of this world size (each failing one named)."""
+    configs = {name: _verify_config(args)[0] for name, args in CASES.items() if _nproc(args) == world}
+    results = run_on_ranks(_verify_world, world, configs, timeout_s=280)
+    failed = {}
+    for name, config in configs.items():
+        candidate = next(r[name] for r in results if r[name] is not None)
+        report = compare_runs(reference_run(config), candidate, TOL)
+        worst = {k: report[k] for k in ("max_loss_diff", "max_grad_diff", "max_param_diff")}
+        print(f"{name} ({world} ranks) vs one process: {worst}")
+        if not report["ok"]:
+            failed[name] = report
+    assert not failed, f"cases over {TOL}: {sorted(failed)}: {failed}"
+
+
+@pytest.mark.slow
+def test_verify_command_of_a_pipeline_equals_one_process() -> None:
+    result = shardwise("verify", *CLI_CASE, *SHORT, "--json", timeout_s=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = last_json(result)
     assert report["ok"] is True, report
-    assert report["max_param_diff"] <= 1e-10
-    assert report["max_grad_diff"] <= 1e-10 and report["max_loss_diff"] <= 1e-10
+    assert report["schedule"] == "zbv" and report["virtual_stages"] == 2 and report["micro_batches"] == 4
+    assert report["max_param_diff"] <= TOL
+    assert report["max_grad_diff"] <= TOL and report["max_loss_diff"] <= TOL
 
 
 def _zero3_stage_traffic(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -178,12 +249,18 @@ def test_a_bf16_pipeline_trains_as_one_process(tmp_path: Path, strategy: str) ->
         (["--pp-split", "blocks.1,blocks.2"], "parallel.pp_split names 2 boundaries, but 2 stages"),
     ],
 )
-def test_pipeline_refusals_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
-    argv = ["train", "--pp", "2", "--nproc", "2", "--steps", "1", "--run-dir", str(tmp_path), *args]
-    result = shardwise(*argv, timeout_s=60)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert len(lines) == 1 and message in lines[0], result.stderr[-3000:]
+def test_pipeline_refusals_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    """Refused by the checks ``train`` runs before it starts any rank: ``cli.main`` in this process, as
+    ``python -m shardwise`` runs it (exit 2, one line on stderr, no rank's pid file)."""
+    run_dir = tmp_path / "run"
+    code = main(["train", "--pp", "2", "--nproc", "2", "--steps", "1", "--run-dir", str(run_dir), *args])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1 and message in lines[0], err[-3000:]
+    assert not (run_dir / "pids").exists()  # every rank writes its pid there first: none started
 
 
 CKPT_COMMON = ["--preset", "tiny", "--dtype", "float64", "--eval-every", "0", "--json"]
