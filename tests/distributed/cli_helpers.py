@@ -3,7 +3,8 @@
 ``shardwise`` waits for the command and ``last_json`` reads its summary; ``start`` launches it in the
 background (``finished`` then waits for the summary), and ``last_step`` / ``metrics_steps`` /
 ``wait_for`` follow a run through its ``metrics.jsonl`` so a test can strike at a chosen step. The
-run's ``pids/rank<r>.<attempt>`` files name each rank's process.
+run's ``pids/rank<r>.<attempt>`` files name each rank's process. ``refusal`` runs a command line that
+must be refused before any rank starts through ``cli.main`` in the test process (no process launch).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from shardwise.cli import main
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -34,6 +39,19 @@ def last_json(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines, f"no stdout; stderr:\n{result.stderr[-3000:]}"
     return json.loads(lines[-1])
+
+
+def refusal(argv: Sequence[str], run_dir: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """The one stderr line ``python -m shardwise <argv> --run-dir <run_dir>`` refuses with, run as
+    ``cli.main`` in this process: exit 2, exactly one line, and no rank started (no ``<run_dir>/pids``
+    folder: every rank writes its pid there first)."""
+    code = main([*argv, "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1, err[-3000:]
+    assert not (run_dir / "pids").exists(), f"a rank started: {err[-3000:]}"
+    return lines[0]
 
 
 def free_port() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from shardwise.parallelism import NotBuiltError, check
 from shardwise.testing import run_on_ranks
 from shardwise.train.loop import Trainer, seed_everything, torch_dtype
 
-from .cli_helpers import shardwise
+from .cli_helpers import refusal, shardwise
 
 
 # -- ParallelDims: the arithmetic in the errors -------------------------------------------------------
@@ -49,12 +50,13 @@ def test_unbuilt_parallelism_is_refused_not_ignored() -> None:
 
 
 @pytest.mark.parametrize("key", ["parallel.tp"])
-def test_train_refuses_unbuilt_parallelism_in_one_line(key: str) -> None:
-    args = ["--nproc", "2", "--steps", "5", "--strategy", "diloco", "--set", f"{key}=2"]
-    result = shardwise("train", *args, timeout_s=120)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "is not built yet" in lines[0], result.stderr
+def test_train_refuses_unbuilt_parallelism_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str
+) -> None:
+    """Before any rank starts (``cli.main`` in this process): exit 2, one line."""
+    args = ["train", "--nproc", "2", "--steps", "5", "--strategy", "diloco", "--set", f"{key}=2"]
+    line = refusal(args, tmp_path / "run", capsys)
+    assert "is not built yet" in line, line
 
 
 # -- the mesh -----------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Hugging Face causal LMs and a user's factory in every strategy, against one process (float64, 1e-10),
-through the path ``shardwise verify`` takes, and from the command line as a user types it."""
+through the path ``shardwise verify`` takes, and from the command line as a user types it (read by the
+CLI's parser, run in a launched world: ``verify_worlds``); a bad model is one line before any rank."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +13,8 @@ from shardwise.config import TrainConfig, load_config
 from shardwise.models.hf import SHIPPED_DIR
 from shardwise.testing import run_on_ranks
 
-from .cli_helpers import last_json, shardwise
+from .cli_helpers import last_json, refusal, shardwise
+from .verify_worlds import check_cases
 
 pytest.importorskip("transformers")
 
@@ -60,12 +64,19 @@ def test_a_users_factory_matches_one_process_in_zero3() -> None:
     _check(configs, run_on_ranks(_many, 2, configs, timeout_s=120)[0], 2)
 
 
+VERIFY_CASES = {
+    # a Hugging Face config by path, as a user types it
+    "hf-gpt2-path-zero3": ["--model", GPT2, "--strategy", "zero3", "--nproc", "2"],
+    # verify's default frozen ``wpe`` is the built-in GPT's: the MLP has none and must still verify
+    "mlp-zero2": ["--model", "mlp", "--strategy", "zero2", "--nproc", "2"],
+}
+
+
 @pytest.mark.slow
-def test_verify_an_hf_config_from_the_command_line() -> None:
-    result = shardwise("verify", "--model", GPT2, "--strategy", "zero3", "--nproc", "2", "--json")
-    report = last_json(result)
-    assert result.returncode == 0 and report["ok"], report
-    assert report["max_param_diff"] <= TOL
+def test_verify_command_lines_of_an_hf_config_and_the_mlp() -> None:
+    """``shardwise verify <case>`` read by the CLI's parser with verify's defaults for the model (5
+    steps), both cases in one world of 2 ranks: every measure within 1e-10 of one process."""
+    check_cases(VERIFY_CASES, 2, TOL)
 
 
 @pytest.mark.slow
@@ -79,14 +90,6 @@ def test_train_tiny_llama_with_zero3_learns(tmp_path) -> None:
     assert summary["final_loss"] < summary["initial_loss"] - 1.0, summary
 
 
-@pytest.mark.slow
-def test_verify_the_built_in_mlp_freezes_nothing_by_default() -> None:
-    """verify's default frozen ``wpe`` is the built-in GPT's: the MLP has none and must still verify."""
-    result = shardwise("verify", "--model", "mlp", "--strategy", "zero2", "--nproc", "2", "--json")
-    report = last_json(result)
-    assert result.returncode == 0 and report["ok"], report
-
-
 @pytest.mark.parametrize(
     ("model", "message"),
     [
@@ -95,7 +98,8 @@ def test_verify_the_built_in_mlp_freezes_nothing_by_default() -> None:
         ("tests.unit.model_factories:not_a_model", "returned a dict, not a torch.nn.Module"),
     ],
 )
-def test_a_bad_model_is_one_line_before_any_rank_starts(model: str, message: str) -> None:
-    result = shardwise("train", "--model", model, "--nproc", "2", "--steps", "1")
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
+def test_a_bad_model_is_one_line_before_any_rank_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, message: str
+) -> None:
+    line = refusal(["train", "--model", model, "--nproc", "2", "--steps", "1"], tmp_path / "run", capsys)
+    assert message in line, line

@@ -1,9 +1,10 @@
 """Hybrid sharding (``--dp-replicate R``, HSDP): ZeRO within groups of dp / R ranks, R replicas.
 
-Parity with one process through ``shardwise verify`` (float64, 5 steps: losses, gradients, the norm,
-final parameters) for ZeRO-3 with 2 replicas of 2 and ZeRO-2 with tensor parallelism on 8 ranks; a
+Parity with one process through ``shardwise verify``'s path (float64, 2 steps: losses, gradients, the
+norm, final parameters; each command line read by the CLI's parser and run in a launched world, see
+``verify_worlds``) for ZeRO-3 with 2 replicas of 2 and ZeRO-2 with tensor parallelism on 8 ranks; a
 checkpoint written by the first replica holds the whole model (one plain process loads the run's final
-parameters, digest equal); a setting that cannot work is one line.
+parameters, digest equal); a setting that cannot work is one line before any rank starts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from shardwise.engine.optim import build_optimizer, named
 from shardwise.models import build_model
 from shardwise.train.loop import param_digest
 
-from .cli_helpers import last_json, shardwise
+from .cli_helpers import last_json, refusal, shardwise
+from .verify_worlds import check_cases, world_sizes
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +31,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_verify_hybrid_sharding(case: str) -> None:
-    result = shardwise("verify", *CASES[case], "--steps", "2", "--json", timeout_s=480)
-    summary = last_json(result)
-    assert result.returncode == 0 and summary["ok"], result.stderr[-3000:]
-    assert summary["max_param_diff"] <= 1e-10
-    assert "hybrid sharding: " in summary["layout"] and "over 2 ranks x 2 replicas" in summary["layout"]
+WORLDS = world_sizes(CASES)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"{n}-ranks" for n in WORLDS])
+def test_verify_hybrid_sharding(world: int) -> None:
+    """``shardwise verify <case> --steps 2``'s path (one world per size: 4 and 8 ranks): every measure
+    within 1e-10 of one process, and the layout verify reports names the shard groups and replicas."""
+    cases = {name: [*args, "--steps", "2"] for name, args in CASES.items()}
+    for name, report in check_cases(cases, world, 1e-10).items():
+        assert "hybrid sharding: " in report["layout"], (name, report["layout"])
+        assert "over 2 ranks x 2 replicas" in report["layout"], (name, report["layout"])
 
 
 def test_hybrid_checkpoint_loads_in_one_process(tmp_path: Path) -> None:
@@ -60,8 +66,10 @@ def test_hybrid_checkpoint_loads_in_one_process(tmp_path: Path) -> None:
         (["--strategy", "zero3", "--dp-replicate", "3"], "parallel.dp_replicate = 3 does not divide dp"),
     ],
 )
-def test_hybrid_refusals_are_one_line(args: list[str], words: str) -> None:
-    result = shardwise("train", "--nproc", "4", "--steps", "2", *args, timeout_s=240)
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and words in lines[0], result.stderr
+def test_hybrid_refusals_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], words: str
+) -> None:
+    """Refused before any rank starts (``cli.main`` in this process)."""
+    argv = ["train", "--nproc", "4", "--steps", "2", *args]
+    line = refusal(argv, tmp_path / "run", capsys)
+    assert words in line, line

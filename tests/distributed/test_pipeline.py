@@ -6,8 +6,9 @@ axis, stage boundaries the user names, Hugging Face Llama and GPT-2; evaluation 
 under a pipeline equal one process's; checkpoints across layouts; refusals in one line.
 
 The parity cases are the command lines ``shardwise verify`` takes, read by the CLI's own parser into the
-configs it would run; those of one world size run in one launched world (each rank trains every case in
-turn, as ``verify``'s ranks do), each case's one-process reference computed once in the test process.
+configs it would run; those of one world size run in one launched world (``verify_worlds.check_cases``:
+each rank trains every case in turn, as ``verify``'s ranks do), each case's one-process reference
+computed once in the test process.
 One case goes through the real ``shardwise verify`` command.
 """
 
@@ -22,21 +23,11 @@ from typing import Any
 
 import pytest
 
-from shardwise.cli import build_parser, config_from_args, main
-from shardwise.commands.verify import (
-    VERIFY_DEFAULTS,
-    check_comparable,
-    collect_run,
-    compare_runs,
-    reference_run,
-    verify_defaults,
-)
-from shardwise.config import TrainConfig
 from shardwise.pipeline.schedules import build
-from shardwise.preflight import preflight
 from shardwise.testing import run_on_ranks
 
-from .cli_helpers import last_json, shardwise
+from .cli_helpers import last_json, refusal, shardwise
+from .verify_worlds import check_cases, world_sizes
 
 SHORT = ("--steps", "2")  # parity shows in two steps; the suite stays fast
 
@@ -88,34 +79,7 @@ TOL = 1e-10
 CLI_CASE = [*pp2("zbv", 2), "--activation-checkpointing"]
 
 
-def _verify_config(args: list[str]) -> tuple[TrainConfig, int]:
-    """The config and rank count ``shardwise verify <args>`` runs: the CLI's parser and defaults (they
-    depend on the model and strategy), then ``run_verify``'s checks."""
-    parsed = build_parser().parse_args(["verify", *args, *SHORT])
-    first = config_from_args(parsed, VERIFY_DEFAULTS)
-    config = config_from_args(parsed, verify_defaults(first.model.kind, first.strategy))
-    config = preflight(config, parsed.nproc, writes_run_files=False)
-    check_comparable(config)
-    return config, parsed.nproc
-
-
-def _verify_world(rank: int, world_size: int, cases: dict[str, TrainConfig]) -> dict[str, Any]:
-    """Every case in turn, as ``verify``'s ranks run one; a case that raises stops the world (the
-    harness ends the other ranks at once) with its name in the traceback."""
-    out: dict[str, Any] = {}
-    for name, config in cases.items():
-        try:
-            out[name] = collect_run(config)
-        except Exception as exc:
-            raise RuntimeError(f"case {name} failed on rank {rank}: {exc}") from exc
-    return out
-
-
-def _nproc(args: list[str]) -> int:
-    return int(build_parser().parse_args(["verify", *args]).nproc)
-
-
-WORLDS = sorted({_nproc(args) for args in CASES.values()})
+WORLDS = world_sizes(CASES)
 
 
 @pytest.mark.slow
@@ -123,17 +87,7 @@ WORLDS = sorted({_nproc(args) for args in CASES.values()})
 def test_verify_pipeline_equals_one_process(world: int) -> None:
     """Losses, gradient norms, learning rates, the first step's gradients, final parameters and
     buffers within 1e-10 of one process, for every case of this world size (each failing one named)."""
-    configs = {name: _verify_config(args)[0] for name, args in CASES.items() if _nproc(args) == world}
-    results = run_on_ranks(_verify_world, world, configs, timeout_s=280)
-    failed = {}
-    for name, config in configs.items():
-        candidate = next(r[name] for r in results if r[name] is not None)
-        report = compare_runs(reference_run(config), candidate, TOL)
-        worst = {k: report[k] for k in ("max_loss_diff", "max_grad_diff", "max_param_diff")}
-        print(f"{name} ({world} ranks) vs one process: {worst}")
-        if not report["ok"]:
-            failed[name] = report
-    assert not failed, f"cases over {TOL}: {sorted(failed)}: {failed}"
+    check_cases({name: [*args, *SHORT] for name, args in CASES.items()}, world, TOL)
 
 
 @pytest.mark.slow
@@ -254,13 +208,9 @@ def test_pipeline_refusals_in_one_line(
 ) -> None:
     """Refused by the checks ``train`` runs before it starts any rank: ``cli.main`` in this process, as
     ``python -m shardwise`` runs it (exit 2, one line on stderr, no rank's pid file)."""
-    run_dir = tmp_path / "run"
-    code = main(["train", "--pp", "2", "--nproc", "2", "--steps", "1", "--run-dir", str(run_dir), *args])
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2, err[-3000:]
-    assert len(lines) == 1 and message in lines[0], err[-3000:]
-    assert not (run_dir / "pids").exists()  # every rank writes its pid there first: none started
+    argv = ["train", "--pp", "2", "--nproc", "2", "--steps", "1", *args]
+    line = refusal(argv, tmp_path / "run", capsys)
+    assert message in line, line
 
 
 CKPT_COMMON = ["--preset", "tiny", "--dtype", "float64", "--eval-every", "0", "--json"]
