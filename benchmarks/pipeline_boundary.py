@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.bench.pipeline import bench_config
+from shardwise.pipeline.schedules import SCHEDULES
 from shardwise.testing import run_on_ranks
 
 ENGINE_PHASES = (
@@ -86,7 +87,7 @@ def _worker(rank: int, world: int, config: Any) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("schedule", nargs="?", default="1f1b")
+    parser.add_argument("schedule", nargs="?", default="1f1b", choices=sorted(SCHEDULES))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline-boundary.json"))
     args = parser.parse_args()
     config = bench_config(args.schedule, 2, 4, "small", 8, STEPS)
