@@ -57,7 +57,14 @@ from shardwise.collectives.api import Comm
 from shardwise.device import HOST, to_device
 from shardwise.engine.axis import Axis
 from shardwise.engine.loss import Loss, TokenLoss, check_summed, run_model
-from shardwise.engine.nonfinite import NonFinite, NonFiniteStop, agree_nonfinite, first_nonfinite
+from shardwise.engine.nonfinite import (
+    BoundarySums,
+    NonFinite,
+    NonFiniteStop,
+    agree_nonfinite,
+    boundary_sums,
+    first_nonfinite,
+)
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.engine.step import MicroBatchLoop, StepRunner, take_step
 
@@ -145,6 +152,7 @@ class Engine(ABC):
         self.batch_comm: Comm | None = None  # the batch group (dp x cp): where items are counted
         # every rank that steps: the norm's and the loss's shares are summed over it (None: this rank alone)
         self.trainers: Comm | None = None
+        self._boundary: BoundarySums | None = None  # this step's one all-reduce at its boundary, if made
         # the further axes the model is cut over, innermost first (engine/axis.py)
         self.axes: list[Axis] = []
         self.clip_grad_norm = 0.0  # 0 or inf: measure the global norm, never clip
@@ -177,7 +185,9 @@ class Engine(ABC):
         "stop"`` (the default) a non-finite value raises ``NonFiniteStop`` on every rank."""
         result = take_step(self, micro_batches)
         loss = torch.tensor([result.loss_share], dtype=torch.float64, device=HOST)
-        if self.trainers is not None:  # the ranks that do not report the loss add 0
+        if self._boundary is not None:  # the shares were summed at the step's boundary
+            loss.fill_(self._boundary.loss)
+        elif self.trainers is not None:  # the ranks that do not report the loss add 0
             self.trainers.all_reduce(loss)
         step, self.steps_taken = self.steps_taken, self.steps_taken + 1
         if result.found is not None and result.found.stop:
@@ -364,6 +374,14 @@ class Engine(ABC):
         if self.optimizer_runs == "servers":
             self.optimizer_step()
             return self.servers_nonfinite()
+        self._boundary = None
+        if self.axes and not self.scaler.enabled:  # one all-reduce at the boundary (``boundary_sums``)
+            share, comm = self.grad_norm_sq()
+            found_finite = boundary_sums(comm, share, loss_share, NORM_LABEL)
+            if found_finite is not None:
+                self._boundary = found_finite
+                self.optimizer_step()
+                return None
         scaled = self.scaler_owns_overflow()
         bad = None if scaled else self.nonfinite_grad()
         names = [name for name, _ in trainable(self.model)]
@@ -387,10 +405,13 @@ class Engine(ABC):
         """Measure the global gradient norm (one all-reduce of one number over ``grad_norm_sq``'s
         group) and, when ``clip_grad_norm`` is set, scale every gradient by
         min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_`` does. Returns the norm."""
-        share, comm = self.grad_norm_sq()
-        if comm is not None:
-            comm.all_reduce(share, label=NORM_LABEL)
-        norm = float(share.sqrt())
+        if self._boundary is not None:  # summed at the step's boundary already
+            norm = math.sqrt(self._boundary.norm_sq)
+        else:
+            share, comm = self.grad_norm_sq()
+            if comm is not None:
+                comm.all_reduce(share, label=NORM_LABEL)
+            norm = float(share.sqrt())
         self.last_grad_norm = norm
         if 0 < self.clip_grad_norm < float("inf"):
             self.scale_grads(min(1.0, self.clip_grad_norm / (norm + 1e-6)))

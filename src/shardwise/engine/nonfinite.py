@@ -13,10 +13,22 @@ Trainer's and ``Engine.train_step``'s). A parameter server's servers check the s
 themselves and send their verdict with the weights (``Engine.servers_nonfinite``): no message more.
 Under fp16 dynamic loss scaling the scaler owns overflows (it skips the step and lowers the scale),
 until its scale reaches its floor.
+
+With further axes (pipeline, tensor parallelism, hybrid replicas: the norm's shares are summed over the
+same ranks that step) and unscaled gradients, the step's boundary is one all-reduce instead
+(``boundary_sums``): the norm's share, whether the loss share is finite, and the loss share itself,
+summed. A gradient that is not finite makes the squared norm not finite, so when both come back
+finite nothing else is asked: the norm is the one clipping uses and the sum is the loss the step
+reports. Otherwise every rank (they all see the same sums) asks the exact question above, which names
+what was not finite, or finds nothing where only the norm overflowed (finite gradients above about
+1e19 in fp32), and the update then goes on as it always did. A pipeline's last stage then
+starts its update as soon as the first stage's last backward is counted, not after two more
+round trips.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,6 +93,30 @@ def first_nonfinite(named: Sequence[tuple[str, torch.Tensor | None]]) -> str | N
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """A 0-d bool tensor on the tensors' device: every element of every one of ``tensors`` is finite."""
     return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+
+
+@dataclass(frozen=True)
+class BoundarySums:
+    """What ``boundary_sums`` found: every loss share and counted gradient finite."""
+
+    norm_sq: float  # the squared global gradient norm
+    loss: float  # the loss shares summed over the ranks that step
+
+
+def boundary_sums(
+    comm: Comm | None, norm_share: torch.Tensor, loss_share: float, label: str
+) -> BoundarySums | None:
+    """One all-reduce (sum) over the ranks that step of this rank's squared-norm share, a 1 if its loss
+    share is not finite, and the loss share; the sums when all are finite, else None (then ask
+    ``agree_nonfinite``: the same answer on every rank, since every rank sees the same sums)."""
+    finite = math.isfinite(loss_share)
+    values = [0.0, 0.0 if finite else 1.0, loss_share if finite else 0.0]
+    sums = torch.tensor(values, dtype=torch.float64, device=norm_share.device)
+    sums[0] = norm_share.to(torch.float64)
+    if comm is not None:
+        comm.all_reduce(sums, label=label)
+    norm_sq, bad_losses, loss = sums.tolist()  # read once, on the host
+    return BoundarySums(norm_sq, loss) if math.isfinite(norm_sq) and bad_losses == 0 else None
 
 
 def agree_nonfinite(
