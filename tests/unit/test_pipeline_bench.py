@@ -54,6 +54,7 @@ def _launch(step_s: float, bubble_shift: float) -> list[dict[str, Any]]:
 
 def test_row_json_shape() -> None:
     ours = [_launch(0.5, 0.0), _launch(0.7, 0.0), _launch(0.6, 0.0)]
+    # each launch's torch steps beside ours (the same launch): step k's time is its slowest rank's
     theirs = [[{"step_s": [1.0, 1.2]}, {"step_s": [1.1]}], [{"step_s": [1.0]}], [{"step_s": [1.5]}]]
     row = bench.row("1f1b", 2, 4, 1000, ours, theirs, COSTS)
     json.dumps(row)  # JSON-ready
@@ -62,7 +63,7 @@ def test_row_json_shape() -> None:
     assert row["schedule"] == "1f1b" and row["torch_class"] == "Schedule1F1B"
     assert row["ours"]["step_s"] == pytest.approx(0.6)  # median over launches of the slowest rank
     assert row["torch"]["step_s"] == pytest.approx(1.1)
-    # round by round (back-to-back launches), then the median: 1.1/0.5, 1.0/0.7, 1.5/0.6
+    # launch by launch the pairs' median (one pair each here: 1.1/0.5, 1.0/0.7, 1.5/0.6), then the median
     assert row["speed_ratio_rounds"] == pytest.approx([1.1 / 0.5, 1.0 / 0.7, 1.5 / 0.6])
     assert row["speed_ratio"] == pytest.approx(1.1 / 0.5)
     spread = bench.conditions([row], 1.0, 2.0)["ratio_spread"]
@@ -71,6 +72,30 @@ def test_row_json_shape() -> None:
     assert row["bubble_theory"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
     assert bench.row("zb", 2, 4, 1000, ours, theirs, COSTS)["torch_class"] == "Schedule1F1B"
     assert bench.row("zbv", 2, 4, 1000, ours, theirs, Costs.uniform())["bubble_theory"] is None
+
+
+def test_a_launch_ratio_is_the_median_of_its_pairs() -> None:
+    """Step k of each side ran back to back: a slow moment slows both and its pair's ratio holds."""
+    ours = [{"step_s": [1.0, 3.0, 1.0]}, {"step_s": [0.9, 2.0, 1.2]}]  # slowest rank: 1.0, 3.0, 1.2
+    theirs = [{"step_s": [1.1, 3.3, 1.2]}, {"step_s": [0.5, 0.5, 0.5]}]
+    assert bench._paired_ratio(ours, theirs) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
+
+
+def test_when_torch_side_hangs_ours_runs_alone(monkeypatch: Any) -> None:
+    """A paired launch that hangs makes torch's side the reason; ours still gets every round."""
+    calls: list[str] = []
+
+    def fake_launch(worker: Any, nproc: int, args: tuple[Any, ...], timeout_s: float) -> Any:
+        calls.append(worker.__name__)
+        if worker is bench.paired_worker:
+            return None, "timeout after 5 s"
+        return [{"step_s": [0.5], "spans": [[]]}] * nproc, None
+
+    monkeypatch.setattr(bench, "launch", fake_launch)
+    ours, theirs = bench.run_rounds(None, 2, "Schedule1F1B", 3, 5.0)  # type: ignore[arg-type]
+    assert theirs == "timeout after 5 s (ours and torch's in one launch)"
+    assert isinstance(ours, list) and len(ours) == 3
+    assert calls == ["paired_worker", "ours_worker", "ours_worker", "ours_worker"]
 
 
 def hanging_peer(rank: int, world: int) -> None:

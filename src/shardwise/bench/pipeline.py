@@ -4,8 +4,8 @@ For each schedule (``pipeline.schedules.SCHEDULES``) at ``pp = nproc``: the buil
 our ``pipeline.split`` into the schedule's stages, and the same stage modules run under our runtime
 and under torch's ``PipelineStage`` + the schedule class torch 2.13 names for it (``zb`` has none in
 torch and is compared with torch's ``Schedule1F1B``). Same model, seed, micro-batches, optimizer.
-Launches alternate (ours, torch, torch, ours, ...): a round is one launch of each side, back to back;
-per launch the median step time after warm-up (the slowest rank's). Each row:
+Both sides run in the same launch, their steps alternating (``pipeline_sides``), so each of our steps
+has a torch step beside it in time; a round is one launch. Each row:
 
 - ``bubble_measured``: from our ranks' recorded action spans (the runtime's ``MONITOR.span`` per
   action): idle over total, ``1 - sum(busy) / (p * window)``, the window from the step's first action
@@ -18,19 +18,21 @@ per launch the median step time after warm-up (the slowest rank's). Each row:
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
   al. 2023); else null;
-- ``speed_ratio``: tokens/s ours / torch's, the median over rounds of each round's ratio (a round's
-  two launches ran back to back, so a change of load between rounds cancels), with every round's
-  ratio in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's median over its launches.
+- ``speed_ratio``: tokens/s ours / torch's: per round the median over its steps of each pair's ratio
+  (the two steps ran back to back, a step's time its slowest rank's), then the median over rounds,
+  every round's in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's median step time
+  over its launches.
 
 ``conditions`` says how it was measured: rounds and steps, the load average before and after, and the
 spread of the rounds' ratios (the largest (max - min) / median over the rows). The defaults (20 steps,
 3 rounds; the old 4 x 2 gave 1f1b 0.72 and 1.01 in two quiet runs) are meant to make two runs on a
-quiet machine agree within 5% on every ratio: the spread says whether one did.
+quiet machine agree within 5% on every ratio: the spread says whether one did. Launching each side
+apart (as this bench did before) left a spread of 22-26% between rounds on this 2-core machine.
 
-torch's pipelining has hung on gloo (pytorch#132644), so every launch (ours and torch's) is a group of
-fresh processes with a deadline (``run_on_ranks``); one that hangs or fails becomes that row's
-``"torch": "timeout after N s"`` (or the error), never a hung benchmark. Communication: whatever each
-side does; ours point-to-point through ``Comm`` over the pp axis.
+torch's pipelining has hung on gloo (pytorch#132644), so every launch is a group of fresh processes
+with a deadline (``run_on_ranks``); one that hangs or fails makes that row's ``"torch"`` the reason
+(``"timeout after N s ..."``) and ours runs alone from then on, never a hung benchmark.
+Communication: whatever each side does; ours point-to-point through ``Comm`` over the pp axis.
 """
 
 from __future__ import annotations
@@ -38,22 +40,18 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from shardwise.bench.pipeline_profile import bench_data, launch, profile_costs, stage_modules
+from shardwise.bench.pipeline_profile import launch, profile_costs
+from shardwise.bench.pipeline_sides import ACTION_LANE, WARMUP_STEPS, ours_worker, paired_worker
 from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.observe.monitor import Span
 from shardwise.observe.trace import idle_fraction
 from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
 
-WARMUP_STEPS = 1
-ACTION_LANE = "actions"  # the lane the runtime records each action's span in
 TORCH_PEER = {"zb": "Schedule1F1B"}  # torch has no ZB-H1: our zb is measured against its 1F1B
 
 
@@ -111,82 +109,6 @@ def _mean(value: float | tuple[float, ...]) -> float:
     return statistics.fmean(value) if isinstance(value, tuple) else float(value)
 
 
-# ------------------------------------------------------------------------------------ one launch
-
-
-def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
-    """Our runtime on this rank: step times and, per measured step, this rank's action spans."""
-    from shardwise.mesh import build_mesh
-    from shardwise.models import build_model
-    from shardwise.observe.monitor import MONITOR
-    from shardwise.parallelism import parallelize
-    from shardwise.train.loop import seed_everything
-
-    config = config.validate(world)
-    seed_everything(config.seed)
-    engine = parallelize(build_model(config.model), build_mesh(config), config)
-    sampler, _ = bench_data(config)
-    MONITOR.tracing = True
-    times, spans = [], []
-    for step in range(config.steps):
-        micro = sampler.local_micro_batches(step, config.data.micro_batches)
-        MONITOR.spans.clear()
-        started = time.perf_counter()
-        engine.train_step(micro)
-        times.append(time.perf_counter() - started)
-        spans.append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
-    MONITOR.tracing = False
-    return {"step_s": times[WARMUP_STEPS:], "spans": spans[WARMUP_STEPS:]}
-
-
-def _plain(span: Span) -> tuple[str, float, float, dict[str, Any]]:
-    return (span.name, span.start, span.duration, dict(span.args))
-
-
-def torch_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -> dict[str, Any]:
-    """torch's ``torch_class`` over the same stage modules on this rank: step times."""
-    import torch.distributed as dist
-    import torch.distributed.pipelining as pipelining
-
-    from shardwise.engine.loss import loss_sum
-    from shardwise.engine.optim import build_optimizer
-    from shardwise.models import build_model
-    from shardwise.train.loop import seed_everything
-
-    config = config.validate(world)
-    seed_everything(config.seed)
-    name, virtual = config.parallel.schedule, config.parallel.stages_per_rank
-    placement = stage_placement(name, world, virtual)
-    modules = stage_modules(build_model(config.model), placement, rank)
-    stages = [
-        pipelining.PipelineStage(module, index, len(placement), torch.device("cpu"), group=dist.group.WORLD)
-        for index, module in sorted(modules.items())
-    ]
-    sampler, tokens = bench_data(config)
-
-    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_sum(output, target) / tokens
-
-    m = config.data.micro_batches
-    cls = getattr(pipelining, torch_class)
-    schedule = cls(stages[0] if virtual == 1 else stages, n_microbatches=m, loss_fn=loss_fn)
-    # a weight tied across two stages of this rank (the V schedules' embedding and head) once
-    unique = {id(p): (n, p) for mod in modules.values() for n, p in mod.named_parameters()}
-    named = list(unique.values())
-    optimizer = build_optimizer(named, config.optim)
-    holds_first, holds_last = 0 in modules, len(placement) - 1 in modules
-    times = []
-    for step in range(config.steps):
-        inputs, targets = sampler.local_batch(step)
-        started = time.perf_counter()
-        args = (inputs,) if holds_first else ()
-        schedule.step(*args, target=targets if holds_last else None)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - started)
-    return {"step_s": times[WARMUP_STEPS:]}
-
-
 # ------------------------------------------------------------------------------------- the rows
 
 
@@ -224,7 +146,7 @@ def row(
         steps = [bubble_from_spans(spans) for spans in _steps_by_rank(ours)]
         out["bubble_measured"] = statistics.median(steps)
     if not isinstance(ours, str) and not isinstance(torch_side, str) and ours and torch_side:
-        rounds = [t / o for o, t in zip(_launch_steps(ours), _launch_steps(torch_side), strict=False)]
+        rounds = [_paired_ratio(o, t) for o, t in zip(ours, torch_side, strict=False)]
         out["speed_ratio"] = statistics.median(rounds)
         out["speed_ratio_rounds"] = rounds
     return out
@@ -245,6 +167,15 @@ Launches = list[list[dict[str, Any]]]  # per launch, each rank's result
 def _launch_steps(launches: Launches) -> list[float]:
     """Each launch's step time: its slowest rank's median."""
     return [max(statistics.median(r["step_s"]) for r in ranks) for ranks in launches]
+
+
+def _paired_ratio(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> float:
+    """One launch's ratio, torch's step time over ours: the median over its steps of each pair's
+    (step k of each side ran back to back; a step's time is its slowest rank's)."""
+    ours_k, theirs_k = (
+        [max(ks) for ks in zip(*(r["step_s"] for r in side), strict=False)] for side in (ours, theirs)
+    )
+    return statistics.median(t / o for o, t in zip(ours_k, theirs_k, strict=False))
 
 
 def _side(launches: Launches | str, tokens: int) -> dict[str, Any] | str:
@@ -306,6 +237,30 @@ def check_bench(
     ]
 
 
+def run_rounds(
+    config: TrainConfig, nproc: int, torch_class: str, rounds: int, timeout_s: float
+) -> tuple[Launches | str, Launches | str]:
+    """Each side's launches (``pipeline_sides.paired_worker``, one per round), or why it has none;
+    once torch's side hangs or fails, ours runs alone (``ours_worker``) for the rounds left."""
+    ours: Launches = []
+    theirs: Launches | str = []
+    for _ in range(rounds):
+        if isinstance(theirs, str):
+            results, problem = launch(ours_worker, nproc, (config,), timeout_s)
+        else:
+            results, problem = launch(paired_worker, nproc, (config, torch_class), timeout_s)
+            if results is None:
+                theirs = f"{problem} (ours and torch's in one launch)"
+                results, problem = launch(ours_worker, nproc, (config,), timeout_s)
+            else:
+                theirs.append([r["torch"] for r in results])
+                results = [r["ours"] for r in results]
+        if results is None:
+            return str(problem), theirs
+        ours.append(results)
+    return ours, theirs
+
+
 def run_pipeline_bench(
     nproc: int = 2,
     microbatches: int = 4,
@@ -332,23 +287,12 @@ def run_pipeline_bench(
     rows = []
     for name, config in zip(names, configs, strict=True):
         costs = profile_costs(config, nproc, repeats=3, timeout_s=timeout_s)
-        torch_class = TORCH_PEER.get(name, SCHEDULES[name].torch_class)
-        sides: dict[str, list[Any] | str] = {"ours": [], "torch": []}
-        for r in range(rounds):
-            for impl in ("ours", "torch") if r % 2 == 0 else ("torch", "ours"):
-                if isinstance(sides[impl], str):
-                    continue  # it hung or failed once: not again
-                worker: Callable[..., Any] = ours_worker if impl == "ours" else torch_worker
-                args = (config,) if impl == "ours" else (config, torch_class)
-                results, problem = launch(worker, nproc, args, timeout_s)
-                if results is None:
-                    sides[impl] = str(problem)
-                else:
-                    sides[impl].append(results)  # type: ignore[union-attr]
+        torch_class = TORCH_PEER.get(name) or SCHEDULES[name].torch_class or "Schedule1F1B"
+        ours, theirs = run_rounds(config, nproc, torch_class, rounds, timeout_s)
         tokens = global_batch * config.model.seq_len
-        rows.append(row(name, nproc, microbatches, tokens, sides["ours"], sides["torch"], costs))
-        if trace_dir and not isinstance(sides["ours"], str):
-            write_traces(Path(trace_dir) / name, _steps_by_rank(sides["ours"])[-1], rows[-1], costs)
+        rows.append(row(name, nproc, microbatches, tokens, ours, theirs, costs))
+        if trace_dir and not isinstance(ours, str):
+            write_traces(Path(trace_dir) / name, _steps_by_rank(ours)[-1], rows[-1], costs)
     return {
         "nproc": nproc,
         "preset": preset,

@@ -23,6 +23,7 @@ from torch import nn
 from shardwise.config import TrainConfig
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
 from shardwise.pipeline.simulate import Costs
+from shardwise.pipeline.split import Split
 from shardwise.testing.harness import RankFailure, run_on_ranks
 
 PING_PONGS = 20
@@ -67,6 +68,13 @@ class StageModule(nn.Module):
 
 def stage_modules(model: nn.Module, placement: Sequence[int], rank: int) -> dict[int, StageModule]:
     """The stages ``placement`` puts on ``rank``, split from ``model`` as the runtime splits it."""
+    return split_stage_modules(model, placement, rank)[0]
+
+
+def split_stage_modules(
+    model: nn.Module, placement: Sequence[int], rank: int
+) -> tuple[dict[int, StageModule], Split]:
+    """``stage_modules`` and the split they came from (its tied weight's two ends)."""
     from shardwise.pipeline.split import _get, split_model
 
     split = split_model(model, placement, rank)
@@ -78,7 +86,7 @@ def stage_modules(model: nn.Module, placement: Sequence[int], rank: int) -> dict
         paths = (adapter.first_modules if stage.first else ()) + (adapter.last_modules if stage.last else ())
         parts += [m for p in paths if (m := _get(model, p)) is not None]
         modules[index] = StageModule(stage, parts)
-    return modules
+    return modules, split
 
 
 def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:

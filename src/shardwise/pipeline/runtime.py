@@ -4,8 +4,8 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
 
 1. every micro-batch read as its stages will read it (``Split.inputs``: the token ids and the keys
    the blocks use, a key no stage honours refused before any message is sent); ``engine.begin_step``
-   (the loss divisor); the tied weight's copy on the last stage refreshed from the first stage (one
-   send, when the two ends are on different ranks);
+   (the loss divisor); the tied weight's values sent from the first stage to the last stage's copy
+   (``pipeline/tied.py``: posted first, waited for by the last stage's first F);
 2. the actions in order, all under ``engine.no_sync()``, with this rank's messages posted at the
    boundaries between them in the step's one order (``pipeline/messages.py``: the same order on both
    ends of every pair, one tag for all, as NCCL needs): a send as soon as its action produced it, a
@@ -29,8 +29,9 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    releases them after (a W uses none: the weight gradient needs no weight), and keeps the gradients
    local until ``finish_grads``. Each action is one span in the trace (``--trace``: lane "pipeline",
    named as printed, ``0F1``);
-3. the tied weight's copy sends its gradient to the first stage, which adds it to the parameter's
-   (every backward ran under ``no_sync``, so the gradient is still local); then ``finish_grads``: the
+3. the tied weight's copy sends its gradient to the first stage, which posted its receive early and
+   adds it to the parameter's (``pipeline/tied.py``; every backward ran under ``no_sync``, so the
+   gradient is still local); then ``finish_grads``: the
    data-parallel exchange, once per step, each stage over its own dp group.
 
 Empty micro-batches (a dp rank's share smaller than the micro-batch count) are skipped by every stage
@@ -62,11 +63,11 @@ from shardwise.pipeline.actions import Action, Kind, Transfer
 from shardwise.pipeline.deferred import defer_weight_grads
 from shardwise.pipeline.messages import plan
 from shardwise.pipeline.split import Split, StageInputs
+from shardwise.pipeline.tied import TAG, Posted, TiedExchange
 
 if TYPE_CHECKING:
     from shardwise.engine.base import Engine
 
-TAG = 0  # every message of the pipeline: they are matched by their order alone, as NCCL matches them
 Schedule = Mapping[int, Sequence[Action]]
 
 
@@ -85,6 +86,7 @@ class PipelineRunner:
             defer_weight_grads(next(iter(split.stages.values())).adapter.model, self.weight_grads)
         self._plans: dict[int, tuple[list[Action], list[list[Transfer]]]] = {}
         self._posting = CommThread()  # posts this rank's messages, in order, off the compute thread
+        self.tied = TiedExchange(split, comm, self.placement, self._posting)
 
     def step_plan(self, microbatches: int) -> tuple[list[Action], list[list[Transfer]]]:
         """This rank's actions and the messages it posts before each (and after the last), cached."""
@@ -101,20 +103,29 @@ class PipelineRunner:
         # read (and checked) before any message: every pp rank refuses the same batch at the same place
         given = [self.split.inputs(batch) for batch in micro_batches]
         divisor = engine.begin_step(micro_batches, global_count)
-        self._refresh_tied(engine)
         actions, posts = self.step_plan(len(micro_batches))
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
         state = _StepState(given, _dtype(engine), self.split.hidden_size, engine.device)
+        if (sent := self.tied.post_values(engine, state.dtype)) is not None:
+            state.sends.append(sent)
+        tied_receive = self.tied.receive_boundary(posts)
         with engine.no_sync():
-            for action, boundary in zip(actions, posts, strict=False):
+            for index, (action, boundary) in enumerate(zip(actions, posts, strict=False)):
                 self._post(boundary, empty, state)
+                if index == tied_receive:
+                    self.tied.post_receive()
                 if action.microbatch not in empty:
                     self._receive(action, state)  # before its span: the span is its compute alone
                     self._run(engine, action, micro_batches[action.microbatch], divisor, state)
         self._post(posts[-1], empty, state)
+        if tied_receive == len(actions):
+            self.tied.post_receive()
+        if (sent := self.tied.post_gradient()) is not None:
+            state.sends.append(sent)
         for work in state.sends:
             work.wait()
-        self._reduce_tied()
+        self.tied.wait_values()  # every micro-batch empty: no F waited for them
+        self.tied.add_gradient()
         MONITOR.set_phase("gradient sync")
         engine.finish_grads()
         return engine.step_loss(state.share)  # the last stage reports it (``PipelineAxis``)
@@ -127,10 +138,10 @@ class PipelineRunner:
                 continue
             if t.op == "send":
                 tensor = state.outbox.pop(t.key)
-                state.sends.append(_Posted(self._posting, self.comm.isend, tensor, t.peer))
+                state.sends.append(Posted(self._posting, self.comm.isend, tensor, t.peer))
             else:
                 buffer = state.buffer(t.microbatch)
-                state.pending[t.key] = (buffer, _Posted(self._posting, self.comm.irecv, buffer, t.peer))
+                state.pending[t.key] = (buffer, Posted(self._posting, self.comm.irecv, buffer, t.peer))
 
     def _run(self, engine: Engine, action: Action, batch: Any, divisor: float, state: _StepState) -> None:
         started = time.monotonic()
@@ -159,6 +170,8 @@ class PipelineRunner:
             return
         else:
             key = ("gradient", action.stage + 1, action.microbatch)
+        if action.kind is Kind.FORWARD and action.stage == self.last_stage:
+            self.tied.wait_values()  # the tied weight's values, before the head uses them
         if key in state.pending:
             buffer, work = state.pending.pop(key)
             work.wait()
@@ -226,7 +239,7 @@ class PipelineRunner:
         given = [self.split.inputs(batch) for batch in batches]  # checked before any message
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
         items = 0
-        self._refresh_tied(engine)  # the update since the step began changed the first stage's weight
+        self.tied.values_now(engine, _dtype(engine))  # the update since the step began changed them
         with torch.no_grad():
             for batch, inputs in zip(batches, given, strict=True):
                 total += self._evaluate_one(engine, batch, inputs)
@@ -260,55 +273,6 @@ class PipelineRunner:
         for work in sends:
             work.wait()
         return loss
-
-    # -- the tied weight ----------------------------------------------------------------------------
-    def _tie_peer(self) -> int:
-        return self.placement[self.last_stage] if self.split.tied_owner is not None else self.placement[0]
-
-    def _refresh_tied(self, engine: Engine) -> None:
-        """The first stage's weight to the last stage's copy (they differ after every update)."""
-        if (owner := self.split.tied_owner) is not None:
-            with engine.pipeline_stage([owner]):  # ZeRO-3: the owner's values gathered first
-                self.comm.send(owner.detach().contiguous(), self._tie_peer(), TAG)
-        elif self.split.tied is not None:  # in the owner's dtype (ZeRO's compute copies: the compute one)
-            self.split.tied.match(_dtype(engine))
-            self.comm.recv(self.split.tied.copy.data, self._tie_peer(), TAG)
-
-    def _reduce_tied(self) -> None:
-        """The last stage's gradient of the tied weight added to the first stage's, before the dp exchange."""
-        owner, tied = self.split.tied_owner, self.split.tied
-        if owner is not None and owner.requires_grad:
-            incoming = torch.empty_like(owner)
-            self.comm.recv(incoming, self._tie_peer(), TAG)
-            if owner.grad is None:
-                owner.grad = incoming
-            else:
-                owner.grad.add_(incoming)
-        elif tied is not None and tied.copy.requires_grad:
-            grad = tied.copy.grad if tied.copy.grad is not None else torch.zeros_like(tied.copy)
-            self.comm.send(grad.contiguous(), self._tie_peer(), TAG)
-            tied.copy.grad = None
-
-
-class _Posted:
-    """A message handed to the posting thread: ``wait()`` waits until it is posted, then until it is
-    done (and re-raises what went wrong on either)."""
-
-    def __init__(
-        self, thread: CommThread, post: Callable[[torch.Tensor, int, int], Work], tensor: torch.Tensor,
-        peer: int,
-    ) -> None:  # fmt: skip
-        self._work: Work | None = None
-
-        def run() -> None:
-            self._work = post(tensor, peer, TAG)
-
-        self._posted = thread.submit(run)
-
-    def wait(self) -> object:
-        self._posted.wait()
-        assert self._work is not None
-        return self._work.wait()
 
 
 class _StepState:

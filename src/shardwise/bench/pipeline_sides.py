@@ -1,0 +1,172 @@
+"""The pipeline bench's launched side: our runtime and torch's schedule class, step by step in one world.
+
+One launch builds both sides on every rank from the same seed (two copies of the same stage modules):
+ours through ``parallelize`` (its own groups on the pp axis), torch's as ``PipelineStage`` + the
+schedule class over the default group. The steps alternate (ours then torch's, then torch's then
+ours, ...), so each of our steps has a torch step beside it in time: whatever the machine does to
+one (another process, a clock change) it does to the other, and the ratio of a pair cancels it. A
+launch where torch's side hangs or fails falls back to ours alone (``ours_worker``), so our row still
+has its figures. Communication: whatever each side does; ours point-to-point through ``Comm``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardwise.bench.pipeline_profile import bench_data, split_stage_modules
+from shardwise.config import TrainConfig
+from shardwise.observe.monitor import Span
+from shardwise.pipeline.schedules import stage_placement
+from shardwise.pipeline.split import Split
+
+WARMUP_STEPS = 1
+ACTION_LANE = "actions"  # the lane the runtime records each action's span in
+TIE_TAG = 7  # the tied weight's messages on torch's side, apart from its schedule's
+
+Step = Callable[[int], None]
+
+
+def paired_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -> dict[str, Any]:
+    """Both sides on this rank, their steps alternating: ``{"ours": ..., "torch": ...}``, each with
+    its measured step times in the order they ran (step k of one beside step k of the other)."""
+    from shardwise.observe.monitor import MONITOR
+
+    config = config.validate(world)
+    ours, theirs = _ours_step(config), _torch_step(config, world, rank, torch_class)
+    times: dict[str, list[float]] = {"ours": [], "torch": []}
+    spans = []
+    MONITOR.tracing = True
+    for step in range(config.steps):
+        order = ("ours", "torch") if step % 2 == 0 else ("torch", "ours")
+        for side in order:
+            MONITOR.spans.clear()
+            started = time.perf_counter()
+            (ours if side == "ours" else theirs)(step)
+            times[side].append(time.perf_counter() - started)
+            if side == "ours":
+                spans.append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
+    MONITOR.tracing = False
+    return {
+        "ours": {"step_s": times["ours"][WARMUP_STEPS:], "spans": spans[WARMUP_STEPS:]},
+        "torch": {"step_s": times["torch"][WARMUP_STEPS:]},
+    }
+
+
+def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
+    """Our runtime alone on this rank (the fallback when torch's side cannot run)."""
+    from shardwise.observe.monitor import MONITOR
+
+    config = config.validate(world)
+    ours = _ours_step(config)
+    times, spans = [], []
+    MONITOR.tracing = True
+    for step in range(config.steps):
+        MONITOR.spans.clear()
+        started = time.perf_counter()
+        ours(step)
+        times.append(time.perf_counter() - started)
+        spans.append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
+    MONITOR.tracing = False
+    return {"step_s": times[WARMUP_STEPS:], "spans": spans[WARMUP_STEPS:]}
+
+
+def _plain(span: Span) -> tuple[str, float, float, dict[str, Any]]:
+    return (span.name, span.start, span.duration, dict(span.args))
+
+
+def _ours_step(config: TrainConfig) -> Step:
+    """One training step of our runtime (``Engine.train_step``) on step ``k``'s micro-batches."""
+    from shardwise.mesh import build_mesh
+    from shardwise.models import build_model
+    from shardwise.parallelism import parallelize
+    from shardwise.train.loop import seed_everything
+
+    seed_everything(config.seed)
+    engine = parallelize(build_model(config.model), build_mesh(config), config)
+    sampler, _ = bench_data(config)
+
+    def step(k: int) -> None:
+        engine.train_step(sampler.local_micro_batches(k, config.data.micro_batches))
+
+    return step
+
+
+def _torch_step(config: TrainConfig, world: int, rank: int, torch_class: str) -> Step:
+    """One step of torch's ``torch_class`` over the same stage modules, and the same optimizer."""
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+
+    from shardwise.engine.loss import loss_sum
+    from shardwise.engine.optim import build_optimizer
+    from shardwise.models import build_model
+    from shardwise.train.loop import seed_everything
+
+    seed_everything(config.seed)
+    name, virtual = config.parallel.schedule, config.parallel.stages_per_rank
+    placement = stage_placement(name, world, virtual)
+    modules, split = split_stage_modules(build_model(config.model), placement, rank)
+    tie = _TiedByHand(split, placement)
+    stages = [
+        pipelining.PipelineStage(module, index, len(placement), torch.device("cpu"), group=dist.group.WORLD)
+        for index, module in sorted(modules.items())
+    ]
+    sampler, tokens = bench_data(config)
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_sum(output, target) / tokens
+
+    cls = getattr(pipelining, torch_class)
+    m = config.data.micro_batches
+    schedule = cls(stages[0] if virtual == 1 else stages, n_microbatches=m, loss_fn=loss_fn)
+    # a weight tied across two stages of this rank (the V schedules' embedding and head) once
+    unique = {id(p): (n, p) for mod in modules.values() for n, p in mod.named_parameters()}
+    optimizer = build_optimizer(list(unique.values()), config.optim)
+    holds_first, holds_last = 0 in modules, len(placement) - 1 in modules
+
+    def step(k: int) -> None:
+        inputs, targets = sampler.local_batch(k)
+        schedule.step(*((inputs,) if holds_first else ()), target=targets if holds_last else None)
+        tie.gradient()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tie.values()
+
+    return step
+
+
+class _TiedByHand:
+    """What a user of torch's schedules writes for a weight tied across two ranks' stages (GPT's
+    embedding and head; torch's pipelining leaves it to them): the last stage's gradient sent to the
+    first stage's weight before the update (without waiting for it there), the updated values sent
+    back after. Without it the two ends would train apart and the sides would not train one model."""
+
+    def __init__(self, split: Split, placement: list[int] | tuple[int, ...]) -> None:
+        self.owner, self.tied = split.tied_owner, split.tied
+        self.first, self.last = placement[0], placement[-1]
+        self._sent: Any = None
+
+    def gradient(self) -> None:
+        import torch.distributed as dist
+
+        if self.owner is not None:
+            incoming = torch.empty_like(self.owner)
+            dist.recv(incoming, self.last, tag=TIE_TAG)
+            self.owner.grad = incoming if self.owner.grad is None else self.owner.grad.add_(incoming)
+        elif self.tied is not None:
+            grad = self.tied.copy.grad
+            grad = grad if grad is not None else torch.zeros_like(self.tied.copy)
+            self._sent = dist.isend(grad, self.first, tag=TIE_TAG)
+            self.tied.copy.grad = None
+
+    def values(self) -> None:
+        import torch.distributed as dist
+
+        if self.owner is not None:
+            dist.send(self.owner.detach(), self.last, tag=TIE_TAG)
+        elif self.tied is not None:
+            self._sent.wait()
+            dist.recv(self.tied.copy.data, self.first, tag=TIE_TAG)
