@@ -6,7 +6,7 @@ Runs ``bench pipeline``'s own configuration (the small preset, pp 2 on 2 ranks, 
 under our runtime with the action spans recorded, and times the step spine's phases by wrapping the
 engine's and the runner's methods with a clock (no code of ours changed). Per rank, medians over the
 measured steps: the step; the actions' busy time; the time before the first action and after the last;
-and each phase (the global count, the tied weight's refresh and gradient, the finite check, the
+and each phase (the global count, the tied weight's values and gradient, the finite check, the
 agreement, the norm, the optimizer). Writes ``benchmarks/results/pipeline-boundary.json``.
 
 What it showed (see that file): on a quiet machine the last stage's actions run back to back (gaps under
@@ -35,7 +35,7 @@ from shardwise.testing import run_on_ranks
 ENGINE_PHASES = (
     "global_count", "nonfinite_grad", "clip_gradients", "run_optimizers", "update", "forward_backward",
 )  # fmt: skip
-RUNNER_PHASES = ("_refresh_tied", "_reduce_tied")
+TIED_PHASES = ("post_values", "wait_values", "add_gradient")  # pipeline/tied.py
 STEPS, WARMUP = 22, 2
 
 
@@ -68,8 +68,8 @@ def _worker(rank: int, world: int, config: Any) -> dict[str, Any]:
     phases: dict[str, list[float]] = defaultdict(list)
     for name in ENGINE_PHASES:
         _timed(engine, name, phases)
-    for name in RUNNER_PHASES:
-        _timed(engine.runner, name, phases)
+    for name in TIED_PHASES:
+        _timed(engine.runner.tied, name, phases)
     MONITOR.tracing = True
     for step in range(config.steps):
         MONITOR.spans.clear()

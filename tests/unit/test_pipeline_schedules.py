@@ -153,6 +153,16 @@ def test_every_schedule_validates(name: str, pp: int, virtual: int, m: int) -> N
     assert all(peak >= 1 for peak in report.peak_in_flight.values())
 
 
+def test_the_first_stages_i_followed_by_its_own_w_runs_as_one_b() -> None:
+    """The runtime's ``fuse_weight_passes``: only on stage 0, whose I sends nothing ahead of its W."""
+    from shardwise.pipeline.actions import fuse_weight_passes, parse_actions
+
+    fused = fuse_weight_passes(parse_actions("0F0 0I0 0W0 0F1 1I1 1W1 0I1 1W0 0W1 0I2 0W2"))
+    assert " ".join(map(str, fused)) == "0F0 0B0 0F1 1I1 1W1 0I1 1W0 0W1 0B2"
+    zb = {rank: fuse_weight_passes(acts) for rank, acts in build("zb", 2, 1, 4).items()}
+    assert {a.kind for a in zb[0]} == {F, B} and {a.kind for a in zb[1]} == {F, I, W}
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 9])
 @pytest.mark.parametrize("pp", [1, 2, 4])
 def test_activation_memory(pp: int, m: int) -> None:

@@ -105,6 +105,13 @@ def theory(name: str, pp: int, virtual: int, microbatches: int, costs: Costs) ->
     return None, "no closed form used here; see bubble_simulated"
 
 
+def _as_run(name: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[Any]]:
+    """The schedule as the runtime runs it: the first stage's I and W back to back as one B."""
+    from shardwise.pipeline.actions import fuse_weight_passes
+
+    return {r: fuse_weight_passes(acts) for r, acts in build(name, pp, virtual, microbatches).items()}
+
+
 def _mean(value: float | tuple[float, ...]) -> float:
     return statistics.fmean(value) if isinstance(value, tuple) else float(value)
 
@@ -125,7 +132,7 @@ def row(
     string saying why that side has none (``"timeout after N s"``)."""
     virtual = virtual_for(name)
     spec = SCHEDULES[name]
-    timeline = simulate(build(name, pp, virtual, microbatches), stage_placement(name, pp, virtual), costs)
+    timeline = simulate(_as_run(name, pp, virtual, microbatches), stage_placement(name, pp, virtual), costs)
     value, formula = theory(name, pp, virtual, microbatches, costs)
     out: dict[str, Any] = {
         "schedule": name,
@@ -322,7 +329,7 @@ def write_traces(
         frame = [Span("step", "step", "step", origin, end - origin), *spans]
         events += rank_events(frame, rank, origin)
     timeline = simulate(
-        build(name, pp, virtual, result_row["microbatches"]), stage_placement(name, pp, virtual), costs
+        _as_run(name, pp, virtual, result_row["microbatches"]), stage_placement(name, pp, virtual), costs
     )
     simulated = [
         e for rank in sorted(timeline.slots) for e in rank_events(timeline.spans(rank, 1.0), rank, 0.0)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from shardwise.config import TrainConfig
+from shardwise.pipeline.actions import Kind
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
 from shardwise.pipeline.simulate import Costs
 from shardwise.pipeline.split import Split
@@ -89,6 +90,15 @@ def split_stage_modules(
     return modules, split
 
 
+def as_run(name: str, pp: int, config: TrainConfig) -> list[list[Any]]:
+    """Every rank's actions of ``name`` as the runtime runs them (``fuse_weight_passes``)."""
+    from shardwise.pipeline.actions import fuse_weight_passes
+    from shardwise.pipeline.schedules import build
+
+    schedule = build(name, pp, config.parallel.stages_per_rank, config.data.micro_batches)
+    return [fuse_weight_passes(schedule[rank]) for rank in sorted(schedule)]
+
+
 def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:
     """This rank's stages' median seconds per kind (``{stage: {"F": s, ...}}``) and, on rank 0, the
     one-way transfer time of one activation (see the module docstring)."""
@@ -117,16 +127,21 @@ def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, rep
         for index in range(len(placement) - 1):
             inputs.append(modules[index](inputs[-1]))
     mine = [s for s, r in enumerate(placement) if r == rank]
-    timing: dict[int, dict[str, list[float]]] = {s: {k: [] for k in "FBIW"} for s in mine}
+    timing: dict[int, dict[str, list[float]]] = {s: {k: [] for k in ("F", "B", "Fs", "I", "W")} for s in mine}
     for _ in range(repeats + 1):  # the first round warms up
         dist.barrier()
         for s in mine:
             target = targets if s == len(placement) - 1 else None
             for kind, seconds in _time_stage(modules[s], inputs[s], target, s > 0, store, split):
                 timing[s][kind].append(seconds)
+    split_stages = {
+        a.stage for acts in as_run(name, world, config) for a in acts if a.kind is Kind.INPUT_GRAD
+    }
     costs = {}
     for s, kinds in timing.items():
         median = {k: statistics.median(v[1:]) for k, v in kinds.items() if v}
+        if s in split_stages:  # the stage's F as its split micro-batches run it
+            median["F"] = median["Fs"]
         costs[s] = {"I": median["B"] / 2, "W": median["B"] / 2, **median}  # unused without a split
     return {"costs": costs, "transfer": _ping_pong(rank, inputs[-1])}
 
@@ -143,6 +158,7 @@ def _time_stage(
         return loss_sum(y, targets) if targets is not None else y
 
     out = []
+    store.armed = False  # a micro-batch whose backward is one B: its layers take the plain path
     t0 = time.perf_counter()
     root = forward()
     t1 = time.perf_counter()
@@ -151,14 +167,16 @@ def _time_stage(
     torch.autograd.backward(root, seed)
     t3 = time.perf_counter()
     out += [("F", t1 - t0), ("B", t3 - t2)]
-    if split:
+    if split:  # one whose backward is an I and a W: its F takes the deferring path too ("Fs")
+        store.armed = True
+        t3 = time.perf_counter()
         root = forward()
         t4 = time.perf_counter()
         with store.collect() as kept:
             torch.autograd.backward(root, seed)
         t5 = time.perf_counter()
         apply_weight_grads(kept)
-        out += [("I", t5 - t4), ("W", time.perf_counter() - t5)]
+        out += [("Fs", t4 - t3), ("I", t5 - t4), ("W", time.perf_counter() - t5)]
     return out
 
 

@@ -64,6 +64,10 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self._open: list[DeferredWeightGrad] | None = None
+        # the layers take the deferring path only while armed: a pipeline arms it for the forward
+        # (and backward) of a micro-batch whose backward is split into I and W, and disarms it for
+        # one that runs a plain B, which then pays nothing for the split (``linear``)
+        self.armed = True
 
     @contextmanager
     def collect(self) -> Iterator[list[DeferredWeightGrad]]:
@@ -154,9 +158,11 @@ def linear(
 ) -> torch.Tensor:  # fmt: skip
     """``x W^T + b`` (``transposed``: ``x W + b``, Hugging Face's ``Conv1D`` layout, ``W`` (in, out)).
 
-    With ``store``, and ``weight`` a leaf that requires grad (a parameter, a tied weight's copy),
+    With ``store`` armed, and ``weight`` a leaf that requires grad (a parameter, a tied weight's copy),
     its gradient waits in the store while an I pass collects; otherwise this is the plain op."""
-    if store is None or not (weight.requires_grad and weight.is_leaf and torch.is_grad_enabled()):
+    if store is None or not (
+        store.armed and weight.requires_grad and weight.is_leaf and torch.is_grad_enabled()
+    ):
         return _plain(x, weight, bias, transposed)
     leaf = weight
     device = x.device.type

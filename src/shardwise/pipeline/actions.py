@@ -53,6 +53,28 @@ class Action:
         return self.kind in (Kind.BACKWARD, Kind.INPUT_GRAD)
 
 
+def fuse_weight_passes(actions: Sequence[Action]) -> list[Action]:
+    """``actions`` with every I of the first stage followed at once by its own W run as one B: the
+    same gradients at the same time (the first stage sends no input gradient, so nothing waits on
+    the I alone), without keeping the weight gradients' operands in between or paying for the split
+    (``engine/linear.py``). Elsewhere an I sends the previous stage its gradient before the W runs,
+    so the split stays."""
+    out: list[Action] = []
+    for action in actions:
+        last = out[-1] if out else None
+        if (
+            action.kind is Kind.WEIGHT_GRAD
+            and action.stage == 0
+            and last is not None
+            and last.kind is Kind.INPUT_GRAD
+            and (last.stage, last.microbatch) == (action.stage, action.microbatch)
+        ):
+            out[-1] = Action(action.stage, Kind.BACKWARD, action.microbatch)
+        else:
+            out.append(action)
+    return out
+
+
 _ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
 
 

@@ -59,7 +59,7 @@ from shardwise.collectives.p2p import Work
 from shardwise.engine.linear import DeferredWeightGrad, WeightGradStore, apply_weight_grads
 from shardwise.engine.loss import rows
 from shardwise.observe.monitor import MONITOR
-from shardwise.pipeline.actions import Action, Kind, Transfer
+from shardwise.pipeline.actions import Action, Kind, Transfer, fuse_weight_passes
 from shardwise.pipeline.deferred import defer_weight_grads
 from shardwise.pipeline.messages import plan
 from shardwise.pipeline.split import Split, StageInputs
@@ -91,8 +91,9 @@ class PipelineRunner:
     def step_plan(self, microbatches: int) -> tuple[list[Action], list[list[Transfer]]]:
         """This rank's actions and the messages it posts before each (and after the last), cached."""
         if microbatches not in self._plans:
-            every = self.schedule(microbatches)
-            actions = list(every[self.comm.rank])
+            # the first stage's I followed by its W is one B: on every rank alike, so the plans agree
+            every = {rank: fuse_weight_passes(mine) for rank, mine in self.schedule(microbatches).items()}
+            actions = every[self.comm.rank]
             if self.weight_grads is None and any(a.kind is Kind.INPUT_GRAD for a in actions):
                 raise ValueError("a schedule with I and W actions needs PipelineRunner(split_backward=True)")
             self._plans[microbatches] = (actions, plan(every, self.placement)[self.comm.rank])
@@ -106,6 +107,7 @@ class PipelineRunner:
         actions, posts = self.step_plan(len(micro_batches))
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
         state = _StepState(given, _dtype(engine), self.split.hidden_size, engine.device)
+        state.split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.INPUT_GRAD}
         if (sent := self.tied.post_values(engine, state.dtype)) is not None:
             state.sends.append(sent)
         tied_receive = self.tied.receive_boundary(posts)
@@ -145,6 +147,8 @@ class PipelineRunner:
 
     def _run(self, engine: Engine, action: Action, batch: Any, divisor: float, state: _StepState) -> None:
         started = time.monotonic()
+        if self.weight_grads is not None:  # the split's path only for a micro-batch whose backward splits
+            self.weight_grads.armed = (action.stage, action.microbatch) in state.split
         # ZeRO-3: the stage's parameters gathered as they are used, released after
         with engine.pipeline_stage(self.split.params[action.stage], action.kind is Kind.INPUT_GRAD):
             if action.kind is Kind.FORWARD:
@@ -290,6 +294,7 @@ class _StepState:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.kept: dict[tuple[int, int], list[DeferredWeightGrad]] = {}  # I's weight gradients, for W
         self.sends: list[Work] = []
+        self.split: set[tuple[int, int]] = set()  # (stage, mb) whose backward is an I and a W
         self.share = torch.zeros((), dtype=torch.float64, device=device)
 
     def buffer(self, microbatch: int) -> torch.Tensor:
