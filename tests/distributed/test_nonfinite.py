@@ -22,7 +22,8 @@ from .cli_helpers import shardwise
 BAD_STEP = 2
 
 
-LAYOUTS = {"tp2": {"parallel.tp": "2"}}  # the boundary's one all-reduce
+# the boundary's one all-reduce; under pp the poisoned parameter is on rank 1 alone
+LAYOUTS = {"tp2": {"parallel.tp": "2"}, "pp2": {"parallel.pp": "2"}}
 
 
 def _config(strategy: str, policy: str) -> Any:
@@ -56,10 +57,14 @@ def _state(engine: Any) -> list[torch.Tensor]:
     return params + optim
 
 
-def _poison_gradient(engine: Any, rank: int) -> str:
-    """Put a NaN in one element of what rank 1 holds after the gradient exchange; return its name."""
+def _poison_gradient(engine: Any, rank: int) -> str | None:
+    """Put a NaN in one element of what rank 1 holds after the gradient exchange; return its name
+    (None on a rank that does not hold it: a pipeline's first stage)."""
     if not hasattr(engine, "groups"):  # whole-tensor engine: rank 1's copy of the reduced gradient
-        name, param = next((n, p) for n, p in engine.model.named_parameters() if n.startswith("blocks.1"))
+        held = [(n, p) for n, p in engine.model.named_parameters() if n.startswith("blocks.1")]
+        if not held:
+            return None
+        name, param = held[0]
         if rank == 1:
             param.grad.view(-1)[0] = float("nan")
         return name
@@ -78,7 +83,7 @@ def _skip_case(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
     if engine.role.serves:
         engine.serve()
         return {"server_skipped": engine.nonfinite_updates}
-    poisoned: dict[str, str] = {}
+    poisoned: dict[str, str | None] = {}
 
     def poison(step: int) -> None:
         if step == BAD_STEP and strategy != "ps":
@@ -106,11 +111,12 @@ def _skip_case(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
 # there sends every rank to the exact check, which names it
 @pytest.mark.parametrize(
     ("strategy", "world"),
-    [("ddp", 2), ("zero2", 2), ("zero3", 2), ("ps", 3), ("ddp-tp2", 2)],
+    [("ddp", 2), ("zero2", 2), ("zero3", 2), ("ps", 3), ("ddp-tp2", 2), ("ddp-pp2", 2)],
 )
 def test_a_nan_on_one_rank_skips_the_update_on_every_rank(strategy: str, world: int) -> None:
     results = run_on_ranks(_skip_case, world, strategy, timeout_s=120)
     trainers = [r for r in results if "record" in r]
+    expected = results[1].get("expected")  # the poisoning rank's name: every rank must report it
     assert len(trainers) == (world - 1 if strategy == "ps" else world)
     for got in trainers:
         what, skipped = got["record"]
@@ -120,7 +126,7 @@ def test_a_nan_on_one_rank_skips_the_update_on_every_rank(strategy: str, world: 
         if strategy == "ps":
             assert what.startswith("the loss and the gradient of "), what
         else:
-            assert what == f"the gradient of {got['expected']}", what  # the same name on every rank
+            assert what == f"the gradient of {expected}", what  # the same name on every rank
     if strategy == "ps":
         assert results[0]["server_skipped"] == 1
 

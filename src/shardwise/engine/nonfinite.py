@@ -2,7 +2,9 @@
 step, to go on, skip the update or stop.
 
 Communication: one all-reduce (min) of two integers over the ranks that step, between the gradient
-exchange and the update, and only for engines whose optimizer runs on those ranks. The flags are read
+exchange and the update, and only for engines whose optimizer runs on those ranks; where a gradient
+was not finite, one broadcast of its parameter's name from the lowest rank that found one (ranks
+that hold different parameters, a pipeline's stages, could not name it otherwise). The flags are read
 on the host first (each engine stacks its per-tensor checks on the device and reads them once), so the
 all-reduce is host bookkeeping, over gloo. (The per-step
 metrics all-gather cannot carry it: it runs after the update so that it times the whole step, and the
@@ -38,7 +40,8 @@ import torch
 from shardwise.collectives.api import Comm
 from shardwise.device import HOST
 
-_NONE_FOUND = 2**62  # no parameter index reaches it
+_NONE_FOUND = 2**62  # no (rank << 32 | parameter index) reaches it
+_NAME_BYTES = 256  # a parameter's name as one rank tells the others
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,19 @@ def boundary_sums(
     return BoundarySums(norm_sq, loss) if math.isfinite(norm_sq) and bad_losses == 0 else None
 
 
+def _name_from(comm: Comm | None, owner: int, name: str) -> str:
+    """``name`` as group rank ``owner`` has it, on every rank (a broadcast of its UTF-8 bytes, cut
+    at ``_NAME_BYTES``); only on the rare step where something was not finite."""
+    if comm is None:
+        return name
+    buffer = torch.zeros(_NAME_BYTES, dtype=torch.uint8, device=HOST)
+    if comm.rank == owner:
+        encoded = name.encode()[:_NAME_BYTES]
+        buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    comm.broadcast(buffer, src=owner)
+    return bytes(buffer.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
 def agree_nonfinite(
     comm: Comm | None, names: Sequence[str], bad: str | None, loss_ok: bool, policy: str
 ) -> NonFinite | None:
@@ -126,13 +142,18 @@ def agree_nonfinite(
     None. ``names``: this rank's trainable parameters in order; ``bad``: the first of them whose
     gradient, as it holds it, is not finite; ``loss_ok``: its loss share is; ``comm``: the ranks that
     step (None: this rank alone)."""
-    # ranks may hold different parameters (pipeline stages): "none found" is one sentinel for all
-    first = names.index(bad) if bad else _NONE_FOUND
-    flags = torch.tensor([int(loss_ok), first], dtype=torch.int64, device=HOST)
+    # ranks may hold different parameters (pipeline stages): the lowest rank's first one wins, and
+    # that rank tells the others its name; "none found" is one sentinel for all
+    me = comm.rank if comm is not None else 0
+    found = (me << 32) | names.index(bad) if bad else _NONE_FOUND
+    flags = torch.tensor([int(loss_ok), found], dtype=torch.int64, device=HOST)
     if comm is not None:
         comm.all_reduce(flags, "min")
-    loss_ok, first = bool(flags[0]), int(flags[1])
-    if loss_ok and first == _NONE_FOUND:
+    loss_ok, found = bool(flags[0]), int(flags[1])
+    if loss_ok and found == _NONE_FOUND:
         return None
-    grad_name = None if first == _NONE_FOUND else names[first] if first < len(names) else bad or "a parameter"
+    grad_name = None
+    if found != _NONE_FOUND:
+        owner = found >> 32
+        grad_name = _name_from(comm, owner, names[found & 0xFFFFFFFF] if owner == me else "")
     return NonFinite(describe_nonfinite(loss_ok, grad_name), stop=policy == "stop")
