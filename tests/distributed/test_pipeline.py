@@ -3,7 +3,8 @@
 Every schedule at pp 2 (four micro-batches; zb and zbv also with activation checkpointing), pp 4, one
 micro-batch, fewer micro-batches than stages and empty ones, pp x dp with DDP and ZeRO-1/2/3 on the dp
 axis, stage boundaries the user names, Hugging Face Llama and GPT-2; evaluation and the reported loss
-under a pipeline equal one process's; checkpoints across layouts; refusals in one line.
+under a pipeline equal one process's; checkpoints across layouts; refusals in one line. The split
+schedules again for five steps, so the schedule fitted to the run (from step 3) is held to it too.
 
 The parity cases are the command lines ``shardwise verify`` takes, read by the CLI's own parser into the
 configs it would run; those of one world size run in one launched world (``verify_worlds.check_cases``:
@@ -23,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from shardwise.pipeline.actions import fuse_weight_passes
+from shardwise.pipeline.adapt import fully_fused
 from shardwise.pipeline.schedules import build
 from shardwise.testing import run_on_ranks
 
@@ -73,6 +76,20 @@ CASES = {
 }  # fmt: skip
 
 
+# past the fit (pipeline/fitting.py: steps 1 and 2 timed, the fitted schedule from step 3): every
+# split schedule, with activation checkpointing, and on dp 2 x pp 2 under ZeRO-3, whose replicas must
+# fit the same schedule
+FITTED = ("--steps", "5")
+FITTED_CASES = {
+    "pp2-zb-fitted-ac": [*pp2("zb"), "--activation-checkpointing"],
+    "pp2-interleaved-zb-fitted": pp2("interleaved-zb", 2),
+    "pp2-zbv-fitted-ac": [*pp2("zbv", 2), "--activation-checkpointing"],
+    "pp2-dualpipev-fitted": pp2("dualpipev", 2),
+    "dp2-pp2-zero3-zb-fitted": ["--pp", "2", "--nproc", "4", "--strategy", "zero3", "--schedule", "zb",
+                                "--micro-batches", "4"],
+}  # fmt: skip
+
+
 TOL = 1e-10
 # through the real command (its parser, preflight, launcher, report and exit code): the V schedule with
 # activation checkpointing
@@ -87,7 +104,9 @@ WORLDS = world_sizes(CASES)
 def test_verify_pipeline_equals_one_process(world: int) -> None:
     """Losses, gradient norms, learning rates, the first step's gradients, final parameters and
     buffers within 1e-10 of one process, for every case of this world size (each failing one named)."""
-    check_cases({name: [*args, *SHORT] for name, args in CASES.items()}, world, TOL)
+    cases = {name: [*args, *SHORT] for name, args in CASES.items()}
+    cases |= {name: [*args, *FITTED] for name, args in FITTED_CASES.items()}
+    check_cases(cases, world, TOL)
 
 
 @pytest.mark.slow
@@ -271,13 +290,16 @@ def test_trace_records_every_action_of_every_rank(tmp_path: Path) -> None:
     trace = json.loads((tmp_path / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     actions = [(e["pid"], e["name"]) for e in events if "kind" in e.get("args", {})]  # one span per action
-    schedule = build("zb", 2, 1, 4)
-    expected = [(rank, str(a)) for rank in (0, 1) for a in schedule[rank]] * 2  # two steps
+    # the fit's first two steps (pipeline/fitting.py): as built (the first stage's I and W one B),
+    # then every backward one B
+    built = {rank: fuse_weight_passes(acts) for rank, acts in build("zb", 2, 1, 4).items()}
+    steps = [built, fully_fused(built)]
+    expected = [(rank, str(a)) for schedule in steps for rank in (0, 1) for a in schedule[rank]]
     assert sorted(actions) == sorted(expected)
 
 
 def test_bench_pipeline_measures_both_sides_of_a_schedule() -> None:
-    args = ["--schedules", "1f1b", "--steps", "2", "--rounds", "1", "--preset", "tiny", "--json"]
+    args = ["--schedules", "1f1b", "--steps", "4", "--rounds", "1", "--preset", "tiny", "--json"]
     result = shardwise("bench", "pipeline", "--nproc", "2", *args, timeout_s=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = last_json(result)["rows"]

@@ -11,7 +11,9 @@ has a torch step beside it in time; a round is one launch. Each row:
   action): idle over total, ``1 - sum(busy) / (p * window)``, the window from the step's first action
   start to its last action end on any rank (``time.monotonic`` is one clock for every process of a
   machine); the median over the measured steps;
-- ``bubble_simulated``: ``pipeline.simulate`` fed with a separate profile's costs (``pipeline_profile``:
+- ``bubble_simulated``: ``pipeline.simulate`` of the schedule our side ran (a split schedule is fitted
+  to the run first, ``pipeline/fitting.py``; read off the last measured step's spans), fed with a
+  separate profile's costs (``pipeline_profile``:
   each rank's stages' F, B, I and W alone, all ranks at once, and one activation's transfer time;
   never from the timeline it is compared with);
 - ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
@@ -51,6 +53,7 @@ from shardwise.observe.monitor import Span
 from shardwise.observe.trace import idle_fraction
 from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
+from shardwise.pipeline.validate import ScheduleError
 
 TORCH_PEER = {"zb": "Schedule1F1B"}  # torch has no ZB-H1: our zb is measured against its 1F1B
 
@@ -105,6 +108,22 @@ def theory(name: str, pp: int, virtual: int, microbatches: int, costs: Costs) ->
     return None, "no closed form used here; see bubble_simulated"
 
 
+def _ran(ours: Launches | str) -> dict[int, list[Any]] | None:
+    """The schedule our side ran in its last measured step (a split schedule is fitted to the run:
+    ``pipeline/fitting.py``), read off its action spans; None without spans."""
+    from shardwise.pipeline.actions import parse_action
+
+    if isinstance(ours, str) or not ours:
+        return None
+    steps = _steps_by_rank(ours)
+    if not steps or not all(steps[-1].values()):
+        return None
+    return {
+        r: [parse_action(s.name) for s in sorted(spans, key=lambda s: s.start)]
+        for r, spans in steps[-1].items()
+    }
+
+
 def _as_run(name: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[Any]]:
     """The schedule as the runtime runs it: the first stage's I and W back to back as one B."""
     from shardwise.pipeline.actions import fuse_weight_passes
@@ -132,7 +151,11 @@ def row(
     string saying why that side has none (``"timeout after N s"``)."""
     virtual = virtual_for(name)
     spec = SCHEDULES[name]
-    timeline = simulate(_as_run(name, pp, virtual, microbatches), stage_placement(name, pp, virtual), costs)
+    placement = stage_placement(name, pp, virtual)
+    try:
+        timeline = simulate(_ran(ours) or _as_run(name, pp, virtual, microbatches), placement, costs)
+    except ScheduleError:  # the spans do not make a whole schedule (a rank that recorded none)
+        timeline = simulate(_as_run(name, pp, virtual, microbatches), placement, costs)
     value, formula = theory(name, pp, virtual, microbatches, costs)
     out: dict[str, Any] = {
         "schedule": name,
@@ -235,8 +258,8 @@ def check_bench(
 
     if steps <= WARMUP_STEPS or rounds < 1 or not timeout_s > 0:
         raise ConfigError(
-            f"bench pipeline needs --steps > {WARMUP_STEPS} (the first is warm-up), --rounds >= 1 and "
-            f"--timeout > 0; got {steps}, {rounds}, {timeout_s:g}"
+            f"bench pipeline needs --steps > {WARMUP_STEPS} (the first {WARMUP_STEPS} warm up), "
+            f"--rounds >= 1 and --timeout > 0; got {steps}, {rounds}, {timeout_s:g}"
         )
     return [
         preflight(bench_config(name, nproc, microbatches, preset, global_batch, steps), nproc, False)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise.config import TrainConfig
-from shardwise.pipeline.actions import Kind
+from shardwise.pipeline.adapt import measured_costs
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
 from shardwise.pipeline.simulate import Costs
 from shardwise.pipeline.split import Split
@@ -90,15 +91,6 @@ def split_stage_modules(
     return modules, split
 
 
-def as_run(name: str, pp: int, config: TrainConfig) -> list[list[Any]]:
-    """Every rank's actions of ``name`` as the runtime runs them (``fuse_weight_passes``)."""
-    from shardwise.pipeline.actions import fuse_weight_passes
-    from shardwise.pipeline.schedules import build
-
-    schedule = build(name, pp, config.parallel.stages_per_rank, config.data.micro_batches)
-    return [fuse_weight_passes(schedule[rank]) for rank in sorted(schedule)]
-
-
 def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:
     """This rank's stages' median seconds per kind (``{stage: {"F": s, ...}}``) and, on rank 0, the
     one-way transfer time of one activation (see the module docstring)."""
@@ -134,15 +126,11 @@ def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, rep
             target = targets if s == len(placement) - 1 else None
             for kind, seconds in _time_stage(modules[s], inputs[s], target, s > 0, store, split):
                 timing[s][kind].append(seconds)
-    split_stages = {
-        a.stage for acts in as_run(name, world, config) for a in acts if a.kind is Kind.INPUT_GRAD
-    }
     costs = {}
     for s, kinds in timing.items():
         median = {k: statistics.median(v[1:]) for k, v in kinds.items() if v}
-        if s in split_stages:  # the stage's F as its split micro-batches run it
-            median["F"] = median["Fs"]
-        costs[s] = {"I": median["B"] / 2, "W": median["B"] / 2, **median}  # unused without a split
+        median.setdefault("Fs", median["F"])  # a schedule without a split: nothing reads Fs, I or W
+        costs[s] = {"I": median["B"] / 2, "W": median["B"] / 2, **median}
     return {"costs": costs, "transfer": _ping_pong(rank, inputs[-1])}
 
 
@@ -208,5 +196,5 @@ def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: floa
     if results is None:
         raise RuntimeError(f"the stage profile did not finish: {problem}")
     merged = {s: kinds for result in results for s, kinds in result["costs"].items()}
-    f, b, i, w = (tuple(merged[s][k] for s in sorted(merged)) for k in "FBIW")
-    return Costs(f, b, i, w, transfer=results[0]["transfer"])
+    costs = measured_costs([merged[s] for s in sorted(merged)])  # as the runtime's fit reads its own
+    return replace(costs, transfer=results[0]["transfer"])

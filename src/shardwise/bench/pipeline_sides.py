@@ -23,7 +23,7 @@ from shardwise.observe.monitor import Span
 from shardwise.pipeline.schedules import stage_placement
 from shardwise.pipeline.split import Split
 
-WARMUP_STEPS = 1
+WARMUP_STEPS = 3  # a split schedule runs its fit's two timed steps first (pipeline/fitting.py)
 ACTION_LANE = "actions"  # the lane the runtime records each action's span in
 TIE_TAG = 7  # the tied weight's messages on torch's side, apart from its schedule's
 

@@ -130,7 +130,7 @@ def _name_from(comm: Comm | None, owner: int, name: str) -> str:
     buffer = torch.zeros(_NAME_BYTES, dtype=torch.uint8, device=HOST)
     if comm.rank == owner:
         encoded = name.encode()[:_NAME_BYTES]
-        buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8, device=HOST)
     comm.broadcast(buffer, src=owner)
     return bytes(buffer.tolist()).rstrip(b"\0").decode(errors="replace")
 

@@ -61,6 +61,7 @@ from shardwise.engine.loss import rows
 from shardwise.observe.monitor import MONITOR
 from shardwise.pipeline.actions import Action, Kind, Transfer, fuse_weight_passes
 from shardwise.pipeline.deferred import defer_weight_grads
+from shardwise.pipeline.fitting import ScheduleFitter
 from shardwise.pipeline.messages import plan
 from shardwise.pipeline.split import Split, StageInputs
 from shardwise.pipeline.tied import TAG, Posted, TiedExchange
@@ -84,20 +85,27 @@ class PipelineRunner:
         self.weight_grads = WeightGradStore() if split_backward else None
         if self.weight_grads is not None:  # the I passes keep each linear layer's dW for the W pass
             defer_weight_grads(next(iter(split.stages.values())).adapter.model, self.weight_grads)
-        self._plans: dict[int, tuple[list[Action], list[list[Transfer]]]] = {}
+        self._plans: dict[tuple[int, str], tuple[list[Action], list[list[Transfer]]]] = {}
         self._posting = CommThread()  # posts this rank's messages, in order, off the compute thread
         self.tied = TiedExchange(split, comm, self.placement, self._posting)
+        # the first stage's I followed by its W is one B; a split schedule is then fitted to the run
+        self.fitter = ScheduleFitter(
+            lambda m: {rank: fuse_weight_passes(mine) for rank, mine in schedule(m).items()},
+            self.placement,
+            len(self.placement),
+        )
 
     def step_plan(self, microbatches: int) -> tuple[list[Action], list[list[Transfer]]]:
-        """This rank's actions and the messages it posts before each (and after the last), cached."""
-        if microbatches not in self._plans:
-            # the first stage's I followed by its W is one B: on every rank alike, so the plans agree
-            every = {rank: fuse_weight_passes(mine) for rank, mine in self.schedule(microbatches).items()}
-            actions = every[self.comm.rank]
+        """This rank's actions and the messages it posts before each (and after the last), cached per
+        micro-batch count and ``ScheduleFitter`` phase (every rank is in the same one)."""
+        key = (microbatches, self.fitter.phase(microbatches))
+        if key not in self._plans:
+            every = self.fitter.schedule(*key)
+            actions = list(every[self.comm.rank])
             if self.weight_grads is None and any(a.kind is Kind.INPUT_GRAD for a in actions):
                 raise ValueError("a schedule with I and W actions needs PipelineRunner(split_backward=True)")
-            self._plans[microbatches] = (actions, plan(every, self.placement)[self.comm.rank])
-        return self._plans[microbatches]
+            self._plans[key] = (actions, plan(every, self.placement)[self.comm.rank])
+        return self._plans[key]
 
     # -- the step -------------------------------------------------------------------------------
     def forward_backward(self, engine: Engine, micro_batches: Sequence[Any], global_count: float) -> float:
@@ -108,6 +116,7 @@ class PipelineRunner:
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
         state = _StepState(given, _dtype(engine), self.split.hidden_size, engine.device)
         state.split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.INPUT_GRAD}
+        state.timing = self.fitter.timing(len(micro_batches))
         if (sent := self.tied.post_values(engine, state.dtype)) is not None:
             state.sends.append(sent)
         tied_receive = self.tied.receive_boundary(posts)
@@ -130,6 +139,7 @@ class PipelineRunner:
         self.tied.add_gradient()
         MONITOR.set_phase("gradient sync")
         engine.finish_grads()
+        self.fitter.step_done(len(micro_batches), engine.trainers)
         return engine.step_loss(state.share)  # the last stage reports it (``PipelineAxis``)
 
     def _post(self, boundary: list[Transfer], empty: set[int], state: _StepState) -> None:
@@ -147,10 +157,12 @@ class PipelineRunner:
 
     def _run(self, engine: Engine, action: Action, batch: Any, divisor: float, state: _StepState) -> None:
         started = time.monotonic()
+        split = (action.stage, action.microbatch) in state.split
         if self.weight_grads is not None:  # the split's path only for a micro-batch whose backward splits
-            self.weight_grads.armed = (action.stage, action.microbatch) in state.split
+            self.weight_grads.armed = split
+        timed = self.fitter.timed(action, split, engine.device) if state.timing else nullcontext()
         # ZeRO-3: the stage's parameters gathered as they are used, released after
-        with engine.pipeline_stage(self.split.params[action.stage], action.kind is Kind.INPUT_GRAD):
+        with timed, engine.pipeline_stage(self.split.params[action.stage], action.kind is Kind.INPUT_GRAD):
             if action.kind is Kind.FORWARD:
                 MONITOR.set_phase("forward")
                 self._forward(engine, action, batch, divisor, state)
@@ -295,6 +307,7 @@ class _StepState:
         self.kept: dict[tuple[int, int], list[DeferredWeightGrad]] = {}  # I's weight gradients, for W
         self.sends: list[Work] = []
         self.split: set[tuple[int, int]] = set()  # (stage, mb) whose backward is an I and a W
+        self.timing = False  # this step's actions are timed for the schedule's fit
         self.share = torch.zeros((), dtype=torch.float64, device=device)
 
     def buffer(self, microbatch: int) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""A split backward kept only where it pays: a zero-bubble schedule fitted to measured costs.
+
+A zero-bubble schedule splits each backward into I (the input's gradient, sent on at once) and W
+(the weights', run later to fill a bubble). The split is not free: W's matmuls find their operands
+out of cache and every deferred layer pays a little bookkeeping, so I + W costs more than B, by
+10-20% per micro-batch for the small layers of a CPU run. Where a W fills no bubble, running it
+right after its I, as one B, is then faster. ``fit_schedule`` decides it W by W on the simulator
+(``simulate.simulate``) with costs measured on the run itself: each W, in order, is moved next to its
+I and the pair made one B wherever that does not lengthen the simulated step. Every rank given the
+same costs makes the same choices, so their plans (and message orders) agree.
+
+``fully_fused`` is the schedule with every split undone, and ``measured_costs`` turns a run's
+per-stage timings into the simulator's costs; the runtime (``PipelineRunner``) runs the schedule as
+built and fully fused for one measured step each, agrees on the timings and runs the fitted one from
+then on. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from shardwise.pipeline.actions import Action, Kind, Schedule
+from shardwise.pipeline.simulate import Costs, simulate
+
+KINDS = ("F", "B", "Fs", "I", "W")  # what is timed per stage: F and B unsplit, F/I/W of a split one
+
+
+def fully_fused(schedule: Mapping[int, Sequence[Action]]) -> Schedule:
+    """Every W run right after its I, the two as one B."""
+    return {rank: _fuse_all(actions) for rank, actions in schedule.items()}
+
+
+def _fuse_all(actions: Sequence[Action]) -> list[Action]:
+    out = []
+    for action in actions:
+        if action.kind is Kind.INPUT_GRAD:
+            out.append(Action(action.stage, Kind.BACKWARD, action.microbatch))
+        elif action.kind is not Kind.WEIGHT_GRAD:
+            out.append(action)
+    return out
+
+
+def splits(schedule: Mapping[int, Sequence[Action]]) -> bool:
+    """Whether ``schedule`` splits any backward."""
+    return any(a.kind is Kind.INPUT_GRAD for actions in schedule.values() for a in actions)
+
+
+def measured_costs(per_stage: Sequence[Mapping[str, float]]) -> Costs:
+    """The simulator's costs from each stage's measured seconds (``KINDS``): F and B unsplit; a split
+    micro-batch's I carries what its F cost more than an unsplit one (its layers' deferring path)."""
+    forward = tuple(s["F"] for s in per_stage)
+    backward = tuple(s["B"] for s in per_stage)
+    input_grad = tuple(s["I"] + max(0.0, s["Fs"] - s["F"]) for s in per_stage)
+    weight_grad = tuple(s["W"] for s in per_stage)
+    return Costs(forward, backward, input_grad, weight_grad)
+
+
+def fit_schedule(
+    schedule: Mapping[int, Sequence[Action]], placement: Sequence[int], costs: Costs
+) -> tuple[Schedule, int]:
+    """``schedule`` with each W that fills no bubble run next to its I as one B (module docstring);
+    returns it and how many splits it kept."""
+    current: Schedule = {rank: list(actions) for rank, actions in schedule.items()}
+    best = simulate(current, placement, costs).makespan
+    candidates = [
+        (rank, a) for rank, actions in current.items() for a in actions if a.kind is Kind.WEIGHT_GRAD
+    ]
+    for rank, weight in candidates:
+        trial = {**current, rank: _fuse_one(current[rank], weight)}
+        makespan = simulate(trial, placement, costs).makespan
+        if makespan <= best:
+            current, best = trial, makespan
+    kept = sum(a.kind is Kind.INPUT_GRAD for actions in current.values() for a in actions)
+    return current, kept
+
+
+def _fuse_one(actions: Sequence[Action], weight: Action) -> list[Action]:
+    """``actions`` with ``weight`` (a W) removed and its I made a B."""
+    out = []
+    for action in actions:
+        if action == weight:
+            continue
+        if action.kind is Kind.INPUT_GRAD and (action.stage, action.microbatch) == (
+            weight.stage,
+            weight.microbatch,
+        ):
+            action = Action(action.stage, Kind.BACKWARD, action.microbatch)
+        out.append(action)
+    return out

@@ -1,0 +1,121 @@
+"""Fitting a zero-bubble schedule to the run: two measured steps, one agreement, then the fitted plan.
+
+For a schedule that splits backwards, per micro-batch count: step 0 runs as built (warm-up, not
+timed); step 1 runs it fully fused (every backward one B: times F and B per stage); step 2 as built
+(times the split's F, I and W); then every rank that steps sums its stages' timings in one
+all-reduce (each stage's mean over the ranks that hold it: its dp replicas, its tp shards), so all of
+them fit the same schedule (``adapt.fit_schedule``), as their message orders and their dp and tp
+collectives per action need, and run it from step 3 on. The gradients are the same whichever ran
+(a B is an I and a W at once). A schedule without a split is run as built from the start.
+
+Timing: ``time.perf_counter`` around each action on the CPU; on a GPU a pair of CUDA events per
+action, read after one synchronisation at the end of the timed step (two steps in a run).
+Communication: one all-reduce (sum) of a (stages x 5 x 2) float64 table over the ranks that step,
+once per micro-batch count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from shardwise.collectives.api import Comm
+from shardwise.device import HOST
+from shardwise.pipeline.actions import Action, Kind, Schedule
+from shardwise.pipeline.adapt import KINDS, fit_schedule, fully_fused, measured_costs, splits
+
+BUILT, FUSED, FITTED = "built", "fused", "fitted"
+
+
+class ScheduleFitter:
+    """Which schedule each step runs, and the timings that fit it (module docstring)."""
+
+    def __init__(self, build: Callable[[int], Schedule], placement: tuple[int, ...], stages: int) -> None:
+        self.build, self.placement, self.stages = build, placement, stages
+        self._steps: dict[int, int] = {}  # micro-batch count -> steps run with it
+        self._fitted: dict[int, Schedule] = {}
+        self.kept: dict[int, int] = {}  # micro-batch count -> split backwards the fitted schedule kept
+        self._timed: list[tuple[int, str, Any, Any]] = []  # (stage, kind, start, end) this step
+        self._sums = torch.zeros(stages, len(KINDS), 2, dtype=torch.float64, device=HOST)  # seconds, count
+
+    def phase(self, microbatches: int) -> str:
+        """What step ``microbatches`` runs now: ``BUILT``, ``FUSED`` or ``FITTED``."""
+        if microbatches in self._fitted:
+            return FITTED
+        if not splits(self.build(microbatches)):
+            return BUILT
+        return (BUILT, FUSED, BUILT)[min(self._steps.get(microbatches, 0), 2)]
+
+    def schedule(self, microbatches: int, phase: str) -> Schedule:
+        if phase == FITTED:
+            return self._fitted[microbatches]
+        built = self.build(microbatches)
+        return fully_fused(built) if phase == FUSED else built
+
+    def timing(self, microbatches: int) -> bool:
+        """Whether this step's actions are timed (steps 1 and 2 of a splitting schedule)."""
+        return (
+            self.phase(microbatches) != FITTED
+            and self._steps.get(microbatches, 0) in (1, 2)
+            and splits(self.build(microbatches))
+        )
+
+    @contextmanager
+    def timed(self, action: Action, split: bool, device: torch.device) -> Iterator[None]:
+        """Time ``action`` (``split``: its micro-batch's backward is an I and a W)."""
+        kind = {Kind.FORWARD: "Fs" if split else "F", Kind.BACKWARD: "B"}.get(action.kind, action.kind.value)
+        start: Any
+        end: Any
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._timed.append((action.stage, kind, start, end))
+
+    def step_done(self, microbatches: int, trainers: Comm | None) -> None:
+        """After a step: its timings added; after the second timed one, the fit (all ranks at once)."""
+        if self.phase(microbatches) == FITTED:
+            return
+        if self._timed:
+            self._add_timings()
+        done = self._steps[microbatches] = self._steps.get(microbatches, 0) + 1
+        if done == 3 and splits(self.build(microbatches)):
+            self._fit(microbatches, trainers)
+
+    def _add_timings(self) -> None:
+        if isinstance(self._timed[-1][3], torch.cuda.Event):
+            self._timed[-1][3].synchronize()  # once per timed step
+        for stage, kind, start, end in self._timed:
+            seconds = start.elapsed_time(end) / 1e3 if isinstance(end, torch.cuda.Event) else end - start
+            self._sums[stage, KINDS.index(kind), 0] += seconds
+            self._sums[stage, KINDS.index(kind), 1] += 1.0
+        self._timed.clear()
+
+    def _fit(self, microbatches: int, trainers: Comm | None) -> None:
+        sums = self._sums.clone()
+        if trainers is not None:
+            trainers.all_reduce(sums)  # every rank then fits from the same numbers
+        seconds, counts = sums[..., 0], sums[..., 1].clamp(min=1.0)
+        means = (seconds / counts).tolist()
+        per_stage = [_stage_costs({k: means[s][i] for i, k in enumerate(KINDS) if sums[s, i, 1] > 0})
+                     for s in range(self.stages)]  # fmt: skip
+        fitted, kept = fit_schedule(self.build(microbatches), self.placement, measured_costs(per_stage))
+        self._fitted[microbatches], self.kept[microbatches] = fitted, kept
+        self._sums.zero_()
+
+
+def _stage_costs(got: dict[str, float]) -> dict[str, float]:
+    """One stage's costs for ``adapt.measured_costs`` from what was timed of it (a stage that ran no
+    split gets I and W of half its B, which nothing reads)."""
+    b = got.get("B", got.get("I", 0.0) + got.get("W", 0.0))
+    f = got.get("F", got.get("Fs", 0.0))
+    return {"F": f, "B": b, "Fs": got.get("Fs", f), "I": got.get("I", b / 2), "W": got.get("W", b / 2)}

@@ -1,0 +1,79 @@
+"""Fitting a split schedule to measured costs (``pipeline/adapt.py``, ``pipeline/fitting.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.pipeline.actions import Kind, format_actions, fuse_weight_passes
+from shardwise.pipeline.adapt import fit_schedule, fully_fused, measured_costs, splits
+from shardwise.pipeline.fitting import BUILT, FITTED, FUSED, ScheduleFitter
+from shardwise.pipeline.schedules import build, stage_placement
+from shardwise.pipeline.simulate import Costs, simulate
+
+# the small GPT's two stages on this machine, in ms: the split costs the last stage about 1.7 ms a
+# micro-batch over its B (bench pipeline's profile under load)
+COSTLY_SPLIT = measured_costs(
+    [
+        {"F": 3.7, "B": 5.9, "Fs": 4.0, "I": 4.5, "W": 2.8},
+        {"F": 6.8, "B": 9.2, "Fs": 7.2, "I": 6.4, "W": 4.5},
+    ]
+)
+
+
+def test_a_costly_split_is_kept_only_where_it_fills_a_bubble() -> None:
+    """ZB-H1 on 2 ranks with the split's cost: only the last stage's last backward stays split (its W
+    runs while the first stage does its last backward), and the step is shorter than 1F1B's."""
+    placement = stage_placement("zb", 2, 1)
+    built = {r: fuse_weight_passes(a) for r, a in build("zb", 2, 1, 4).items()}
+    fitted, kept = fit_schedule(built, placement, COSTLY_SPLIT)
+    assert kept == 1
+    assert format_actions(fitted[1]) == "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1I3 1W3"
+    span = {name: simulate(s, placement, COSTLY_SPLIT).makespan for name, s in
+            [("fitted", fitted), ("built", built), ("1f1b", build("1f1b", 2, 1, 4))]}  # fmt: skip
+    assert span["fitted"] < span["1f1b"] < span["built"], span
+
+
+def test_a_free_split_keeps_the_zero_bubble_schedule_s_step() -> None:
+    """Where I + W cost what B does, the fit never lengthens the step and keeps splits that fill bubbles."""
+    costs = Costs.uniform(1.0, 2.0)
+    placement = stage_placement("zb", 4, 1)
+    built = build("zb", 4, 1, 8)
+    fitted, kept = fit_schedule(built, placement, costs)
+    assert kept > 0
+    assert simulate(fitted, placement, costs).makespan <= simulate(built, placement, costs).makespan
+    assert (
+        simulate(fitted, placement, costs).makespan < simulate(fully_fused(built), placement, costs).makespan
+    )
+
+
+def test_fully_fused_undoes_every_split() -> None:
+    schedule = fully_fused(build("zbv", 2, 2, 4))
+    assert not splits(schedule)
+    assert {a.kind for acts in schedule.values() for a in acts} == {Kind.FORWARD, Kind.BACKWARD}
+
+
+def test_the_fitter_times_two_steps_then_runs_the_fit() -> None:
+    built = {r: fuse_weight_passes(a) for r, a in build("zb", 2, 1, 4).items()}
+    fitter = ScheduleFitter(lambda m: built, (0, 1), 2)
+    cpu = torch.device("cpu")
+    seen = []
+    for _ in range(4):
+        phase = fitter.phase(4)
+        seen.append((phase, fitter.timing(4)))
+        for action in fitter.schedule(4, phase)[1]:  # rank 1's actions, as if run
+            split = action.kind is not Kind.BACKWARD and phase != FUSED
+            with fitter.timed(action, split, cpu):
+                pass
+        fitter.step_done(4, None)
+    assert seen == [(BUILT, False), (FUSED, True), (BUILT, True), (FITTED, False)]
+    assert fitter.kept[4] >= 0 and not splits({0: fitter.schedule(4, FITTED)[0]})
+
+
+def test_a_schedule_without_a_split_is_never_fitted() -> None:
+    fitter = ScheduleFitter(lambda m: build("1f1b", 2, 1, m), (0, 1), 2)
+    for _ in range(4):
+        assert fitter.phase(4) == BUILT and not fitter.timing(4)
+        fitter.step_done(4, None)
+    with pytest.raises(KeyError):
+        fitter.schedule(4, FITTED)
