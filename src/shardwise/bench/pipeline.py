@@ -26,10 +26,10 @@ has a torch step beside it in time; a round is one launch. Each row:
   over its launches.
 
 ``conditions`` says how it was measured: rounds and steps, the load average before and after, and the
-spread of the rounds' ratios (the largest (max - min) / median over the rows). The defaults (20 steps,
-3 rounds; the old 4 x 2 gave 1f1b 0.72 and 1.01 in two quiet runs) are meant to make two runs on a
-quiet machine agree within 5% on every ratio: the spread says whether one did. Launching each side
-apart (as this bench did before) left a spread of 22-26% between rounds on this 2-core machine.
+spread of the rounds' ratios (the largest (max - min) / median over the rows). The defaults (40 steps,
+3 rounds) are meant to make two runs agree within 5% on every ratio: two runs here (load 1.3-2.2)
+agreed within 2.7%, where 20 steps moved a row by 8%. Launching each side apart (as this bench did
+before) left a spread of 22-26% between rounds on this 2-core machine.
 
 torch's pipelining has hung on gloo (pytorch#132644), so every launch is a group of fresh processes
 with a deadline (``run_on_ranks``); one that hangs or fails makes that row's ``"torch"`` the reason
@@ -55,6 +55,7 @@ from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
 from shardwise.pipeline.validate import ScheduleError
 
+PROFILE_REPEATS = 10  # each stage's F, B, I and W: medians (3 left the simulated bubble +-0.05 between runs)
 TORCH_PEER = {"zb": "Schedule1F1B"}  # torch has no ZB-H1: our zb is measured against its 1F1B
 
 
@@ -294,7 +295,7 @@ def run_rounds(
 def run_pipeline_bench(
     nproc: int = 2,
     microbatches: int = 4,
-    steps: int = 20,
+    steps: int = 40,
     rounds: int = 3,
     preset: str = "small",
     global_batch: int = 8,
@@ -316,7 +317,7 @@ def run_pipeline_bench(
     load_before = os.getloadavg()[0]
     rows = []
     for name, config in zip(names, configs, strict=True):
-        costs = profile_costs(config, nproc, repeats=3, timeout_s=timeout_s)
+        costs = profile_costs(config, nproc, repeats=PROFILE_REPEATS, timeout_s=timeout_s)
         torch_class = TORCH_PEER.get(name) or SCHEDULES[name].torch_class or "Schedule1F1B"
         ours, theirs = run_rounds(config, nproc, torch_class, rounds, timeout_s)
         tokens = global_batch * config.model.seq_len
