@@ -35,12 +35,19 @@ class ScheduleFitter:
     """Which schedule each step runs, and the timings that fit it (module docstring)."""
 
     def __init__(self, build: Callable[[int], Schedule], placement: tuple[int, ...], stages: int) -> None:
-        self.build, self.placement, self.stages = build, placement, stages
+        self._build, self.placement, self.stages = build, placement, stages
+        self._built: dict[int, Schedule] = {}  # micro-batch count -> the schedule as built
         self._steps: dict[int, int] = {}  # micro-batch count -> steps run with it
         self._fitted: dict[int, Schedule] = {}
         self.kept: dict[int, int] = {}  # micro-batch count -> split backwards the fitted schedule kept
         self._timed: list[tuple[int, str, Any, Any]] = []  # (stage, kind, start, end) this step
         self._sums = torch.zeros(stages, len(KINDS), 2, dtype=torch.float64, device=HOST)  # seconds, count
+
+    def build(self, microbatches: int) -> Schedule:
+        """The schedule as built for ``microbatches`` (built once: a large one takes milliseconds)."""
+        if microbatches not in self._built:
+            self._built[microbatches] = self._build(microbatches)
+        return self._built[microbatches]
 
     def phase(self, microbatches: int) -> str:
         """What step ``microbatches`` runs now: ``BUILT``, ``FUSED`` or ``FITTED``."""
