@@ -3,9 +3,10 @@
 One launch builds both sides on every rank from the same seed (two copies of the same stage modules):
 ours through ``parallelize`` (its own groups on the pp axis), torch's as ``PipelineStage`` + the
 schedule class over the default group, with the tied embedding and head's gradient and values
-exchanged by hand as its users must (``_TiedByHand``). The steps alternate (ours then torch's, then torch's then
-ours, ...), so each of our steps has a torch step beside it in time: whatever the machine does to
-one (another process, a clock change) it does to the other, and the ratio of a pair cancels it. A
+exchanged by hand as its users must (``_TiedByHand``). The steps alternate (ours then torch's,
+then torch's then ours, ...), so each of our steps has a torch step beside it in time: whatever the
+machine does to one (another process, a clock change) it does to the other, and the ratio of a pair
+cancels it. A
 launch where torch's side hangs or fails falls back to ours alone (``ours_worker``), so our row still
 has its figures. Communication: whatever each side does; ours point-to-point through ``Comm``.
 """
