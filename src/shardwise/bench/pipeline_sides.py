@@ -6,9 +6,9 @@ schedule class over the default group, with the tied embedding and head's gradie
 exchanged by hand as its users must (``_TiedByHand``). The steps alternate (ours then torch's,
 then torch's then ours, ...), so each of our steps has a torch step beside it in time: whatever the
 machine does to one (another process, a clock change) it does to the other, and the ratio of a pair
-cancels it. A
-launch where torch's side hangs or fails falls back to ours alone (``ours_worker``), so our row still
-has its figures. Communication: whatever each side does; ours point-to-point through ``Comm``.
+cancels it. A launch where torch's side hangs or fails falls back to ours alone (``ours_worker``),
+so our row still has its figures. Communication: whatever each side does; ours point-to-point
+through ``Comm``.
 """
 
 from __future__ import annotations
