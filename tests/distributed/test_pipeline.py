@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from shardwise.pipeline.actions import fuse_weight_passes
+from shardwise.pipeline.actions import fuse_schedule
 from shardwise.pipeline.adapt import fully_fused
 from shardwise.pipeline.schedules import build
 from shardwise.testing import run_on_ranks
@@ -292,7 +292,7 @@ def test_trace_records_every_action_of_every_rank(tmp_path: Path) -> None:
     actions = [(e["pid"], e["name"]) for e in events if "kind" in e.get("args", {})]  # one span per action
     # the fit's first two steps (pipeline/fitting.py): as built (the first stage's I and W one B),
     # then every backward one B
-    built = {rank: fuse_weight_passes(acts) for rank, acts in build("zb", 2, 1, 4).items()}
+    built = fuse_schedule(build("zb", 2, 1, 4))
     steps = [built, fully_fused(built)]
     expected = [(rank, str(a)) for schedule in steps for rank in (0, 1) for a in schedule[rank]]
     assert sorted(actions) == sorted(expected)

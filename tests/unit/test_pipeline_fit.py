@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.pipeline.actions import Kind, format_actions, fuse_weight_passes
+from shardwise.pipeline.actions import Kind, format_actions, fuse_schedule
 from shardwise.pipeline.adapt import fit_schedule, fully_fused, measured_costs, splits
 from shardwise.pipeline.fitting import BUILT, FITTED, FUSED, ScheduleFitter
 from shardwise.pipeline.schedules import build, stage_placement
@@ -25,7 +25,7 @@ def test_a_costly_split_is_kept_only_where_it_fills_a_bubble() -> None:
     """ZB-H1 on 2 ranks with the split's cost: only the last stage's last backward stays split (its W
     runs while the first stage does its last backward), and the step is shorter than 1F1B's."""
     placement = stage_placement("zb", 2, 1)
-    built = {r: fuse_weight_passes(a) for r, a in build("zb", 2, 1, 4).items()}
+    built = fuse_schedule(build("zb", 2, 1, 4))
     fitted, kept = fit_schedule(built, placement, COSTLY_SPLIT)
     assert kept == 1
     assert format_actions(fitted[1]) == "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1I3 1W3"
@@ -54,7 +54,7 @@ def test_fully_fused_undoes_every_split() -> None:
 
 
 def test_the_fitter_times_two_steps_then_runs_the_fit() -> None:
-    built = {r: fuse_weight_passes(a) for r, a in build("zb", 2, 1, 4).items()}
+    built = fuse_schedule(build("zb", 2, 1, 4))
     fitter = ScheduleFitter(lambda m: built, (0, 1), 2)
     cpu = torch.device("cpu")
     seen = []

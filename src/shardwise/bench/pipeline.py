@@ -127,9 +127,9 @@ def _ran(ours: Launches | str) -> dict[int, list[Any]] | None:
 
 def _as_run(name: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[Any]]:
     """The schedule as the runtime runs it: the first stage's I and W back to back as one B."""
-    from shardwise.pipeline.actions import fuse_weight_passes
+    from shardwise.pipeline.actions import fuse_schedule
 
-    return {r: fuse_weight_passes(acts) for r, acts in build(name, pp, virtual, microbatches).items()}
+    return fuse_schedule(build(name, pp, virtual, microbatches))
 
 
 def _mean(value: float | tuple[float, ...]) -> float:

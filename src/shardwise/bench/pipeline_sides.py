@@ -35,45 +35,37 @@ Step = Callable[[int], None]
 def paired_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -> dict[str, Any]:
     """Both sides on this rank, their steps alternating: ``{"ours": ..., "torch": ...}``, each with
     its measured step times in the order they ran (step k of one beside step k of the other)."""
-    from shardwise.observe.monitor import MONITOR
-
     config = config.validate(world)
-    ours, theirs = _ours_step(config), _torch_step(config, world, rank, torch_class)
-    times: dict[str, list[float]] = {"ours": [], "torch": []}
-    spans = []
-    MONITOR.tracing = True
-    for step in range(config.steps):
-        order = ("ours", "torch") if step % 2 == 0 else ("torch", "ours")
-        for side in order:
-            MONITOR.spans.clear()
-            started = time.perf_counter()
-            (ours if side == "ours" else theirs)(step)
-            times[side].append(time.perf_counter() - started)
-            if side == "ours":
-                spans.append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
-    MONITOR.tracing = False
-    return {
-        "ours": {"step_s": times["ours"][WARMUP_STEPS:], "spans": spans[WARMUP_STEPS:]},
-        "torch": {"step_s": times["torch"][WARMUP_STEPS:]},
-    }
+    return _alternate(
+        config, {"ours": _ours_step(config), "torch": _torch_step(config, world, rank, torch_class)}
+    )
 
 
 def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
     """Our runtime alone on this rank (the fallback when torch's side cannot run)."""
+    config = config.validate(world)
+    return _alternate(config, {"ours": _ours_step(config)})["ours"]
+
+
+def _alternate(config: TrainConfig, sides: dict[str, Step]) -> dict[str, Any]:
+    """``config.steps`` steps of every side, in turn (the order flips every step); per side its step
+    times after warm-up, and for ours each measured step's action spans."""
     from shardwise.observe.monitor import MONITOR
 
-    config = config.validate(world)
-    ours = _ours_step(config)
-    times, spans = [], []
+    names = list(sides)
+    out: dict[str, dict[str, list[Any]]] = {name: {"step_s": []} for name in names}
+    out["ours"]["spans"] = []
     MONITOR.tracing = True
     for step in range(config.steps):
-        MONITOR.spans.clear()
-        started = time.perf_counter()
-        ours(step)
-        times.append(time.perf_counter() - started)
-        spans.append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
+        for name in names if step % 2 == 0 else names[::-1]:
+            MONITOR.spans.clear()
+            started = time.perf_counter()
+            sides[name](step)
+            out[name]["step_s"].append(time.perf_counter() - started)
+            if name == "ours":
+                out[name]["spans"].append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
     MONITOR.tracing = False
-    return {"step_s": times[WARMUP_STEPS:], "spans": spans[WARMUP_STEPS:]}
+    return {name: {key: values[WARMUP_STEPS:] for key, values in got.items()} for name, got in out.items()}
 
 
 def _plain(span: Span) -> tuple[str, float, float, dict[str, Any]]:

@@ -75,6 +75,11 @@ def fuse_weight_passes(actions: Sequence[Action]) -> list[Action]:
     return out
 
 
+def fuse_schedule(schedule: Mapping[int, Sequence[Action]]) -> Schedule:
+    """``fuse_weight_passes`` on every rank's list: the schedule as the runtime starts it."""
+    return {rank: fuse_weight_passes(actions) for rank, actions in schedule.items()}
+
+
 _ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
 
 

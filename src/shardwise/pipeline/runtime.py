@@ -59,7 +59,7 @@ from shardwise.collectives.p2p import Work
 from shardwise.engine.linear import DeferredWeightGrad, WeightGradStore, apply_weight_grads
 from shardwise.engine.loss import rows
 from shardwise.observe.monitor import MONITOR
-from shardwise.pipeline.actions import Action, Kind, Transfer, fuse_weight_passes
+from shardwise.pipeline.actions import Action, Kind, Transfer, fuse_schedule
 from shardwise.pipeline.deferred import defer_weight_grads
 from shardwise.pipeline.fitting import ScheduleFitter
 from shardwise.pipeline.messages import plan
@@ -90,7 +90,7 @@ class PipelineRunner:
         self.tied = TiedExchange(split, comm, self.placement, self._posting)
         # the first stage's I followed by its W is one B; a split schedule is then fitted to the run
         self.fitter = ScheduleFitter(
-            lambda m: {rank: fuse_weight_passes(mine) for rank, mine in schedule(m).items()},
+            lambda m: fuse_schedule(schedule(m)),
             self.placement,
             len(self.placement),
         )
