@@ -94,6 +94,26 @@ def test_no_transfer_between_stages_on_one_rank() -> None:
     assert run("zbv", 1, 2, 3, slow).makespan == run("zbv", 1, 2, 3, DOUBLE).makespan == 18.0
 
 
+def test_posting_a_send_occupies_its_sender_and_is_not_busy_time() -> None:
+    """GPipe, p 2, m 1: 0F0, posting its activation (s), the hop (t), 1F0 1B0, the gradient's post and
+    hop, 0B0: makespan F + s + t + F + B + s + t + B; the busy time is the compute alone."""
+    s, t = 0.5, 0.25
+    plain = run("gpipe", 2, 1, 1, Costs.uniform(forward=1.0, backward=2.0, transfer=t))
+    posted = run("gpipe", 2, 1, 1, Costs(1.0, 2.0, 1.0, 1.0, transfer=t, send=s))
+    assert plain.makespan == pytest.approx(6.0 + 2 * t)
+    assert posted.makespan == pytest.approx(6.0 + 2 * (s + t))
+    assert posted.busy == plain.busy == {0: 3.0, 1: 3.0}
+    assert posted.bubble > plain.bubble
+
+
+def test_posting_delays_the_senders_next_action() -> None:
+    """1F1B, p 2, m 2: rank 0 posts 0F0's activation before it starts 0F1, so 0F1 starts at F + s."""
+    s = 0.5
+    timeline = run("1f1b", 2, 1, 2, Costs(1.0, 2.0, 1.0, 1.0, send=s))
+    assert [slot.start for slot in timeline.slots[0][:2]] == pytest.approx([0.0, 1.0 + s])
+    assert run("zbv", 1, 2, 3, Costs(1.0, 2.0, 1.0, 1.0, send=s)).makespan == 18.0  # one rank posts nothing
+
+
 def test_per_stage_costs() -> None:
     """An uneven last stage (twice the cost) sets the 1F1B steady-state pace."""
     costs = Costs(forward=(1.0, 2.0), backward=(2.0, 4.0))

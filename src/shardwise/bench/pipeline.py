@@ -14,8 +14,9 @@ has a torch step beside it in time; a round is one launch. Each row:
 - ``bubble_simulated``: ``pipeline.simulate`` of the schedule our side ran (a split schedule is fitted
   to the run first, ``pipeline/fitting.py``; read off the last measured step's spans), fed with a
   separate profile's costs (``pipeline_profile``:
-  each rank's stages' F, B, I and W alone, all ranks at once, and one activation's transfer time;
-  never from the timeline it is compared with);
+  each rank's stages' F, B, I and W alone, all ranks at once; what posting one activation takes its
+  sender and its transfer time, posted as the runtime posts it; never from the timeline it is
+  compared with);
 - ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
@@ -55,7 +56,8 @@ from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
 from shardwise.pipeline.validate import ScheduleError
 
-PROFILE_REPEATS = 10  # each stage's F, B, I and W: medians (3 left the simulated bubble +-0.05 between runs)
+# each stage's F, B, I and W: medians (3 left the simulated bubble +-0.05 between runs; 10, 0.15-0.23 for zbv)
+PROFILE_REPEATS = 40
 TORCH_PEER = {"zb": "Schedule1F1B"}  # torch has no ZB-H1: our zb is measured against its 1F1B
 
 
@@ -184,8 +186,8 @@ def row(
 
 
 def _profiled_ms(costs: Costs) -> dict[str, Any]:
-    """The simulator's costs in ms: per kind, per stage; and one activation's transfer."""
-    out: dict[str, Any] = {"transfer": round(1e3 * costs.transfer, 3)}
+    """The simulator's costs in ms: per kind, per stage; one activation's transfer and its post."""
+    out: dict[str, Any] = {"transfer": round(1e3 * costs.transfer, 3), "send": round(1e3 * costs.send, 3)}
     kinds = (costs.forward, costs.backward, costs.input_grad, costs.weight_grad)
     for kind, value in zip("FBIW", kinds, strict=True):
         out[kind] = [round(1e3 * c, 3) for c in value] if isinstance(value, tuple) else round(1e3 * value, 3)

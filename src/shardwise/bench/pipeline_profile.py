@@ -5,9 +5,17 @@ thread count, competing for the same cores and memory), every rank times the F, 
 stages the schedule places on it, each alone, computed as the runtime computes them: F the stage and,
 on the last, the loss; B its backward; I the same backward with the stage's linear layers keeping
 their weight gradients (``engine/linear.py``); W those kept gradients computed. Repeats are
-interleaved with barriers so the ranks compute together; medians. Then ranks 0 and 1 send one
-activation back and forth: half the round trip is the simulator's transfer time. Never timed on the
-runs it is compared with. Communication: barriers and the ping-pong, over gloo.
+interleaved with barriers so the ranks compute together; medians. Then the messages, posted as the
+runtime posts them (``tied.Posted`` on a ``CommThread``, through ``Comm``), each rank computing its
+first stage's forward before it sends: ``send``, what posting one activation takes its sender while
+both ranks compute and exchange (0.2-0.4 ms here: the posting thread's share of the GIL and gloo's
+work, on a machine whose other core computes); ``transfer``, half the round trip of a relay (one
+rank computes and sends on while the other waits in its receive) less the computes and the posts.
+A bare ping-pong with nothing computed between gave 0.1 ms and no sender's cost, where an action in
+a run started 0.3-0.5 ms after the remote one it waited for (a ``/tmp`` probe of the runtime's spans;
+with these two costs the simulator, fed each step's own durations, came within 0.03 of the step's
+measured bubble, 0.06-0.09 without). Never timed on the runs it is compared with. Communication:
+barriers, the relay and the exchange between ranks 0 and 1, one send of rank 1's medians, over gloo.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from shardwise.pipeline.simulate import Costs
 from shardwise.pipeline.split import Split
 from shardwise.testing.harness import RankFailure, run_on_ranks
 
-PING_PONGS = 20
+HAND_OFFS = 30
 
 
 def launch(
@@ -131,7 +139,13 @@ def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, rep
         median = {k: statistics.median(v[1:]) for k, v in kinds.items() if v}
         median.setdefault("Fs", median["F"])  # a schedule without a split: nothing reads Fs, I or W
         costs[s] = {"I": median["B"] / 2, "W": median["B"] / 2, **median}
-    return {"costs": costs, "transfer": _ping_pong(rank, inputs[-1])}
+    first = mine[0]
+
+    def work() -> Any:  # this rank's first stage's forward, as in the run
+        return modules[first](inputs[first])
+
+    send, transfer = _messages(rank, inputs[-1], work)
+    return {"costs": costs, "transfer": transfer, "send": send}
 
 
 def _time_stage(
@@ -168,24 +182,65 @@ def _time_stage(
     return out
 
 
-def _ping_pong(rank: int, activation: torch.Tensor) -> float:
-    """Half the median round trip of one activation between ranks 0 and 1 (0 elsewhere)."""
+def _messages(rank: int, activation: torch.Tensor, work: Callable[[], Any]) -> tuple[float, float]:
+    """``(send, transfer)`` of one activation between ranks 0 and 1, posted as the runtime posts it
+    (``tied.Posted`` on a ``CommThread``, through ``Comm``); (0, 0) on the other ranks. ``send``:
+    the median time posting one takes its sender, both ranks computing and exchanging as in a
+    steady 1F1B; ``transfer``: the relay's hop (module docstring) less its sender's posting."""
     import torch.distributed as dist
 
-    buffer = torch.empty_like(activation)
-    trips = []
-    dist.barrier()
-    for _ in range(PING_PONGS + 1):
+    from shardwise.collectives.api import Comm
+    from shardwise.collectives.comm_thread import CommThread
+    from shardwise.pipeline.tied import Posted
+
+    comm, thread = Comm(None), CommThread()
+    buffer, peer = torch.empty_like(activation), 1 - rank
+
+    def post_send() -> tuple[Posted, float]:
         started = time.perf_counter()
-        if rank == 0:
-            dist.send(activation, 1)
-            dist.recv(buffer, 1)
-        elif rank == 1:
-            dist.recv(buffer, 0)
-            dist.send(activation, 0)
-        trips.append(time.perf_counter() - started)
+        sent = Posted(thread, comm.isend, activation, peer)
+        time.sleep(0)  # the posting thread takes the GIL for its share of the post, as in a run
+        return sent, time.perf_counter() - started
+
+    def computed() -> float:
+        started = time.perf_counter()
+        work()
+        return time.perf_counter() - started
+
+    trips, computes, posts, exchanged = [], [], [], []
     dist.barrier()
-    return statistics.median(trips[1:]) / 2 if rank == 0 else 0.0
+    if rank in (0, 1):
+        with torch.no_grad():
+            for _ in range(HAND_OFFS + 1):  # the relay: one computes, the other waits to receive
+                started = time.perf_counter()
+                if rank == 1:
+                    Posted(thread, comm.irecv, buffer, peer).wait()
+                computes.append(computed())
+                sent, posting = post_send()
+                posts.append(posting)
+                if rank == 0:
+                    Posted(thread, comm.irecv, buffer, peer).wait()
+                sent.wait()
+                trips.append(time.perf_counter() - started)
+            for _ in range(HAND_OFFS + 1):  # the exchange: both compute, then send to the other
+                received = Posted(thread, comm.irecv, buffer, peer)
+                computed()
+                sent, posting = post_send()
+                exchanged.append(posting)
+                received.wait()
+                sent.wait()
+    mine = [statistics.median(v[1:]) if v else 0.0 for v in (computes, posts, exchanged)]
+    table = torch.tensor(mine, dtype=torch.float64)
+    if rank == 1:
+        dist.send(table, 0)
+    elif rank == 0:
+        dist.recv(table, 1)
+    dist.barrier()
+    if rank != 0:
+        return 0.0, 0.0
+    theirs = table.tolist()
+    hop = (statistics.median(trips[1:]) - mine[0] - theirs[0] - mine[1] - theirs[1]) / 2
+    return (mine[2] + theirs[2]) / 2, max(0.0, hop)
 
 
 def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: float) -> Costs:
@@ -197,4 +252,4 @@ def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: floa
         raise RuntimeError(f"the stage profile did not finish: {problem}")
     merged = {s: kinds for result in results for s, kinds in result["costs"].items()}
     costs = measured_costs([merged[s] for s in sorted(merged)])  # as the runtime's fit reads its own
-    return replace(costs, transfer=results[0]["transfer"])
+    return replace(costs, transfer=results[0]["transfer"], send=results[0]["send"])

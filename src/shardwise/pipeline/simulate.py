@@ -1,10 +1,12 @@
 """Predict a schedule's timeline and bubble from per-stage costs, without processes.
 
 Each rank runs its list in order; an action starts when the rank is free and everything it depends
-on (``validate.dependencies``) has finished, plus ``transfer`` when that came from another rank. A
-transfer is pure latency: it neither occupies the sender or receiver nor contends for a link (the
-runtime sends asynchronously with receives posted ahead). The result is the earliest-start timeline
-of the list as written, i.e. a longest path through its dependency graph.
+on (``validate.dependencies``) has finished, plus ``transfer`` when that came from another rank.
+Posting a message occupies its sender for ``send`` after the action that produced it (the runtime
+posts it at the boundary before its next action; idle, not busy, time), and the message leaves then;
+the transfer itself is latency: it occupies neither end and contends for no link (the runtime sends
+asynchronously with receives posted ahead). The result is the earliest-start timeline of the list as
+written, i.e. a longest path through its dependency graph.
 
 Bubble fraction = idle time / total time over all ranks = ``1 - sum(busy) / (p * makespan)``, with
 every rank's time running from 0 to the last action's end on any rank. With the same costs on every
@@ -26,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shardwise.observe.monitor import Span
-from shardwise.pipeline.actions import Action, Kind
+from shardwise.pipeline.actions import Action, Kind, transfers
 from shardwise.pipeline.validate import backward_kinds, dependencies, validate
 
 PerStage = float | tuple[float, ...]  # one cost for every stage, or one per stage
@@ -34,7 +36,8 @@ PerStage = float | tuple[float, ...]  # one cost for every stage, or one per sta
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds (or any unit) per action kind, per stage; ``transfer`` per message.
+    """Seconds (or any unit) per action kind, per stage; ``transfer`` per message, and ``send``: what
+    posting one occupies its sender (module docstring; 0 unless given).
 
     Convention: ``backward`` is a full B; a split backward costs ``input_grad`` (I) and
     ``weight_grad`` (W), which ``uniform`` sets to half of B each unless given.
@@ -45,6 +48,7 @@ class Costs:
     input_grad: PerStage = 1.0
     weight_grad: PerStage = 1.0
     transfer: float = 0.0
+    send: float = 0.0
 
     @classmethod
     def uniform(
@@ -123,7 +127,9 @@ def simulate(schedule: Mapping[int, Sequence[Action]], placement: Sequence[int],
     microbatches = 1 + max((a.microbatch for acts in schedule.values() for a in acts), default=0)
     validate(schedule, placement, microbatches)
     backward_kind = backward_kinds(schedule)
+    posting = _posts(schedule, placement, costs.send)
     end: dict[Action, float] = {}
+    leaves: dict[Action, float] = {}  # when what an action sends to another rank is posted
     slots: dict[int, list[Slot]] = {rank: [] for rank in schedule}
     clock = {rank: 0.0 for rank in schedule}
     moved = True
@@ -135,13 +141,24 @@ def simulate(schedule: Mapping[int, Sequence[Action]], placement: Sequence[int],
                 needs = dependencies(action, len(placement), backward_kind)
                 if any(n not in end for n in needs):
                     break
-                ready = [end[n] + (costs.transfer if placement[n.stage] != rank else 0.0) for n in needs]
+                ready = [leaves[n] + costs.transfer if placement[n.stage] != rank else end[n] for n in needs]
                 start = max([clock[rank], *ready])
-                clock[rank] = end[action] = start + costs.of(action)
+                end[action] = start + costs.of(action)
+                clock[rank] = leaves[action] = end[action] + posting[rank][len(slots[rank])]
                 slots[rank].append(Slot(action, start, end[action]))
                 moved = True
     busy = {rank: sum(s.end - s.start for s in rank_slots) for rank, rank_slots in slots.items()}
-    return Timeline(slots, max(clock.values(), default=0.0), busy)
+    return Timeline(slots, max(end.values(), default=0.0), busy)
+
+
+def _posts(
+    schedule: Mapping[int, Sequence[Action]], placement: Sequence[int], send: float
+) -> dict[int, list[float]]:
+    """Per rank, per action: the time posting its messages to other ranks occupies the rank."""
+    return {
+        rank: [send * len(sends) for _, _, sends in transfers(rank, actions, placement)]
+        for rank, actions in schedule.items()
+    }
 
 
 def format_timeline(timeline: Timeline) -> str:
