@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from shardwise.config import TrainConfig
+from shardwise.device import HOST
 from shardwise.pipeline.adapt import measured_costs
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
 from shardwise.pipeline.simulate import Costs
@@ -230,7 +231,7 @@ def _messages(rank: int, activation: torch.Tensor, work: Callable[[], Any]) -> t
                 received.wait()
                 sent.wait()
     mine = [statistics.median(v[1:]) if v else 0.0 for v in (computes, posts, exchanged)]
-    table = torch.tensor(mine, dtype=torch.float64)
+    table = torch.tensor(mine, dtype=torch.float64, device=HOST)
     if rank == 1:
         dist.send(table, 0)
     elif rank == 0:
