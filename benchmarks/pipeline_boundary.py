@@ -7,7 +7,8 @@ under our runtime with the action spans recorded, and times the step spine's pha
 engine's and the runner's methods with a clock (no code of ours changed). Per rank, medians over the
 measured steps: the step; the actions' busy time; the time before the first action and after the last;
 and each phase (the global count, the tied weight's values and gradient, the finite check, the
-agreement, the norm, the optimizer). Writes ``benchmarks/results/pipeline-boundary.json``.
+agreement, the norm's share, the boundary's one all-reduce, the optimizer). Writes
+``benchmarks/results/pipeline-boundary.json``.
 
 What it showed (see that file): on a quiet machine the last stage's actions run back to back (gaps under
 1 ms), and about 20 ms of a 67 ms 1F1B step is outside the actions, at the step boundary: the update's
@@ -33,8 +34,10 @@ from shardwise.pipeline.schedules import SCHEDULES
 from shardwise.testing import run_on_ranks
 
 ENGINE_PHASES = (
-    "global_count", "nonfinite_grad", "clip_gradients", "run_optimizers", "update", "forward_backward",
+    "global_count", "nonfinite_grad", "grad_norm_sq", "clip_gradients", "run_optimizers", "update",
+    "forward_backward",
 )  # fmt: skip
+BOUNDARY_PHASES = ("boundary_sums",)  # engine/nonfinite.py, as engine/base.py calls it
 TIED_PHASES = ("post_values", "wait_values", "add_gradient")  # pipeline/tied.py
 STEPS, WARMUP = 22, 2
 
@@ -70,6 +73,10 @@ def _worker(rank: int, world: int, config: Any) -> dict[str, Any]:
         _timed(engine, name, phases)
     for name in TIED_PHASES:
         _timed(engine.runner.tied, name, phases)
+    import shardwise.engine.base as spine
+
+    for name in BOUNDARY_PHASES:
+        _timed(spine, name, phases)
     MONITOR.tracing = True
     for step in range(config.steps):
         MONITOR.spans.clear()

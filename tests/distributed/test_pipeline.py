@@ -306,5 +306,5 @@ def test_bench_pipeline_measures_both_sides_of_a_schedule() -> None:
     assert row["schedule"] == "1f1b" and row["torch_class"] == "Schedule1F1B"
     for key in ("bubble_measured", "bubble_simulated", "bubble_theory", "speed_ratio"):
         assert isinstance(row[key], float) and row[key] >= 0, (key, row)
-    # the profile's message costs, posted as the runtime posts them: posting takes its sender time
-    assert row["profiled_ms"]["send"] > 0 and row["profiled_ms"]["transfer"] >= 0, row["profiled_ms"]
+    # the profile's message costs, posted as the runtime posts them: posting is measured (0 unmeasured)
+    assert row["profiled_ms"]["send"] > 0, row["profiled_ms"]

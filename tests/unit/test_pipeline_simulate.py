@@ -99,7 +99,7 @@ def test_posting_a_send_occupies_its_sender_and_is_not_busy_time() -> None:
     hop, 0B0: makespan F + s + t + F + B + s + t + B; the busy time is the compute alone."""
     s, t = 0.5, 0.25
     plain = run("gpipe", 2, 1, 1, Costs.uniform(forward=1.0, backward=2.0, transfer=t))
-    posted = run("gpipe", 2, 1, 1, Costs(1.0, 2.0, 1.0, 1.0, transfer=t, send=s))
+    posted = run("gpipe", 2, 1, 1, Costs.uniform(forward=1.0, backward=2.0, transfer=t, send=s))
     assert plain.makespan == pytest.approx(6.0 + 2 * t)
     assert posted.makespan == pytest.approx(6.0 + 2 * (s + t))
     assert posted.busy == plain.busy == {0: 3.0, 1: 3.0}
@@ -109,9 +109,10 @@ def test_posting_a_send_occupies_its_sender_and_is_not_busy_time() -> None:
 def test_posting_delays_the_senders_next_action() -> None:
     """1F1B, p 2, m 2: rank 0 posts 0F0's activation before it starts 0F1, so 0F1 starts at F + s."""
     s = 0.5
-    timeline = run("1f1b", 2, 1, 2, Costs(1.0, 2.0, 1.0, 1.0, send=s))
+    timeline = run("1f1b", 2, 1, 2, Costs.uniform(forward=1.0, backward=2.0, send=s))
     assert [slot.start for slot in timeline.slots[0][:2]] == pytest.approx([0.0, 1.0 + s])
-    assert run("zbv", 1, 2, 3, Costs(1.0, 2.0, 1.0, 1.0, send=s)).makespan == 18.0  # one rank posts nothing
+    one_rank = Costs.uniform(forward=1.0, backward=2.0, send=s)
+    assert run("zbv", 1, 2, 3, one_rank).makespan == 18.0  # one rank posts nothing
 
 
 def test_per_stage_costs() -> None:

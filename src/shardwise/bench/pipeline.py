@@ -56,7 +56,7 @@ from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
 from shardwise.pipeline.validate import ScheduleError
 
-# each stage's F, B, I and W: medians (3 left the simulated bubble +-0.05 between runs; 10, 0.15-0.23 for zbv)
+# each stage's F, B, I and W: medians (zbv's simulated bubble was 0.15-0.23 over runs at 10, 0.19-0.21 at 40)
 PROFILE_REPEATS = 40
 TORCH_PEER = {"zb": "Schedule1F1B"}  # torch has no ZB-H1: our zb is measured against its 1F1B
 

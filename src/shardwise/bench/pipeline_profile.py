@@ -8,14 +8,15 @@ their weight gradients (``engine/linear.py``); W those kept gradients computed. 
 interleaved with barriers so the ranks compute together; medians. Then the messages, posted as the
 runtime posts them (``tied.Posted`` on a ``CommThread``, through ``Comm``), each rank computing its
 first stage's forward before it sends: ``send``, what posting one activation takes its sender while
-both ranks compute and exchange (0.2-0.4 ms here: the posting thread's share of the GIL and gloo's
-work, on a machine whose other core computes); ``transfer``, half the round trip of a relay (one
-rank computes and sends on while the other waits in its receive) less the computes and the posts.
-A bare ping-pong with nothing computed between gave 0.1 ms and no sender's cost, where an action in
-a run started 0.3-0.5 ms after the remote one it waited for (a ``/tmp`` probe of the runtime's spans;
-with these two costs the simulator, fed each step's own durations, came within 0.03 of the step's
-measured bubble, 0.06-0.09 without). Never timed on the runs it is compared with. Communication:
-barriers, the relay and the exchange between ranks 0 and 1, one send of rank 1's medians, over gloo.
+both ranks compute and exchange (0.14-0.28 ms here: the posting thread's share of the GIL and
+gloo's work, on a machine whose other core computes); ``transfer``, per trip of a relay (one rank
+computes and sends on while the other waits in its receive) half the round trip less both computes
+and both posts, the median over trips. A bare ping-pong with nothing computed between gave 0.1 ms
+and no sender's cost, where an action in a run started 0.3-0.5 ms after the remote one it waited
+for (``benchmarks/pipeline_sim_check.py`` feeds the simulator each step's own action times, to see
+how near it comes to the step's measured bubble). Never timed on the runs it is compared with.
+Communication: barriers, the relay and the exchange between ranks 0 and 1, one send of rank 1's
+timings to rank 0, over gloo.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from shardwise.pipeline.adapt import measured_costs
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
 from shardwise.pipeline.simulate import Costs
 from shardwise.pipeline.split import Split
+from shardwise.pipeline.tied import Posted
 from shardwise.testing.harness import RankFailure, run_on_ranks
 
 HAND_OFFS = 30
@@ -101,8 +103,8 @@ def split_stage_modules(
 
 
 def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:
-    """This rank's stages' median seconds per kind (``{stage: {"F": s, ...}}``) and, on rank 0, the
-    one-way transfer time of one activation (see the module docstring)."""
+    """This rank's stages' median seconds per kind (``{stage: {"F": s, ...}}``) and, on rank 0, what
+    posting one activation takes its sender and its transfer time (see the module docstring)."""
     import torch.distributed as dist
 
     from shardwise.engine.linear import WeightGradStore
@@ -183,65 +185,93 @@ def _time_stage(
     return out
 
 
-def _messages(rank: int, activation: torch.Tensor, work: Callable[[], Any]) -> tuple[float, float]:
-    """``(send, transfer)`` of one activation between ranks 0 and 1, posted as the runtime posts it
-    (``tied.Posted`` on a ``CommThread``, through ``Comm``); (0, 0) on the other ranks. ``send``:
-    the median time posting one takes its sender, both ranks computing and exchanging as in a
-    steady 1F1B; ``transfer``: the relay's hop (module docstring) less its sender's posting."""
-    import torch.distributed as dist
+class _Poster:
+    """Messages between ranks 0 and 1 posted as the runtime posts them (``tied.Posted`` on a
+    ``CommThread``, through ``Comm``), with this rank's stage forward as the work between them."""
 
-    from shardwise.collectives.api import Comm
-    from shardwise.collectives.comm_thread import CommThread
-    from shardwise.pipeline.tied import Posted
+    def __init__(self, rank: int, activation: torch.Tensor, work: Callable[[], Any]) -> None:
+        from shardwise.collectives.api import Comm
+        from shardwise.collectives.comm_thread import CommThread
 
-    comm, thread = Comm(None), CommThread()
-    buffer, peer = torch.empty_like(activation), 1 - rank
+        self.comm, self.thread = Comm(None), CommThread()
+        self.activation, self.buffer, self.peer = activation, torch.empty_like(activation), 1 - rank
+        self.work = work
 
-    def post_send() -> tuple[Posted, float]:
+    def receive(self) -> Posted:
+        return Posted(self.thread, self.comm.irecv, self.buffer, self.peer)
+
+    def send(self) -> tuple[Posted, float]:
+        """Post the activation; with the seconds it took this thread (the posting thread is handed
+        the GIL for its share of the post at once, as it takes it in a run at the next operation)."""
         started = time.perf_counter()
-        sent = Posted(thread, comm.isend, activation, peer)
-        time.sleep(0)  # the posting thread takes the GIL for its share of the post, as in a run
+        sent = Posted(self.thread, self.comm.isend, self.activation, self.peer)
+        time.sleep(0)
         return sent, time.perf_counter() - started
 
-    def computed() -> float:
+    def compute(self) -> float:
         started = time.perf_counter()
-        work()
+        self.work()
         return time.perf_counter() - started
 
-    trips, computes, posts, exchanged = [], [], [], []
+
+def _relay(rank: int, poster: _Poster) -> list[list[float]]:
+    """``HAND_OFFS + 1`` trips of the relay: one rank computes and sends on while the other waits in
+    its receive. Per trip: ``[round trip (rank 0's), this rank's compute, this rank's post]``."""
+    trips = []
+    for _ in range(HAND_OFFS + 1):
+        started = time.perf_counter()
+        if rank == 1:
+            poster.receive().wait()
+        computed = poster.compute()
+        sent, posting = poster.send()
+        if rank == 0:
+            poster.receive().wait()
+        sent.wait()
+        trips.append([time.perf_counter() - started, computed, posting])
+    return trips
+
+
+def _exchange(poster: _Poster) -> list[float]:
+    """``HAND_OFFS + 1`` rounds in which both ranks compute, then send to each other: the seconds
+    each post took its sender, as in a steady 1F1B."""
+    posts = []
+    for _ in range(HAND_OFFS + 1):
+        received = poster.receive()
+        poster.compute()
+        sent, posting = poster.send()
+        posts.append(posting)
+        received.wait()
+        sent.wait()
+    return posts
+
+
+def _messages(rank: int, activation: torch.Tensor, work: Callable[[], Any]) -> tuple[float, float]:
+    """``(send, transfer)`` of one activation between ranks 0 and 1 (module docstring); (0, 0) on the
+    other ranks. ``send``: the mean of the two ranks' median posts in the exchange; ``transfer``: the
+    median over the relay's trips of half the round trip less both computes and both posts (at
+    least 0)."""
+    import torch.distributed as dist
+
+    trips = torch.zeros(HAND_OFFS + 1, 3, dtype=torch.float64, device=HOST)
+    posts = torch.zeros(HAND_OFFS + 1, dtype=torch.float64, device=HOST)
     dist.barrier()
     if rank in (0, 1):
+        poster = _Poster(rank, activation, work)
         with torch.no_grad():
-            for _ in range(HAND_OFFS + 1):  # the relay: one computes, the other waits to receive
-                started = time.perf_counter()
-                if rank == 1:
-                    Posted(thread, comm.irecv, buffer, peer).wait()
-                computes.append(computed())
-                sent, posting = post_send()
-                posts.append(posting)
-                if rank == 0:
-                    Posted(thread, comm.irecv, buffer, peer).wait()
-                sent.wait()
-                trips.append(time.perf_counter() - started)
-            for _ in range(HAND_OFFS + 1):  # the exchange: both compute, then send to the other
-                received = Posted(thread, comm.irecv, buffer, peer)
-                computed()
-                sent, posting = post_send()
-                exchanged.append(posting)
-                received.wait()
-                sent.wait()
-    mine = [statistics.median(v[1:]) if v else 0.0 for v in (computes, posts, exchanged)]
-    table = torch.tensor(mine, dtype=torch.float64, device=HOST)
+            trips = torch.tensor(_relay(rank, poster), dtype=torch.float64, device=HOST)
+            posts = torch.tensor(_exchange(poster), dtype=torch.float64, device=HOST)
+    theirs = torch.cat([trips.flatten(), posts])
     if rank == 1:
-        dist.send(table, 0)
+        dist.send(theirs, 0)
     elif rank == 0:
-        dist.recv(table, 1)
+        dist.recv(theirs, 1)
     dist.barrier()
     if rank != 0:
         return 0.0, 0.0
-    theirs = table.tolist()
-    hop = (statistics.median(trips[1:]) - mine[0] - theirs[0] - mine[1] - theirs[1]) / 2
-    return (mine[2] + theirs[2]) / 2, max(0.0, hop)
+    their_trips, their_posts = theirs[: trips.numel()].view_as(trips), theirs[trips.numel() :]
+    hops = (trips[:, 0] - trips[:, 1] - trips[:, 2] - their_trips[:, 1] - their_trips[:, 2]) / 2
+    send = (posts[1:].median() + their_posts[1:].median()) / 2
+    return float(send), max(0.0, float(hops[1:].median()))
 
 
 def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: float) -> Costs:

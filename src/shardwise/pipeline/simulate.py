@@ -3,7 +3,9 @@
 Each rank runs its list in order; an action starts when the rank is free and everything it depends
 on (``validate.dependencies``) has finished, plus ``transfer`` when that came from another rank.
 Posting a message occupies its sender for ``send`` after the action that produced it (the runtime
-posts it at the boundary before its next action; idle, not busy, time), and the message leaves then;
+posts it at the boundary before its next action; idle, not busy, time), and the message leaves then
+(only sends are priced: a receive is posted early, off any action's path, and the tied weight's two
+messages per step are not in the schedule);
 the transfer itself is latency: it occupies neither end and contends for no link (the runtime sends
 asynchronously with receives posted ahead). The result is the earliest-start timeline of the list as
 written, i.e. a longest path through its dependency graph.
@@ -58,11 +60,12 @@ class Costs:
         input_grad: float | None = None,
         weight_grad: float | None = None,
         transfer: float = 0.0,
+        send: float = 0.0,
     ) -> Costs:
         """The same costs on every stage; I and W default to B/2 each."""
         i = backward / 2 if input_grad is None else input_grad
         w = backward - i if weight_grad is None else weight_grad
-        return cls(forward, backward, i, w, transfer)
+        return cls(forward, backward, i, w, transfer, send)
 
     def of(self, action: Action) -> float:
         table = {
