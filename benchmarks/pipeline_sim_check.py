@@ -10,7 +10,8 @@ ran, each costing what it took in that step, priced three ways: with the profile
 (the bench's pricing), with its transfer alone (no sender's cost), and with neither. What is left
 between a step's measured bubble and its simulation is what the simulator does not model (the
 runtime's own work between actions, waits longer than a message's price), not the costs. Medians
-over the steps; writes ``benchmarks/results/pipeline-sim-check.json``. Communication: the runtime's
+over the steps (the bench's own worker, ``pipeline_sides.ours_worker``, runs them); writes
+``benchmarks/results/pipeline-sim-check.json``. Communication: the runtime's
 own (point-to-point over pp, the step's all-reduces), observed only.
 """
 
@@ -25,15 +26,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.pipeline import PROFILE_REPEATS, bench_config, bubble_from_spans, virtual_for
+from shardwise.bench.pipeline import (
+    PROFILE_REPEATS,
+    _steps_by_rank,
+    bench_config,
+    bubble_from_spans,
+    virtual_for,
+)
 from shardwise.bench.pipeline_profile import profile_costs
-from shardwise.observe.monitor import Span
+from shardwise.bench.pipeline_sides import WARMUP_STEPS, ours_worker
 from shardwise.pipeline.actions import Action, parse_action
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
 from shardwise.testing import run_on_ranks
 
-STEPS, WARMUP = 23, 3  # a split schedule is fitted in its first three steps (pipeline/fitting.py)
+STEPS = 23  # the first WARMUP_STEPS warm up (a split schedule is fitted in them)
 
 
 @dataclass(frozen=True)
@@ -46,33 +53,11 @@ class StepTimes(Costs):
         return self.times[action]
 
 
-def _worker(rank: int, world: int, config: Any) -> list[list[tuple[str, float, float]]]:
-    """Every measured step's action spans on this rank: (name, start, seconds)."""
-    from shardwise.bench.pipeline_profile import bench_data
-    from shardwise.mesh import build_mesh
-    from shardwise.models import build_model
-    from shardwise.observe.monitor import MONITOR
-    from shardwise.parallelism import parallelize
-    from shardwise.train.loop import seed_everything
-
-    config = config.validate(world)
-    seed_everything(config.seed)
-    engine = parallelize(build_model(config.model), build_mesh(config), config)
-    sampler, _ = bench_data(config)
-    MONITOR.tracing = True
-    steps = []
-    for step in range(config.steps):
-        MONITOR.spans.clear()
-        engine.train_step(sampler.local_micro_batches(step, config.data.micro_batches))
-        steps.append([(s.name, s.start, s.duration) for s in MONITOR.spans if s.lane == "actions"])
-    return steps[WARMUP:]
-
-
 def check(name: str) -> dict[str, Any]:
     """One schedule's medians (module docstring), in the bench's units (fractions of the step)."""
     config = bench_config(name, 2, 4, "small", 8, STEPS)
     costs = profile_costs(config, 2, PROFILE_REPEATS, timeout_s=300)
-    ranks = run_on_ranks(_worker, 2, config, timeout_s=300)
+    ranks = run_on_ranks(ours_worker, 2, config, timeout_s=300)  # the bench's own side, alone
     placement = stage_placement(name, 2, virtual_for(name))
     prices = {
         "send_and_transfer": (costs.send, costs.transfer),
@@ -80,10 +65,7 @@ def check(name: str) -> dict[str, Any]:
         "free": (0.0, 0.0),
     }
     rows: dict[str, list[float]] = {"measured": [], **{k: [] for k in prices}}
-    for step in range(len(ranks[0])):
-        spans = {
-            r: [Span(n, "compute", "actions", s, d) for n, s, d in got[step]] for r, got in enumerate(ranks)
-        }
+    for spans in _steps_by_rank([ranks]):
         rows["measured"].append(bubble_from_spans(spans))
         schedule = {r: [parse_action(s.name) for s in mine] for r, mine in spans.items()}
         times = {parse_action(s.name): s.duration for mine in spans.values() for s in mine}
@@ -105,7 +87,7 @@ def main() -> None:
     before = os.getloadavg()[0]
     rows = [check(name) for name in args.schedules or SCHEDULES]
     load = {"load_average_before": before, "load_average_after": os.getloadavg()[0]}
-    result = {"steps": STEPS - WARMUP, **load, "rows": rows}
+    result = {"steps": STEPS - WARMUP_STEPS, **load, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for row in rows:
         b = row["bubble"]

@@ -37,6 +37,7 @@ class ScheduleFitter:
     def __init__(self, build: Callable[[int], Schedule], placement: tuple[int, ...], stages: int) -> None:
         self._build, self.placement, self.stages = build, placement, stages
         self._built: dict[int, Schedule] = {}  # micro-batch count -> the schedule as built
+        self._splits: dict[int, bool] = {}  # micro-batch count -> whether it splits any backward
         self._steps: dict[int, int] = {}  # micro-batch count -> steps run with it
         self._fitted: dict[int, Schedule] = {}
         self.kept: dict[int, int] = {}  # micro-batch count -> split backwards the fitted schedule kept
@@ -47,13 +48,19 @@ class ScheduleFitter:
         """The schedule as built for ``microbatches`` (built once: a large one takes milliseconds)."""
         if microbatches not in self._built:
             self._built[microbatches] = self._build(microbatches)
+            self._splits[microbatches] = splits(self._built[microbatches])
         return self._built[microbatches]
+
+    def splits(self, microbatches: int) -> bool:
+        """Whether the schedule as built splits a backward (read once per micro-batch count)."""
+        self.build(microbatches)
+        return self._splits[microbatches]
 
     def phase(self, microbatches: int) -> str:
         """What step ``microbatches`` runs now: ``BUILT``, ``FUSED`` or ``FITTED``."""
         if microbatches in self._fitted:
             return FITTED
-        if not splits(self.build(microbatches)):
+        if not self.splits(microbatches):
             return BUILT
         return (BUILT, FUSED, BUILT)[min(self._steps.get(microbatches, 0), 2)]
 
@@ -68,7 +75,7 @@ class ScheduleFitter:
         return (
             self.phase(microbatches) != FITTED
             and self._steps.get(microbatches, 0) in (1, 2)
-            and splits(self.build(microbatches))
+            and self.splits(microbatches)
         )
 
     @contextmanager
@@ -95,7 +102,7 @@ class ScheduleFitter:
         if self._timed:
             self._add_timings()
         done = self._steps[microbatches] = self._steps.get(microbatches, 0) + 1
-        if done == 3 and splits(self.build(microbatches)):
+        if done == 3 and self.splits(microbatches):
             self._fit(microbatches, trainers)
 
     def _add_timings(self) -> None:

@@ -3,12 +3,12 @@
 Each rank runs its list in order; an action starts when the rank is free and everything it depends
 on (``validate.dependencies``) has finished, plus ``transfer`` when that came from another rank.
 Posting a message occupies its sender for ``send`` after the action that produced it (the runtime
-posts it at the boundary before its next action; idle, not busy, time), and the message leaves then
-(only sends are priced: a receive is posted early, off any action's path, and the tied weight's two
-messages per step are not in the schedule);
-the transfer itself is latency: it occupies neither end and contends for no link (the runtime sends
-asynchronously with receives posted ahead). The result is the earliest-start timeline of the list as
-written, i.e. a longest path through its dependency graph.
+posts it at the boundary before its next action; idle, not busy, time), and the message leaves then.
+Only sends are priced: a receive is posted early, off any action's path, and the tied weight's two
+messages per step are not in the schedule. The transfer itself is latency: it occupies neither end
+and contends for no link (the runtime sends asynchronously with receives posted ahead). The result
+is the earliest-start timeline of the list as written, i.e. a longest path through its dependency
+graph.
 
 Bubble fraction = idle time / total time over all ranks = ``1 - sum(busy) / (p * makespan)``, with
 every rank's time running from 0 to the last action's end on any rank. With the same costs on every
