@@ -44,6 +44,7 @@ class _Pending:
     work: Work
     shard: torch.Tensor | None  # where the reduced slice lands (None: all-reduced in ``full``)
     full: torch.Tensor  # kept alive until the collective completes
+    owned: bool = True  # ``full`` is the group's alone: released once the reduction is read
 
 
 class FlatGroup:
@@ -241,7 +242,7 @@ class FlatGroup:
         full = self._flatten_grads(release)
         if self.compressor is not None and self.codec_state is not None:  # decoded whole; we keep a slice
             reduction = self.compressor.reduce(full, self.codec_state, async_op=True)
-            self._pending.append(_Pending(reduction, None, full))
+            self._pending.append(_Pending(reduction, None, full, owned=False))  # the codec's to keep
             return
         if self.comm.world_size == 1:  # a group of one: the sum is the gradient itself, in place
             self._pending.append(_Pending(Done(), None, full))
@@ -269,7 +270,19 @@ class FlatGroup:
                 self.grad_shard = shard.clone() if pending.shard is None else shard
             else:
                 self.grad_shard.add_(shard)
+            if pending.owned:
+                self._release(pending.full)
         self._pending.clear()
+
+    def _release(self, full: torch.Tensor) -> None:
+        """A reduction's flat input, read: its memory goes now rather than whenever the backend drops
+        its last reference (gloo's worker thread may hold one a moment after ``wait`` returns, long
+        enough, on a loaded machine, for the next unit's buffer to be made beside it). Not where the
+        gradient buffer or the shard lives in it."""
+        storage = full.untyped_storage()
+        kept = (t for t in (self.flat_grad, self.grad_shard) if t is not None)
+        if all(t.untyped_storage().data_ptr() != storage.data_ptr() for t in kept):
+            storage.resize_(0)
 
     def full_gradient(self) -> torch.Tensor:
         """All-gather the gradient shards into a (padded_numel,) tensor (inspection only)."""
