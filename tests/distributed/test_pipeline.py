@@ -4,7 +4,7 @@ Every schedule at pp 2 (four micro-batches; zb and zbv also with activation chec
 micro-batch, fewer micro-batches than stages and empty ones, pp x dp with DDP and ZeRO-1/2/3 on the dp
 axis, stage boundaries the user names, Hugging Face Llama and GPT-2; evaluation and the reported loss
 under a pipeline equal one process's; checkpoints across layouts; refusals in one line. The split
-schedules again for five steps, so the schedule fitted to the run (from step 3) is held to it too.
+schedules again for six steps, so the schedule fitted to the run (step 5) is held to it too.
 
 The parity cases are the command lines ``shardwise verify`` takes, read by the CLI's own parser into the
 configs it would run; those of one world size run in one launched world (``verify_worlds.check_cases``:
@@ -76,10 +76,10 @@ CASES = {
 }  # fmt: skip
 
 
-# past the fit (pipeline/fitting.py: steps 1 and 2 timed, the fitted schedule from step 3): every
+# past the fit (pipeline/fitting.py: steps 1-4 timed, the fitted schedule from step 5 on): every
 # split schedule, with activation checkpointing, and on dp 2 x pp 2 under ZeRO-3, whose replicas must
 # fit the same schedule
-FITTED = ("--steps", "5")
+FITTED = ("--steps", "6")
 FITTED_CASES = {
     "pp2-zb-fitted-ac": [*pp2("zb"), "--activation-checkpointing"],
     "pp2-interleaved-zb-fitted": pp2("interleaved-zb", 2),
@@ -299,7 +299,7 @@ def test_trace_records_every_action_of_every_rank(tmp_path: Path) -> None:
 
 
 def test_bench_pipeline_measures_both_sides_of_a_schedule() -> None:
-    args = ["--schedules", "1f1b", "--steps", "4", "--rounds", "1", "--preset", "tiny", "--json"]
+    args = ["--schedules", "1f1b", "--steps", "6", "--rounds", "1", "--preset", "tiny", "--json"]
     result = shardwise("bench", "pipeline", "--nproc", "2", *args, timeout_s=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = last_json(result)["rows"]

@@ -176,7 +176,7 @@ def test_zero_bubble_theory() -> None:
             "the gpt preset 'tiny' has 2 blocks, fewer than pp(4) x virtual_stages(2) = 8 stages",
         ),
         (["--schedules", "1f1b,gpipe", "--global-batch", "0"], "data.global_batch must be an integer >= 1"),
-        (["--steps", "3"], "needs --steps > 3 (the first 3 warm up), --rounds >= 1 and --timeout > 0"),
+        (["--steps", "5"], "needs --steps > 5 (the first 5 warm up), --rounds >= 1 and --timeout > 0"),
         (["--timeout", "0"], "got 40, 3, 0"),
     ],
 )

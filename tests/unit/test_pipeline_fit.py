@@ -9,7 +9,7 @@ import torch
 
 from shardwise.pipeline.actions import Kind, format_actions, fuse_schedule
 from shardwise.pipeline.adapt import fit_schedule, fully_fused, measured_costs, splits
-from shardwise.pipeline.fitting import BUILT, FITTED, FUSED, ScheduleFitter
+from shardwise.pipeline.fitting import BUILT, FIT_STEPS, FITTED, FUSED, TIMED_PAIRS, ScheduleFitter
 from shardwise.pipeline.schedules import build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
 
@@ -55,7 +55,7 @@ def test_fully_fused_undoes_every_split() -> None:
     assert {a.kind for acts in schedule.values() for a in acts} == {Kind.FORWARD, Kind.BACKWARD}
 
 
-def test_the_fitter_times_two_steps_then_runs_the_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fitter_times_its_pairs_of_steps_then_runs_the_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     built = fuse_schedule(build("zb", 2, 1, 4))
     fitter = ScheduleFitter(lambda m: built, (0, 1), 2)
     cpu = torch.device("cpu")
@@ -63,7 +63,7 @@ def test_the_fitter_times_two_steps_then_runs_the_fit(monkeypatch: pytest.Monkey
     clock = SimpleNamespace(perf_counter=lambda: float(next(ticks)))
     monkeypatch.setattr("shardwise.pipeline.fitting.time", clock)
     seen = []
-    for _ in range(4):
+    for _ in range(FIT_STEPS + 1):
         phase = fitter.phase(4)
         seen.append((phase, fitter.timing(4)))
         for action in fitter.schedule(4, phase)[1]:  # rank 1's actions, as if run
@@ -71,7 +71,7 @@ def test_the_fitter_times_two_steps_then_runs_the_fit(monkeypatch: pytest.Monkey
             with fitter.timed(action, split, cpu):
                 pass
         fitter.step_done(4, None)
-    assert seen == [(BUILT, False), (FUSED, True), (BUILT, True), (FITTED, False)]
+    assert seen == [(BUILT, False), *[(FUSED, True), (BUILT, True)] * TIMED_PAIRS, (FITTED, False)]
     # rank 1's B takes one tick and its I and W one each: the split costs a tick and fills nothing
     # here (rank 0 timed none), so the fit undoes it
     assert fitter.schedule(4, FITTED) == fully_fused(built) and fitter.kept[4] == 0

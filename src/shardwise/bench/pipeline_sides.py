@@ -22,10 +22,11 @@ import torch
 from shardwise.bench.pipeline_profile import bench_data, split_stage_modules
 from shardwise.config import TrainConfig
 from shardwise.observe.monitor import Span
+from shardwise.pipeline.fitting import FIT_STEPS
 from shardwise.pipeline.schedules import stage_placement
 from shardwise.pipeline.split import Split
 
-WARMUP_STEPS = 3  # a split schedule runs its fit's two timed steps first (pipeline/fitting.py)
+WARMUP_STEPS = FIT_STEPS  # a split schedule runs its fit's timed steps first (pipeline/fitting.py)
 ACTION_LANE = "actions"  # the lane the runtime records each action's span in
 TIE_TAG = 7  # the tied weight's messages on torch's side, apart from its schedule's
 

@@ -1,15 +1,19 @@
-"""Fitting a zero-bubble schedule to the run: two measured steps, one agreement, then the fitted plan.
+"""Fitting a zero-bubble schedule to the run: measured steps in pairs, one agreement, the fitted plan.
 
 For a schedule that splits backwards, per micro-batch count: step 0 runs as built (warm-up, not
-timed); step 1 runs it fully fused (every backward one B: times F and B per stage); step 2 as built
-(times the split's F, I and W); then every rank that steps sums its stages' timings in one
-all-reduce (each stage's mean over the ranks that hold it: its dp replicas, its tp shards), so all of
-them fit the same schedule (``adapt.fit_schedule``), as their message orders and their dp and tp
-collectives per action need, and run it from step 3 on. The gradients are the same whichever ran
-(a B is an I and a W at once). A schedule without a split is run as built from the start.
+timed); then ``TIMED_PAIRS`` pairs of steps, each fully fused (every backward one B: times F and B
+per stage) and then as built (times the split's F, I and W), so a drift of the machine's speed
+weighs on both sides of the comparison alike; then every rank that steps sums its stages' timings in
+one all-reduce (each stage's mean over the ranks that hold it: its dp replicas, its tp shards), so
+all of them fit the same schedule (``adapt.fit_schedule``), as their message orders and their dp and
+tp collectives per action need, and run it from step ``FIT_STEPS`` on. One pair was too few: on the
+bench's 2-stage zb, its fit kept the last stage's last split (it sends the input's gradient a W
+sooner) in one run and dropped it in the next; with two, it kept it in four runs of four. The
+gradients are the same whichever ran (a B is an I and a W at once). A schedule without a split is
+run as built from the start.
 
 Timing: ``time.perf_counter`` around each action on the CPU; on a GPU a pair of CUDA events per
-action, read after one synchronisation at the end of the timed step (two steps in a run).
+action, read after one synchronisation at the end of the timed step (``2 * TIMED_PAIRS`` in a run).
 Communication: one all-reduce (sum) of a (stages x 5 x 2) float64 table over the ranks that step,
 once per micro-batch count.
 """
@@ -29,6 +33,8 @@ from shardwise.pipeline.actions import Action, Kind, Schedule
 from shardwise.pipeline.adapt import KINDS, fit_schedule, fully_fused, measured_costs, splits
 
 BUILT, FUSED, FITTED = "built", "fused", "fitted"
+TIMED_PAIRS = 2  # timed steps: fully fused, then as built, so many times over (drift cancels in pairs)
+FIT_STEPS = 1 + 2 * TIMED_PAIRS  # the steps before the fitted schedule runs: a warm-up, then the timed
 
 
 class ScheduleFitter:
@@ -62,7 +68,8 @@ class ScheduleFitter:
             return FITTED
         if not self.splits(microbatches):
             return BUILT
-        return (BUILT, FUSED, BUILT)[min(self._steps.get(microbatches, 0), 2)]
+        done = self._steps.get(microbatches, 0)
+        return FUSED if done % 2 else BUILT  # step 0 (the warm-up) as built, then fused and built in turn
 
     def schedule(self, microbatches: int, phase: str) -> Schedule:
         if phase == FITTED:
@@ -71,10 +78,10 @@ class ScheduleFitter:
         return fully_fused(built) if phase == FUSED else built
 
     def timing(self, microbatches: int) -> bool:
-        """Whether this step's actions are timed (steps 1 and 2 of a splitting schedule)."""
+        """Whether this step's actions are timed (steps 1 to ``FIT_STEPS - 1`` of a splitting schedule)."""
         return (
             self.phase(microbatches) != FITTED
-            and self._steps.get(microbatches, 0) in (1, 2)
+            and 1 <= self._steps.get(microbatches, 0) < FIT_STEPS
             and self.splits(microbatches)
         )
 
@@ -96,13 +103,13 @@ class ScheduleFitter:
         self._timed.append((action.stage, kind, start, end))
 
     def step_done(self, microbatches: int, trainers: Comm | None) -> None:
-        """After a step: its timings added; after the second timed one, the fit (all ranks at once)."""
+        """After a step: its timings added; after the last timed one, the fit (all ranks at once)."""
         if self.phase(microbatches) == FITTED:
             return
         if self._timed:
             self._add_timings()
         done = self._steps[microbatches] = self._steps.get(microbatches, 0) + 1
-        if done == 3 and self.splits(microbatches):
+        if done == FIT_STEPS and self.splits(microbatches):
             self._fit(microbatches, trainers)
 
     def _add_timings(self) -> None:
