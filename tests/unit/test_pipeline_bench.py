@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from shardwise.bench import pipeline as bench
+from shardwise.bench.pipeline_profile import median_costs
 from shardwise.observe import plots
 from shardwise.observe.monitor import Span
 from shardwise.pipeline.schedules import build, stage_placement
@@ -92,10 +93,37 @@ def test_when_torch_side_hangs_ours_runs_alone(monkeypatch: Any) -> None:
         return [{"step_s": [0.5], "spans": [[]]}] * nproc, None
 
     monkeypatch.setattr(bench, "launch", fake_launch)
-    ours, theirs = bench.run_rounds(None, 2, "Schedule1F1B", 3, 5.0)  # type: ignore[arg-type]
+    ours, theirs, profiles = bench.run_rounds(None, 2, "Schedule1F1B", 3, 5.0)  # type: ignore[arg-type]
     assert theirs == "timeout after 5 s (ours and torch's in one launch)"
     assert isinstance(ours, list) and len(ours) == 3
     assert calls == ["paired_worker", "ours_worker", "ours_worker", "ours_worker"]
+    assert profiles == []  # no paired launch: the bench profiles in a launch of its own
+
+
+def _profiled(rank: int, f: float, transfer: float) -> dict[str, Any]:
+    """One rank's ``profile_worker`` result: its one stage (its rank) costs ``f`` a forward."""
+    kinds = {"F": f, "B": 2 * f, "Fs": f, "I": f, "W": f}
+    return {"costs": {rank: kinds}, "transfer": transfer, "send": transfer / 2}
+
+
+def test_each_paired_launch_profiles_and_the_costs_are_their_medians(monkeypatch: Any) -> None:
+    """The stage profile runs in each paired launch after its steps (the same processes, so the same
+    placement on the cores as the steps had); the simulator gets the median of each cost."""
+    forwards = iter([(1.0, 3.0), (2.0, 2.0), (4.0, 1.0)])  # per launch: stage 0's F, stage 1's F
+
+    def fake_launch(worker: Any, nproc: int, args: tuple[Any, ...], timeout_s: float) -> Any:
+        f0, f1 = next(forwards)
+        ours = {"step_s": [0.5], "spans": [[]]}
+        return [
+            {"ours": ours, "torch": ours, "profile": _profiled(r, f, 0.1 * f0)} for r, f in ((0, f0), (1, f1))
+        ], None
+
+    monkeypatch.setattr(bench, "launch", fake_launch)
+    _, _, profiles = bench.run_rounds(None, 2, "Schedule1F1B", 3, 5.0)  # type: ignore[arg-type]
+    assert [p.forward for p in profiles] == [(1.0, 3.0), (2.0, 2.0), (4.0, 1.0)]
+    costs = median_costs(profiles)
+    assert costs.forward == (2.0, 2.0) and costs.backward == (4.0, 4.0)  # per stage, not per launch
+    assert costs.transfer == pytest.approx(0.2) and costs.send == pytest.approx(0.1)
 
 
 def hanging_peer(rank: int, world: int) -> None:

@@ -13,10 +13,13 @@ has a torch step beside it in time; a round is one launch. Each row:
   machine); the median over the measured steps;
 - ``bubble_simulated``: ``pipeline.simulate`` of the schedule our side ran (a split schedule is fitted
   to the run first, ``pipeline/fitting.py``; read off the last measured step's spans), fed with a
-  separate profile's costs (``pipeline_profile``:
-  each rank's stages' F, B, I and W alone, all ranks at once; what posting one activation takes its
-  sender and its transfer time, posted as the runtime posts it; never from the timeline it is
-  compared with);
+  profile's costs (``pipeline_profile``: each rank's stages' F, B, I and W alone, all ranks at once;
+  what posting one activation takes its sender and its transfer time, posted as the runtime posts
+  it), measured in each paired launch after its steps, in the same processes, and the median taken
+  over the launches: never from the timeline it is compared with. A profile launched on its own
+  measured the stages' ratio anywhere from 1.07 to 1.48 over three runs (the steps ran at 1.4-1.5:
+  which core each process gets moves it), which moved gpipe's simulated bubble from 0.24 to 0.31;
+  measured beside the steps it was 1.45 and 1.60, and gpipe, 1f1b and zb came within 0.015;
 - ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
@@ -47,7 +50,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.pipeline_profile import launch, profile_costs
+from shardwise.bench.pipeline_profile import (
+    PROFILE_REPEATS,
+    costs_of,
+    launch,
+    median_costs,
+    profile_costs,
+)
 from shardwise.bench.pipeline_sides import ACTION_LANE, WARMUP_STEPS, ours_worker, paired_worker
 from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.observe.monitor import Span
@@ -56,8 +65,6 @@ from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
 from shardwise.pipeline.validate import ScheduleError
 
-# each stage's F, B, I and W: medians (zbv's simulated bubble was 0.15-0.23 over runs at 10, 0.19-0.21 at 40)
-PROFILE_REPEATS = 40
 TORCH_PEER = {"zb": "Schedule1F1B"}  # torch has no ZB-H1: our zb is measured against its 1F1B
 
 
@@ -272,11 +279,13 @@ def check_bench(
 
 def run_rounds(
     config: TrainConfig, nproc: int, torch_class: str, rounds: int, timeout_s: float
-) -> tuple[Launches | str, Launches | str]:
-    """Each side's launches (``pipeline_sides.paired_worker``, one per round), or why it has none;
-    once torch's side hangs or fails, ours runs alone (``ours_worker``) for the rounds left."""
+) -> tuple[Launches | str, Launches | str, list[Costs]]:
+    """Each side's launches (``pipeline_sides.paired_worker``, one per round), or why it has none,
+    and each paired launch's stage profile; once torch's side hangs or fails, ours runs alone
+    (``ours_worker``) for the rounds left."""
     ours: Launches = []
     theirs: Launches | str = []
+    profiles: list[Costs] = []
     for _ in range(rounds):
         if isinstance(theirs, str):
             results, problem = launch(ours_worker, nproc, (config,), timeout_s)
@@ -287,11 +296,12 @@ def run_rounds(
                 results, problem = launch(ours_worker, nproc, (config,), timeout_s)
             else:
                 theirs.append([r["torch"] for r in results])
+                profiles.append(costs_of([r["profile"] for r in results]))
                 results = [r["ours"] for r in results]
         if results is None:
-            return str(problem), theirs
+            return str(problem), theirs, profiles
         ours.append(results)
-    return ours, theirs
+    return ours, theirs, profiles
 
 
 def run_pipeline_bench(
@@ -319,9 +329,12 @@ def run_pipeline_bench(
     load_before = os.getloadavg()[0]
     rows = []
     for name, config in zip(names, configs, strict=True):
-        costs = profile_costs(config, nproc, repeats=PROFILE_REPEATS, timeout_s=timeout_s)
         torch_class = TORCH_PEER.get(name) or SCHEDULES[name].torch_class or "Schedule1F1B"
-        ours, theirs = run_rounds(config, nproc, torch_class, rounds, timeout_s)
+        ours, theirs, profiles = run_rounds(config, nproc, torch_class, rounds, timeout_s)
+        if profiles:  # each paired launch's own, after its steps: the median over them
+            costs = median_costs(profiles)
+        else:  # torch's side failed from the first round: a launch of the profile alone
+            costs = profile_costs(config, nproc, repeats=PROFILE_REPEATS, timeout_s=timeout_s)
         tokens = global_batch * config.model.seq_len
         rows.append(row(name, nproc, microbatches, tokens, ours, theirs, costs))
         if trace_dir and not isinstance(ours, str):

@@ -1,7 +1,8 @@
 """The pipeline bench's stage profile: the simulator's costs, measured apart from the runs they predict.
 
-On ``nproc`` fresh processes at once, one per pipeline rank as the run has them (each with a run's
-thread count, competing for the same cores and memory), every rank times the F, B, I and W of the
+On the bench's own processes after their steps (``pipeline_sides.paired_worker``; fresh ones,
+``profile_costs``, where there are none), one per pipeline rank as the run has them (each with a
+run's thread count, competing for the same cores and memory), every rank times the F, B, I and W of the
 stages the schedule places on it, each alone, computed as the runtime computes them: F the stage and,
 on the last, the loss; B its backward; I the same backward with the stage's linear layers keeping
 their weight gradients (``engine/linear.py``); W those kept gradients computed. Repeats are
@@ -40,6 +41,8 @@ from shardwise.pipeline.tied import Posted
 from shardwise.testing.harness import RankFailure, run_on_ranks
 
 HAND_OFFS = 30
+# each stage's F, B, I and W: medians (zbv's simulated bubble was 0.15-0.23 over runs at 10, 0.19-0.21 at 40)
+PROFILE_REPEATS = 40
 
 
 def launch(
@@ -281,6 +284,23 @@ def profile_costs(config: TrainConfig, nproc: int, repeats: int, timeout_s: floa
     results, problem = launch(profile_worker, nproc, (config, threads_per_rank(nproc), repeats), timeout_s)
     if results is None:
         raise RuntimeError(f"the stage profile did not finish: {problem}")
+    return costs_of(results)
+
+
+def costs_of(results: Sequence[dict[str, Any]]) -> Costs:
+    """Every rank's ``profile_worker`` result (by rank) as the simulator's per-stage costs."""
     merged = {s: kinds for result in results for s, kinds in result["costs"].items()}
     costs = measured_costs([merged[s] for s in sorted(merged)])  # as the runtime's fit reads its own
     return replace(costs, transfer=results[0]["transfer"], send=results[0]["send"])
+
+
+def median_costs(profiles: Sequence[Costs]) -> Costs:
+    """Each cost (per stage) the median over ``profiles`` (one per launch)."""
+
+    def median(values: Sequence[Any]) -> Any:
+        if isinstance(values[0], tuple):
+            return tuple(statistics.median(stage) for stage in zip(*values, strict=True))
+        return statistics.median(values)
+
+    fields = ("forward", "backward", "input_grad", "weight_grad", "transfer", "send")
+    return Costs(**{f: median([getattr(c, f) for c in profiles]) for f in fields})

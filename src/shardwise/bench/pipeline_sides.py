@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from shardwise.bench.pipeline_profile import bench_data, split_stage_modules
+from shardwise.bench.pipeline_profile import PROFILE_REPEATS, bench_data, profile_worker, split_stage_modules
 from shardwise.config import TrainConfig
 from shardwise.observe.monitor import Span
 from shardwise.pipeline.fitting import FIT_STEPS
@@ -35,11 +35,15 @@ Step = Callable[[int], None]
 
 def paired_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -> dict[str, Any]:
     """Both sides on this rank, their steps alternating: ``{"ours": ..., "torch": ...}``, each with
-    its measured step times in the order they ran (step k of one beside step k of the other)."""
+    its measured step times in the order they ran (step k of one beside step k of the other); then,
+    in the same processes, the stage profile (``"profile"``: ``pipeline_profile.profile_worker``)."""
+    from shardwise.launcher import threads_per_rank
+
     config = config.validate(world)
-    return _alternate(
+    out = _alternate(
         config, {"ours": _ours_step(config), "torch": _torch_step(config, world, rank, torch_class)}
     )
+    return {**out, "profile": profile_worker(rank, world, config, threads_per_rank(world), PROFILE_REPEATS)}
 
 
 def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
