@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -302,5 +302,5 @@ def median_costs(profiles: Sequence[Costs]) -> Costs:
             return tuple(statistics.median(stage) for stage in zip(*values, strict=True))
         return statistics.median(values)
 
-    fields = ("forward", "backward", "input_grad", "weight_grad", "transfer", "send")
-    return Costs(**{f: median([getattr(c, f) for c in profiles]) for f in fields})
+    names = [f.name for f in fields(Costs)]
+    return Costs(**{name: median([getattr(c, name) for c in profiles]) for name in names})

@@ -6,9 +6,10 @@ schedule class over the default group, with the tied embedding and head's gradie
 exchanged by hand as its users must (``_TiedByHand``). The steps alternate (ours then torch's,
 then torch's then ours, ...), so each of our steps has a torch step beside it in time: whatever the
 machine does to one (another process, a clock change) it does to the other, and the ratio of a pair
-cancels it. A launch where torch's side hangs or fails falls back to ours alone (``ours_worker``),
-so our row still has its figures. Communication: whatever each side does; ours point-to-point
-through ``Comm``.
+cancels it. After the steps, the same processes run the stage profile the simulator is fed with
+(``pipeline_profile.profile_worker``). A launch where torch's side (or that profile) hangs or fails
+falls back to ours alone (``ours_worker``), so our row still has its figures. Communication:
+whatever each side does; ours point-to-point through ``Comm``; the profile's barriers and relay.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     compress.add_argument("--seed", type=int, help="with --link: the seed of every run (default 0)")
     pipe = _kind(kinds, "pipeline", "pipeline schedules against torch.distributed.pipelining", run, nproc=2)
     pipe.add_argument("--micro-batches", type=int, default=4)
-    pipe.add_argument("--steps", type=int, default=40, help="steps per launch, the first 3 warm-up")
+    pipe.add_argument("--steps", type=int, default=40, help="steps per launch, the first 5 warm up")
     pipe.add_argument("--rounds", type=int, default=3, help="launches, the sides' steps alternating")
     pipe.add_argument("--preset", default="small")
     pipe.add_argument("--global-batch", type=int, default=8)

@@ -11,8 +11,8 @@ same costs makes the same choices, so their plans (and message orders) agree.
 
 ``fully_fused`` is the schedule with every split undone, and ``measured_costs`` turns a run's
 per-stage timings into the simulator's costs; the runtime (``PipelineRunner``) runs the schedule as
-built and fully fused for one measured step each, agrees on the timings and runs the fitted one from
-then on. Pure: no torch.
+built and fully fused for two measured steps each (``fitting.TIMED_PAIRS``), agrees on the timings
+and runs the fitted one from then on. Pure: no torch.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
 """Fitting a zero-bubble schedule to the run: measured steps in pairs, one agreement, the fitted plan.
 
 For a schedule that splits backwards, per micro-batch count: step 0 runs as built (warm-up, not
-timed); then ``TIMED_PAIRS`` pairs of steps, each fully fused (every backward one B: times F and B
-per stage) and then as built (times the split's F, I and W), so a drift of the machine's speed
-weighs on both sides of the comparison alike; then every rank that steps sums its stages' timings in
+timed); then ``TIMED_PAIRS`` pairs of steps, one fully fused (every backward one B: times F and B
+per stage) and one as built (times the split's F, I and W), the first pair in that order and the
+next reversed (fused, built, built, fused), so a steady drift of the machine's speed weighs on both
+sides of the comparison alike; then every rank that steps sums its stages' timings in
 one all-reduce (each stage's mean over the ranks that hold it: its dp replicas, its tp shards), so
 all of them fit the same schedule (``adapt.fit_schedule``), as their message orders and their dp and
 tp collectives per action need, and run it from step ``FIT_STEPS`` on. One pair was too few: on the
 bench's 2-stage zb, its fit kept the last stage's last split (it sends the input's gradient a W
-sooner) in one run and dropped it in the next; with two, it kept it in four runs of four. The
+sooner) in one run and dropped it in the next; with two pairs in this order it kept the last
+stage's last two splits in three runs of three. The
 gradients are the same whichever ran (a B is an I and a W at once). A schedule without a split is
 run as built from the start.
 
@@ -33,7 +35,7 @@ from shardwise.pipeline.actions import Action, Kind, Schedule
 from shardwise.pipeline.adapt import KINDS, fit_schedule, fully_fused, measured_costs, splits
 
 BUILT, FUSED, FITTED = "built", "fused", "fitted"
-TIMED_PAIRS = 2  # timed steps: fully fused, then as built, so many times over (drift cancels in pairs)
+TIMED_PAIRS = 2  # pairs of timed steps, one fully fused and one as built, in turn: F B, B F, F B, ...
 FIT_STEPS = 1 + 2 * TIMED_PAIRS  # the steps before the fitted schedule runs: a warm-up, then the timed
 
 
@@ -69,7 +71,10 @@ class ScheduleFitter:
         if not self.splits(microbatches):
             return BUILT
         done = self._steps.get(microbatches, 0)
-        return FUSED if done % 2 else BUILT  # step 0 (the warm-up) as built, then fused and built in turn
+        if done == 0:
+            return BUILT  # the warm-up
+        pair, second = divmod(done - 1, 2)
+        return FUSED if second == pair % 2 else BUILT  # F B, then B F: a steady drift weighs on both alike
 
     def schedule(self, microbatches: int, phase: str) -> Schedule:
         if phase == FITTED:
