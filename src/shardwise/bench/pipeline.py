@@ -16,10 +16,8 @@ has a torch step beside it in time; a round is one launch. Each row:
   profile's costs (``pipeline_profile``: each rank's stages' F, B, I and W alone, all ranks at once;
   what posting one activation takes its sender and its transfer time, posted as the runtime posts
   it), measured in each paired launch after its steps, in the same processes, and the median taken
-  over the launches: never from the timeline it is compared with. A profile launched on its own
-  measured the stages' ratio anywhere from 1.07 to 1.48 over three runs (the steps ran at 1.4-1.5:
-  which core each process gets moves it), which moved gpipe's simulated bubble from 0.24 to 0.31;
-  measured beside the steps it was 1.45 and 1.60, and gpipe, 1f1b and zb came within 0.015;
+  over the launches: never from the timeline it is compared with (launched on its own, the profile
+  put the stages' ratio anywhere in 1.07-1.48 where the steps ran at 1.4-1.5);
 - ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
@@ -50,13 +48,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.pipeline_profile import (
-    PROFILE_REPEATS,
-    costs_of,
-    launch,
-    median_costs,
-    profile_costs,
-)
+from shardwise.bench.pipeline_profile import PROFILE_REPEATS, costs_of, launch, median_costs, profile_costs
 from shardwise.bench.pipeline_sides import ACTION_LANE, WARMUP_STEPS, ours_worker, paired_worker
 from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.observe.monitor import Span
