@@ -13,11 +13,11 @@ has a torch step beside it in time; a round is one launch. Each row:
   machine); the median over the measured steps;
 - ``bubble_simulated``: ``pipeline.simulate`` of the schedule our side ran (a split schedule is fitted
   to the run first, ``pipeline/fitting.py``; read off the last measured step's spans), fed with a
-  profile's costs (``pipeline_profile``: each rank's stages' F, B, I and W alone, all ranks at once;
-  what posting one activation takes its sender and its transfer time, posted as the runtime posts
-  it), measured in each paired launch after its steps, in the same processes, and the median taken
-  over the launches: never from the timeline it is compared with (launched on its own, the profile
-  put the stages' ratio anywhere in 1.07-1.48 where the steps ran at 1.4-1.5);
+  profile's costs (``pipeline_profile``: each rank's stages' F, B, I and W alone, all ranks at once,
+  and what posting one activation takes its sender), measured in each paired launch after its steps,
+  in the same processes, the median over the launches; a message's transfer priced from the run's
+  own warm-up steps (``pipeline_handoff``: the mean wait for one; the relay's median, kept as
+  ``profiled_ms.transfer_relay``, missed their tail). Never from the steps it is compared with;
 - ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
@@ -29,9 +29,7 @@ has a torch step beside it in time; a round is one launch. Each row:
 
 ``conditions`` says how it was measured: rounds and steps, the load average before and after, and the
 spread of the rounds' ratios (the largest (max - min) / median over the rows). The defaults (40 steps,
-3 rounds) are meant to make two runs agree within 5% on every ratio: two runs here (load 1.3-2.2)
-agreed within 2.7%, where 20 steps moved a row by 8%. Launching each side apart (as this bench did
-before) left a spread of 22-26% between rounds on this 2-core machine.
+3 rounds) are meant to make two runs agree within 5% on every ratio (two runs here: within 2.7%).
 
 torch's pipelining has hung on gloo (pytorch#132644), so every launch is a group of fresh processes
 with a deadline (``run_on_ranks``); one that hangs or fails makes that row's ``"torch"`` the reason
@@ -48,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from shardwise.bench.pipeline_handoff import priced
 from shardwise.bench.pipeline_profile import PROFILE_REPEATS, costs_of, launch, median_costs, profile_costs
 from shardwise.bench.pipeline_sides import ACTION_LANE, WARMUP_STEPS, ours_worker, paired_worker
 from shardwise.config import ConfigError, TrainConfig, load_config
@@ -141,14 +140,9 @@ def _mean(value: float | tuple[float, ...]) -> float:
 
 
 def row(
-    name: str,
-    pp: int,
-    microbatches: int,
-    tokens: int,
-    ours: Launches | str,
-    torch_side: Launches | str,
+    name: str, pp: int, microbatches: int, tokens: int, ours: Launches | str, torch_side: Launches | str,
     costs: Costs,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     """One schedule's row from each side's launches (a list of per-launch results by rank) or the
     string saying why that side has none (``"timeout after N s"``)."""
     virtual = virtual_for(name)
@@ -172,8 +166,7 @@ def row(
         "speed_ratio": None,
         "profiled_ms": _profiled_ms(costs),
     }
-    out["ours"] = _side(ours, tokens)
-    out["torch"] = _side(torch_side, tokens)
+    out["ours"], out["torch"] = _side(ours, tokens), _side(torch_side, tokens)
     if not isinstance(ours, str):
         steps = [bubble_from_spans(spans) for spans in _steps_by_rank(ours)]
         out["bubble_measured"] = statistics.median(steps)
@@ -235,14 +228,14 @@ def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: f
     }
 
 
-def _steps_by_rank(launches: Launches) -> list[dict[int, list[Span]]]:
-    """Every measured step of every launch as ``{rank: [Span]}``."""
+def _steps_by_rank(launches: Launches, key: str = "spans") -> list[dict[int, list[Span]]]:
+    """Every measured step (``key="warmup_spans"``: warm-up step) of every launch as ``{rank: [Span]}``."""
     out = []
     for ranks in launches:
-        for step in range(len(ranks[0]["spans"])):
+        for step in range(len(ranks[0].get(key, []))):
             out.append(
                 {
-                    r: [Span(n, "compute", ACTION_LANE, s, d, a) for n, s, d, a in res["spans"][step]]
+                    r: [Span(n, "compute", ACTION_LANE, s, d, a) for n, s, d, a in res[key][step]]
                     for r, res in enumerate(ranks)
                 }
             )
@@ -327,8 +320,12 @@ def run_pipeline_bench(
             costs = median_costs(profiles)
         else:  # torch's side failed from the first round: a launch of the profile alone
             costs = profile_costs(config, nproc, repeats=PROFILE_REPEATS, timeout_s=timeout_s)
+        relay, placement = costs.transfer, stage_placement(name, nproc, virtual_for(name))
+        if not isinstance(ours, str):  # a message's price from the run's own warm-up steps
+            costs = priced(costs, _steps_by_rank(ours, "warmup_spans"), placement)
         tokens = global_batch * config.model.seq_len
         rows.append(row(name, nproc, microbatches, tokens, ours, theirs, costs))
+        rows[-1]["profiled_ms"]["transfer_relay"] = round(1e3 * relay, 3)
         if trace_dir and not isinstance(ours, str):
             write_traces(Path(trace_dir) / name, _steps_by_rank(ours)[-1], rows[-1], costs)
     return {

@@ -15,7 +15,10 @@ computes and sends on while the other waits in its receive) half the round trip 
 and both posts, the median over trips. A bare ping-pong with nothing computed between gave 0.1 ms
 and no sender's cost, where an action in a run started 0.3-0.5 ms after the remote one it waited
 for (``benchmarks/pipeline_sim_check.py`` feeds the simulator each step's own action times, to see
-how near it comes to the step's measured bubble). Never timed on the runs it is compared with.
+how near it comes to the step's measured bubble). The bench feeds the simulator this ``send`` and a
+``transfer`` priced from the run's own warm-up steps (``pipeline_handoff``: the relay's median missed
+the hand-offs' tail); this one is reported beside it (``profiled_ms.transfer_relay``). Never timed
+on the runs it is compared with.
 Communication: barriers, the relay and the exchange between ranks 0 and 1, one send of rank 1's
 timings to rank 0, over gloo.
 """

@@ -55,7 +55,8 @@ def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
 
 def _alternate(config: TrainConfig, sides: dict[str, Step]) -> dict[str, Any]:
     """``config.steps`` steps of every side, in turn (the order flips every step); per side its step
-    times after warm-up, and for ours each measured step's action spans."""
+    times after warm-up, and for ours each measured step's action spans and those of the warm-up
+    steps but the first (``warmup_spans``: ``pipeline_handoff`` prices a message from them)."""
     from shardwise.observe.monitor import MONITOR
 
     names = list(sides)
@@ -71,7 +72,9 @@ def _alternate(config: TrainConfig, sides: dict[str, Step]) -> dict[str, Any]:
             if name == "ours":
                 out[name]["spans"].append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
     MONITOR.tracing = False
-    return {name: {key: values[WARMUP_STEPS:] for key, values in got.items()} for name, got in out.items()}
+    measured = {name: {k: values[WARMUP_STEPS:] for k, values in got.items()} for name, got in out.items()}
+    measured["ours"]["warmup_spans"] = out["ours"]["spans"][1:WARMUP_STEPS]  # the hand-offs' price
+    return measured
 
 
 def _plain(span: Span) -> tuple[str, float, float, dict[str, Any]]:

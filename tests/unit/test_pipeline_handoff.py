@@ -1,0 +1,41 @@
+"""The bench's hand-off price: waits for another rank's message read off a step's action spans."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.bench.pipeline_handoff import hand_offs, transfer_price
+from shardwise.observe.monitor import Span
+
+
+def _step(times: dict[int, list[tuple[str, float, float]]]) -> dict[int, list[Span]]:
+    return {r: [Span(n, "compute", "actions", a, b - a) for n, a, b in acts] for r, acts in times.items()}
+
+
+# two stages on two ranks, two micro-batches; rank 1 is busy with 1B0 when 0F1's activation lands
+STEP = _step(
+    {
+        0: [("0F0", 0.0, 1.0), ("0F1", 1.0, 2.0), ("0B0", 4.5, 6.5), ("0B1", 7.6, 9.6)],
+        1: [("1F0", 1.2, 2.2), ("1B0", 2.2, 4.2), ("1F1", 4.3, 5.3), ("1B1", 5.3, 7.3)],
+    }
+)
+
+
+def test_only_the_waits_of_an_idle_rank_are_hand_offs() -> None:
+    waits = sorted((round(hop, 6), posts) for hop, posts in hand_offs(STEP, [0, 1]))
+    # 1F0 after 0F0 (0.2), 0B0 after 1B0 (0.3), 0B1 after 1B1 (0.3); 1F1 started late because rank 1
+    # was computing 1B0, not because 0F1's activation was late: not a hand-off
+    assert waits == [(0.2, 1), (0.3, 1), (0.3, 1)]
+
+
+def test_the_price_is_the_mean_wait_less_the_producers_posts() -> None:
+    assert transfer_price([STEP], [0, 1], send=0.0) == pytest.approx(0.8 / 3)
+    assert transfer_price([STEP, STEP], [0, 1], send=0.1) == pytest.approx(0.8 / 3 - 0.1)
+    assert transfer_price([STEP], [0, 1], send=1.0) == 0.0  # never below nothing
+
+
+def test_no_wait_no_price() -> None:
+    one_rank = _step({0: [("0F0", 0.0, 1.0), ("1F0", 1.0, 2.0), ("1B0", 2.0, 4.0), ("0B0", 4.0, 6.0)]})
+    assert hand_offs(one_rank, [0, 0]) == []
+    assert transfer_price([one_rank], [0, 0], send=0.1) is None
+    assert transfer_price([], [0, 1], send=0.1) is None
