@@ -7,7 +7,8 @@ micro-batches, 8 rows): its stage profile's message costs (``pipeline_profile``:
 activation takes its sender, and its transfer), then our runtime alone for ``STEPS`` steps with every
 action's span recorded. Each measured step is simulated (``pipeline.simulate``) with the actions it
 ran, each costing what it took in that step, priced three ways: with the profile's send and transfer
-(the bench's pricing), with its transfer alone (no sender's cost), and with neither. What is left
+(the relay's; the bench now prices the transfer from the warm-up steps, ``bench/pipeline_handoff.py``),
+with its transfer alone (no sender's cost), and with neither. What is left
 between a step's measured bubble and its simulation is what the simulator does not model (the
 runtime's own work between actions, waits longer than a message's price), not the costs. Medians
 over the steps (the bench's own worker, ``pipeline_sides.ours_worker``, runs them); writes

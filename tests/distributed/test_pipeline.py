@@ -309,5 +309,4 @@ def test_bench_pipeline_measures_both_sides_of_a_schedule() -> None:
     # the profile's message costs, posted as the runtime posts them: posting is measured (0 unmeasured)
     assert row["profiled_ms"]["send"] > 0, row["profiled_ms"]
     # a message's transfer priced from the warm-up steps' waits, the profile relay's beside it
-    priced = row["profiled_ms"]
-    assert priced["transfer"] >= 0 and priced["transfer_relay"] >= 0, priced
+    assert isinstance(row["profiled_ms"]["transfer_relay"], float), row["profiled_ms"]

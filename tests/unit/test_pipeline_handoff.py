@@ -6,6 +6,9 @@ import pytest
 
 from shardwise.bench.pipeline_handoff import hand_offs, transfer_price
 from shardwise.observe.monitor import Span
+from shardwise.pipeline.actions import fuse_schedule
+from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
+from shardwise.pipeline.simulate import Costs, simulate
 
 
 def _step(times: dict[int, list[tuple[str, float, float]]]) -> dict[int, list[Span]]:
@@ -39,3 +42,31 @@ def test_no_wait_no_price() -> None:
     assert hand_offs(one_rank, [0, 0]) == []
     assert transfer_price([one_rank], [0, 0], send=0.1) is None
     assert transfer_price([], [0, 1], send=0.1) is None
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8)])
+def test_a_simulated_steps_price_is_the_transfer_it_was_simulated_with(pp: int, microbatches: int) -> None:
+    """Every schedule, as the runtime runs it (V turns, split I and W): read back off the simulator's
+    own timeline, the price is the transfer the simulator charged, its posts taken off as it charges them."""
+    for name in SCHEDULES:
+        virtual = 1 if SCHEDULES[name].virtual == "1" else 2
+        placement = stage_placement(name, pp, virtual)
+        stages = len(placement)
+        costs = Costs(
+            forward=tuple(1.0 + 0.1 * s for s in range(stages)),
+            backward=tuple(2.0 + 0.3 * s for s in range(stages)),
+            input_grad=tuple(1.2 + 0.1 * s for s in range(stages)),
+            weight_grad=tuple(0.8 + 0.2 * s for s in range(stages)),
+            transfer=0.37,
+            send=0.13,
+        )
+        timeline = simulate(fuse_schedule(build(name, pp, virtual, microbatches)), placement, costs)
+        step = {r: [s for s in timeline.spans(r, 1.0) if s.lane == "actions"] for r in timeline.slots}
+        assert transfer_price([step], placement, send=0.13) == pytest.approx(0.37), name
+
+
+def test_a_step_a_rank_recorded_nothing_of_is_left_out() -> None:
+    partial = {0: STEP[0], 1: []}
+    missing_producer = {0: STEP[0], 1: STEP[1][1:]}  # 1F0 lost: 1B0 has no forward
+    assert transfer_price([partial, missing_producer], [0, 1], send=0.0) is None
+    assert transfer_price([partial, STEP], [0, 1], send=0.0) == pytest.approx(0.8 / 3)

@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.pipeline_handoff import priced
+from shardwise.bench.pipeline_handoff import with_warmup_transfer
 from shardwise.bench.pipeline_profile import PROFILE_REPEATS, costs_of, launch, median_costs, profile_costs
 from shardwise.bench.pipeline_sides import ACTION_LANE, WARMUP_STEPS, ours_worker, paired_worker
 from shardwise.config import ConfigError, TrainConfig, load_config
@@ -178,7 +178,8 @@ def row(
 
 
 def _profiled_ms(costs: Costs) -> dict[str, Any]:
-    """The simulator's costs in ms: per kind, per stage; one activation's transfer and its post."""
+    """The simulator's costs in ms: per kind, per stage (the profile's); one activation's post (the
+    profile's) and its transfer (priced from the warm-up steps where they waited for one)."""
     out: dict[str, Any] = {"transfer": round(1e3 * costs.transfer, 3), "send": round(1e3 * costs.send, 3)}
     kinds = (costs.forward, costs.backward, costs.input_grad, costs.weight_grad)
     for kind, value in zip("FBIW", kinds, strict=True):
@@ -232,7 +233,7 @@ def _steps_by_rank(launches: Launches, key: str = "spans") -> list[dict[int, lis
     """Every measured step (``key="warmup_spans"``: warm-up step) of every launch as ``{rank: [Span]}``."""
     out = []
     for ranks in launches:
-        for step in range(len(ranks[0].get(key, []))):
+        for step in range(min(len(res.get(key, [])) for res in ranks)):
             out.append(
                 {
                     r: [Span(n, "compute", ACTION_LANE, s, d, a) for n, s, d, a in res[key][step]]
@@ -322,7 +323,7 @@ def run_pipeline_bench(
             costs = profile_costs(config, nproc, repeats=PROFILE_REPEATS, timeout_s=timeout_s)
         relay, placement = costs.transfer, stage_placement(name, nproc, virtual_for(name))
         if not isinstance(ours, str):  # a message's price from the run's own warm-up steps
-            costs = priced(costs, _steps_by_rank(ours, "warmup_spans"), placement)
+            costs = with_warmup_transfer(costs, _steps_by_rank(ours, "warmup_spans"), placement)
         tokens = global_batch * config.model.seq_len
         rows.append(row(name, nproc, microbatches, tokens, ours, theirs, costs))
         rows[-1]["profiled_ms"]["transfer_relay"] = round(1e3 * relay, 3)
