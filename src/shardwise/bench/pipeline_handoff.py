@@ -65,11 +65,9 @@ def transfer_price(steps: Sequence[StepSpans], placement: Sequence[int], send: f
     no action waited for a message. Steps that are not a whole schedule are left out."""
     waits = []
     for step in steps:
-        if not step or not all(step.values()):
-            continue
         try:
             waits += [hop - send * posts for hop, posts in hand_offs(step, placement)]
-        except KeyError:  # an action whose producer recorded no span
+        except KeyError:  # an action whose producer recorded no span (a rank that recorded none)
             continue
     return max(0.0, statistics.fmean(waits)) if waits else None
 
