@@ -27,14 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.pipeline import (
-    PROFILE_REPEATS,
-    _steps_by_rank,
-    bench_config,
-    bubble_from_spans,
-    virtual_for,
-)
-from shardwise.bench.pipeline_profile import profile_costs
+from shardwise.bench.pipeline import bench_config
+from shardwise.bench.pipeline_profile import PROFILE_REPEATS, profile_costs
+from shardwise.bench.pipeline_rows import bubble_from_spans, steps_by_rank, virtual_for
 from shardwise.bench.pipeline_sides import WARMUP_STEPS, ours_worker
 from shardwise.pipeline.actions import Action, parse_action
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
@@ -66,7 +61,7 @@ def check(name: str) -> dict[str, Any]:
         "free": (0.0, 0.0),
     }
     rows: dict[str, list[float]] = {"measured": [], **{k: [] for k in prices}}
-    for spans in _steps_by_rank([ranks]):
+    for spans in steps_by_rank([ranks]):
         rows["measured"].append(bubble_from_spans(spans))
         schedule = {r: [parse_action(s.name) for s in mine] for r, mine in spans.items()}
         times = {parse_action(s.name): s.duration for mine in spans.values() for s in mine}

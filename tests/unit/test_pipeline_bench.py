@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from shardwise.bench import pipeline as bench
+from shardwise.bench import pipeline_rows as rows
 from shardwise.bench.pipeline_profile import median_costs
 from shardwise.observe import plots
 from shardwise.observe.monitor import Span
@@ -31,9 +32,9 @@ def test_bubble_from_spans_is_idle_over_total() -> None:
         0: [_action("0F0", 10.0, 1.0), _action("0B0", 12.0, 1.0)],
         1: [_action("1F0", 11.0, 2.5)],
     }
-    assert bench.bubble_from_spans(spans) == pytest.approx(1 - 4.5 / 7)
+    assert rows.bubble_from_spans(spans) == pytest.approx(1 - 4.5 / 7)
     # a rank with nothing recorded is idle the whole window
-    assert bench.bubble_from_spans({**spans, 2: []}) == pytest.approx(1 - 4.5 / 10.5)
+    assert rows.bubble_from_spans({**spans, 2: []}) == pytest.approx(1 - 4.5 / 10.5)
 
 
 def test_bubble_from_spans_agrees_with_the_simulator() -> None:
@@ -41,7 +42,7 @@ def test_bubble_from_spans_agrees_with_the_simulator() -> None:
     schedule = build("1f1b", 2, 1, 4)
     timeline = simulate(schedule, stage_placement("1f1b", 2, 1), COSTS)
     spans = {r: [s for s in timeline.spans(r, 1.0) if s.lane == "actions"] for r in timeline.slots}
-    assert bench.bubble_from_spans(spans) == pytest.approx(timeline.bubble)
+    assert rows.bubble_from_spans(spans) == pytest.approx(timeline.bubble)
     assert 0 < timeline.bubble < 1
 
 
@@ -57,7 +58,7 @@ def test_row_json_shape() -> None:
     ours = [_launch(0.5, 0.0), _launch(0.7, 0.0), _launch(0.6, 0.0)]
     # each launch's torch steps beside ours (the same launch): step k's time is its slowest rank's
     theirs = [[{"step_s": [1.0, 1.2]}, {"step_s": [1.1]}], [{"step_s": [1.0]}], [{"step_s": [1.5]}]]
-    row = bench.row("1f1b", 2, 4, 1000, ours, theirs, COSTS)
+    row = rows.row("1f1b", 2, 4, 1000, ours, theirs, COSTS)
     json.dumps(row)  # JSON-ready
     for key in ("bubble_measured", "bubble_simulated", "bubble_theory", "speed_ratio"):
         assert isinstance(row[key], float), key
@@ -67,19 +68,19 @@ def test_row_json_shape() -> None:
     # launch by launch the pairs' median (one pair each here: 1.1/0.5, 1.0/0.7, 1.5/0.6), then the median
     assert row["speed_ratio_rounds"] == pytest.approx([1.1 / 0.5, 1.0 / 0.7, 1.5 / 0.6])
     assert row["speed_ratio"] == pytest.approx(1.1 / 0.5)
-    spread = bench.conditions([row], 1.0, 2.0)["ratio_spread"]
+    spread = rows.conditions([row], 1.0, 2.0)["ratio_spread"]
     assert spread == pytest.approx((1.5 / 0.6 - 1.0 / 0.7) / (1.1 / 0.5))
     assert row["bubble_measured"] == pytest.approx(1 - 3 / 6)
     assert row["bubble_theory"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
-    assert bench.row("zb", 2, 4, 1000, ours, theirs, COSTS)["torch_class"] == "Schedule1F1B"
-    assert bench.row("zbv", 2, 4, 1000, ours, theirs, Costs.uniform())["bubble_theory"] is None
+    assert rows.row("zb", 2, 4, 1000, ours, theirs, COSTS)["torch_class"] == "Schedule1F1B"
+    assert rows.row("zbv", 2, 4, 1000, ours, theirs, Costs.uniform())["bubble_theory"] is None
 
 
 def test_a_launch_ratio_is_the_median_of_its_pairs() -> None:
     """Step k of each side ran back to back: a slow moment slows both and its pair's ratio holds."""
     ours = [{"step_s": [1.0, 3.0, 1.0]}, {"step_s": [0.9, 2.0, 1.2]}]  # slowest rank: 1.0, 3.0, 1.2
     theirs = [{"step_s": [1.1, 3.3, 1.2]}, {"step_s": [0.5, 0.5, 0.5]}]
-    assert bench._paired_ratio(ours, theirs) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
+    assert rows._paired_ratio(ours, theirs) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
 
 
 def test_when_torch_side_hangs_ours_runs_alone(monkeypatch: Any) -> None:
@@ -93,11 +94,13 @@ def test_when_torch_side_hangs_ours_runs_alone(monkeypatch: Any) -> None:
         return [{"step_s": [0.5], "spans": [[]]}] * nproc, None
 
     monkeypatch.setattr(bench, "launch", fake_launch)
-    ours, theirs, profiles = bench.run_rounds(None, 2, "Schedule1F1B", 3, 5.0)  # type: ignore[arg-type]
-    assert theirs == "timeout after 5 s (ours and torch's in one launch)"
-    assert isinstance(ours, list) and len(ours) == 3
+    run = bench.Rounds(None, "Schedule1F1B")  # type: ignore[arg-type]
+    for _ in range(3):
+        run.run_one(2, 5.0)
+    assert run.theirs == "timeout after 5 s (ours and torch's in one launch)"
+    assert isinstance(run.ours, list) and len(run.ours) == 3
     assert calls == ["paired_worker", "ours_worker", "ours_worker", "ours_worker"]
-    assert profiles == []  # no paired launch: the bench profiles in a launch of its own
+    assert run.profiles == []  # no paired launch: the bench profiles in a launch of its own
 
 
 def _profiled(rank: int, f: float, transfer: float) -> dict[str, Any]:
@@ -119,7 +122,10 @@ def test_each_paired_launch_profiles_and_the_costs_are_their_medians(monkeypatch
         ], None
 
     monkeypatch.setattr(bench, "launch", fake_launch)
-    _, _, profiles = bench.run_rounds(None, 2, "Schedule1F1B", 3, 5.0)  # type: ignore[arg-type]
+    run = bench.Rounds(None, "Schedule1F1B")  # type: ignore[arg-type]
+    for _ in range(3):
+        run.run_one(2, 5.0)
+    profiles = run.profiles
     assert [p.forward for p in profiles] == [(1.0, 3.0), (2.0, 2.0), (4.0, 1.0)]
     costs = median_costs(profiles)
     assert costs.forward == (2.0, 2.0) and costs.backward == (4.0, 4.0)  # per stage, not per launch
@@ -136,7 +142,7 @@ def test_a_hanging_peer_is_a_row_not_a_hung_bench() -> None:
     results, problem = bench.launch(hanging_peer, 2, (), timeout_s=5)
     assert results is None and problem == "timeout after 5 s"
     assert time.monotonic() - started < 60
-    row = bench.row("gpipe", 2, 4, 1000, [_launch(0.5, 0.0)], problem, COSTS)
+    row = rows.row("gpipe", 2, 4, 1000, [_launch(0.5, 0.0)], problem, COSTS)
     assert row["torch"] == "timeout after 5 s"
     assert row["speed_ratio"] is None and isinstance(row["bubble_measured"], float)
     json.dumps(row)
@@ -186,10 +192,10 @@ def test_trace_blocks_on_a_pipeline_stage_keeps_the_model_block_index() -> None:
 
 def test_zero_bubble_theory() -> None:
     """ZB-H1's formula with the paper's equal costs is a third of 1F1B's ramp; never below 0."""
-    value, _ = bench.theory("zb", 4, 1, 8, Costs.uniform(1.0, 2.0))
+    value, _ = rows.theory("zb", 4, 1, 8, Costs.uniform(1.0, 2.0))
     assert value == pytest.approx(3 * 1 / (8 * 3 + 3 * 1))
     heavy_w = Costs((1.0, 1.0), (2.0, 2.0), (0.0, 1.0), (3.0, 1.0))  # the first stage: W is all of B
-    assert bench.theory("zb", 2, 1, 4, heavy_w)[0] == 0.0
+    assert rows.theory("zb", 2, 1, 4, heavy_w)[0] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -220,3 +226,35 @@ def test_bad_bench_input_is_one_line_before_any_launch(
     assert main(["bench", "pipeline", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("shardwise bench: error: ") and message in err[0], err
+
+
+def test_rounds_run_interleaved_across_schedules(monkeypatch: Any) -> None:
+    """Round k of every schedule before round k + 1 of any: a drift of the machine weighs on all rows."""
+    order: list[str] = []
+
+    def fake_launch(worker: Any, nproc: int, args: tuple[Any, ...], timeout_s: float) -> Any:
+        order.append(args[0].parallel.schedule)
+        ours = {**_launch(0.5, 0.0)[0], "warmup_spans": []}
+        return [{"ours": ours, "torch": ours, "profile": _profiled(r, 1e-3, 1e-4)} for r in (0, 1)], None
+
+    monkeypatch.setattr(bench, "launch", fake_launch)
+    result = bench.run_pipeline_bench(steps=8, rounds=2, schedules=["1f1b", "zb"])
+    assert order == ["1f1b", "zb", "1f1b", "zb"]
+    assert [r["schedule"] for r in result["rows"]] == ["1f1b", "zb"]
+    assert result["zb_over_1f1b"] == {"tokens_per_s": pytest.approx(1.0), "paired": pytest.approx(1.0)}
+
+
+def test_zb_over_1f1b_cancels_each_launch_speed() -> None:
+    """tokens/s ratio as measured; the paired one from the speed ratios against the same torch class."""
+
+    def made(name: str, tokens_per_s: float, ratio: float | None) -> dict[str, Any]:
+        return {"schedule": name, "ours": {"tokens_per_s": tokens_per_s}, "speed_ratio": ratio}
+
+    # zb's launches ran on a slower machine (torch's 1F1B there 10% slower too): paired, zb is 2% ahead
+    rows_ = [made("1f1b", 1000.0, 0.95), made("zb", 920.0, 0.969)]
+    assert rows.zb_over_1f1b(rows_) == {"tokens_per_s": pytest.approx(0.92), "paired": pytest.approx(1.02)}
+    assert rows.zb_over_1f1b([made("1f1b", 1000.0, None), made("zb", 900.0, None)]) == {
+        "tokens_per_s": pytest.approx(0.9)
+    }
+    assert rows.zb_over_1f1b(rows_[:1]) is None
+    assert rows.zb_over_1f1b([rows_[0], {"schedule": "zb", "ours": "timeout after 5 s"}]) is None

@@ -1,0 +1,206 @@
+"""The pipeline bench's rows: each schedule's bubble three ways and its speed against torch's class.
+
+What ``bench pipeline`` (``bench/pipeline.py``, which launches the rounds) turns its launches into:
+the bubble read off our ranks' action spans, the simulator's from the profiled costs, the
+literature's formula; each launch's paired speed ratio and the medians over launches; how far the
+rounds spread; and ``zb_over_1f1b``, zero-bubble against plain 1F1B both ways. The module docstring
+of ``bench/pipeline.py`` says how each figure is measured. Pure arithmetic on the launches' results:
+no processes, no communication.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shardwise.bench.pipeline_sides import ACTION_LANE
+from shardwise.observe.monitor import Span
+from shardwise.observe.trace import idle_fraction
+from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
+from shardwise.pipeline.simulate import Costs, simulate
+from shardwise.pipeline.validate import ScheduleError
+
+TORCH_PEER = {"zb": "Schedule1F1B"}  # torch has no ZB-H1: our zb is measured against its 1F1B
+
+
+def virtual_for(name: str) -> int:
+    """Stages per rank each schedule runs with here: 1, or 2 for interleaved and V schedules."""
+    return 1 if SCHEDULES[name].virtual == "1" else 2
+
+
+
+# ------------------------------------------------------------------------------- bubble arithmetic
+
+
+def bubble_from_spans(spans: Mapping[int, Sequence[Span]]) -> float:
+    """Idle over total of one step from each rank's action spans (``observe.trace.idle_fraction``):
+    ``1 - sum(busy) / (p * window)``, the window from the first action's start to the last action's
+    end on any rank, as the simulator's runs from 0 to its makespan."""
+    return idle_fraction({rank: [(s.start, s.duration) for s in mine] for rank, mine in spans.items()})
+
+
+def theory(name: str, pp: int, virtual: int, microbatches: int, costs: Costs) -> tuple[float | None, str]:
+    """The bubble formula of ``name`` (its value, and the formula in words), or None where none is
+    known; costs enter only the zero-bubble formula (means over stages)."""
+    p, m, v = pp, microbatches, virtual
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
+    if name == "zb" and m >= p:
+        f, i, w = (_mean(c) for c in (costs.forward, costs.input_grad, costs.weight_grad))
+        # the formula holds for W <= F + I; past that (the first stage's I is empty, so its W is its
+        # whole backward) the cool-down is filled and the formula's bubble is 0
+        ramp = max(0.0, (p - 1) * (f + i - w))
+        return ramp / (m * (f + i + w) + ramp), "max(0,(p-1)(F+I-W))/(m(F+I+W)+max(0,(p-1)(F+I-W)))"
+    return None, "no closed form used here; see bubble_simulated"
+
+
+def _ran(ours: Launches | str) -> dict[int, list[Any]] | None:
+    """The schedule our side ran in its last measured step (a split schedule is fitted to the run:
+    ``pipeline/fitting.py``), read off its action spans; None without spans."""
+    from shardwise.pipeline.actions import parse_action
+
+    if isinstance(ours, str) or not ours:
+        return None
+    steps = steps_by_rank(ours)
+    if not steps or not all(steps[-1].values()):
+        return None
+    return {
+        r: [parse_action(s.name) for s in sorted(spans, key=lambda s: s.start)]
+        for r, spans in steps[-1].items()
+    }
+
+
+def as_run(name: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[Any]]:
+    """The schedule as the runtime runs it: the first stage's I and W back to back as one B."""
+    from shardwise.pipeline.actions import fuse_schedule
+
+    return fuse_schedule(build(name, pp, virtual, microbatches))
+
+
+def _mean(value: float | tuple[float, ...]) -> float:
+    return statistics.fmean(value) if isinstance(value, tuple) else float(value)
+
+
+# ------------------------------------------------------------------------------------- the rows
+
+
+def row(
+    name: str, pp: int, microbatches: int, tokens: int, ours: Launches | str, torch_side: Launches | str,
+    costs: Costs,
+) -> dict[str, Any]:  # fmt: skip
+    """One schedule's row from each side's launches (a list of per-launch results by rank) or the
+    string saying why that side has none (``"timeout after N s"``)."""
+    virtual = virtual_for(name)
+    spec = SCHEDULES[name]
+    placement = stage_placement(name, pp, virtual)
+    try:
+        timeline = simulate(_ran(ours) or as_run(name, pp, virtual, microbatches), placement, costs)
+    except ScheduleError:  # the spans do not make a whole schedule (a rank that recorded none)
+        timeline = simulate(as_run(name, pp, virtual, microbatches), placement, costs)
+    value, formula = theory(name, pp, virtual, microbatches, costs)
+    out: dict[str, Any] = {
+        "schedule": name,
+        "torch_class": TORCH_PEER.get(name, spec.torch_class),
+        "pp": pp,
+        "virtual_stages": virtual,
+        "microbatches": microbatches,
+        "bubble_measured": None,
+        "bubble_simulated": timeline.bubble,
+        "bubble_theory": value,
+        "theory_formula": formula,
+        "speed_ratio": None,
+        "profiled_ms": _profiled_ms(costs),
+    }
+    out["ours"], out["torch"] = _side(ours, tokens), _side(torch_side, tokens)
+    if not isinstance(ours, str):
+        steps = [bubble_from_spans(spans) for spans in steps_by_rank(ours)]
+        out["bubble_measured"] = statistics.median(steps)
+    if not isinstance(ours, str) and not isinstance(torch_side, str) and ours and torch_side:
+        rounds = [_paired_ratio(o, t) for o, t in zip(ours, torch_side, strict=False)]
+        out["speed_ratio"] = statistics.median(rounds)
+        out["speed_ratio_rounds"] = rounds
+    return out
+
+
+def _profiled_ms(costs: Costs) -> dict[str, Any]:
+    """The simulator's costs in ms: per kind, per stage (the profile's); one activation's post (the
+    profile's) and its transfer (priced from the warm-up steps where they waited for one)."""
+    out: dict[str, Any] = {"transfer": round(1e3 * costs.transfer, 3), "send": round(1e3 * costs.send, 3)}
+    kinds = (costs.forward, costs.backward, costs.input_grad, costs.weight_grad)
+    for kind, value in zip("FBIW", kinds, strict=True):
+        out[kind] = [round(1e3 * c, 3) for c in value] if isinstance(value, tuple) else round(1e3 * value, 3)
+    return out
+
+
+Launches = list[list[dict[str, Any]]]  # per launch, each rank's result
+
+
+def _launch_steps(launches: Launches) -> list[float]:
+    """Each launch's step time: its slowest rank's median."""
+    return [max(statistics.median(r["step_s"]) for r in ranks) for ranks in launches]
+
+
+def _paired_ratio(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> float:
+    """One launch's ratio, torch's step time over ours: the median over its steps of each pair's
+    (step k of each side ran back to back; a step's time is its slowest rank's)."""
+    ours_k, theirs_k = (
+        [max(ks) for ks in zip(*(r["step_s"] for r in side), strict=False)] for side in (ours, theirs)
+    )
+    return statistics.median(t / o for o, t in zip(ours_k, theirs_k, strict=False))
+
+
+def _side(launches: Launches | str, tokens: int) -> dict[str, Any] | str:
+    if isinstance(launches, str):
+        return launches
+    per_launch = _launch_steps(launches)
+    step_s = statistics.median(per_launch)
+    return {"tokens_per_s": tokens / step_s, "step_s": step_s, "launches": len(per_launch)}
+
+
+def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: float) -> dict[str, Any]:
+    """How the rows were measured, and how far the rounds' ratios spread (see the module docstring)."""
+    spreads = [
+        (max(r["speed_ratio_rounds"]) - min(r["speed_ratio_rounds"])) / r["speed_ratio"]
+        for r in rows
+        if r.get("speed_ratio_rounds")
+    ]
+    return {
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "cpus": os.cpu_count(),
+        "ratio_spread": max(spreads, default=None),
+        "note": "medians of interleaved rounds; ratio_spread: the largest (max - min) / median of a row's "
+        "per-round speed ratios",
+    }
+
+
+def steps_by_rank(launches: Launches, key: str = "spans") -> list[dict[int, list[Span]]]:
+    """Every measured step (``key="warmup_spans"``: warm-up step) of every launch as ``{rank: [Span]}``."""
+    out = []
+    for ranks in launches:
+        for step in range(min(len(res.get(key, [])) for res in ranks)):
+            out.append(
+                {
+                    r: [Span(n, "compute", ACTION_LANE, s, d, a) for n, s, d, a in res[key][step]]
+                    for r, res in enumerate(ranks)
+                }
+            )
+    return out
+
+
+
+def zb_over_1f1b(rows: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """Our ``zb`` against our ``1f1b``: the ratio of their tokens/s, and of their speed ratios (both
+    against torch's ``Schedule1F1B``: each launch's machine speed cancels); None without both rows."""
+    by_name = {r["schedule"]: r for r in rows}
+    zb, plain = by_name.get("zb"), by_name.get("1f1b")
+    if zb is None or plain is None or isinstance(zb["ours"], str) or isinstance(plain["ours"], str):
+        return None
+    out = {"tokens_per_s": zb["ours"]["tokens_per_s"] / plain["ours"]["tokens_per_s"]}
+    if zb["speed_ratio"] is not None and plain["speed_ratio"] is not None:
+        out["paired"] = zb["speed_ratio"] / plain["speed_ratio"]
+    return out
