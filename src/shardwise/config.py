@@ -9,20 +9,24 @@ spelled out, so the CLI can print it as one line.
 What each value may be is declared on its field (``checked(default, Range(gt=0))``: bounds, always
 finite; ``OneOf``; ``NonEmpty``; the rules live in ``shardwise.config_rules``), and
 ``TrainConfig.validate`` applies every declaration (``check_values``), then checks what the values mean
-together. Validation is pure: it touches no filesystem (``preflight`` tries the folders a run writes);
-only ``load_config`` reads the TOML file it is given. Communication: none.
+together (``shardwise.config_checks``; the model's kind and the built-in GPT's context are checked
+here, in the schema of the kinds a user may write). Validation is pure: it touches no filesystem
+(``preflight`` tries the folders a run writes); only ``load_config`` reads the TOML file it is given.
+Communication: none.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
-from fractions import Fraction
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from shardwise.config_checks import STRATEGY_KEYS as STRATEGY_KEYS  # re-exported: the strategies' table
+from shardwise.config_checks import VAL_FRACTION as VAL_FRACTION  # re-exported: a test pins it to corpus
+from shardwise.config_checks import check_applies, check_batch, check_corpus, check_diloco, check_schedule
+from shardwise.config_checks import split_counts as split_counts  # re-exported: the shares' arithmetic
 from shardwise.config_load import check_values, merge_table, read_toml, set_key
 from shardwise.config_load import to_dict as to_dict  # re-exported: callers import it from here
 from shardwise.config_rules import RULE as RULE  # re-exported: callers read a field's rule by it
@@ -37,7 +41,6 @@ ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "naive", "auto")
 MAX_SEED = 2**32 - 1
 MIN_TIMEOUT_S = 1
 MIN_CORPUS_BYTES = 1024  # = shardwise.data.corpus.MIN_BYTES (a test keeps them equal)
-VAL_FRACTION = 0.1  # = shardwise.data.corpus.VAL_FRACTION: the held-out share of the corpus
 # the built-in GPT's context: its position table has seq_len rows and its attention costs seq_len^2 per
 # head and sequence, so a longer window is a typo, not a run (GPT-3's context; GPT-2's is 1024)
 MAX_GPT_SEQ_LEN = 2048
@@ -97,36 +100,6 @@ class ParallelConfig:
     def resolve(self, world_size: int, servers: int = 0) -> ParallelConfig:
         """Fill in dp and check that the degrees multiply to the world size (see ``ParallelDims``)."""
         return replace(self, dp=ParallelDims.build(self, world_size, servers).dp)
-
-
-def split_counts(global_batch: int, weights: Sequence[float], world_size: int | None = None) -> list[int]:
-    """Per-rank sample counts that sum to ``global_batch``, proportional to ``weights``.
-
-    Largest-remainder rounding (exact, with fractions): every rank gets the floor of its quota, and
-    the samples left over go to the largest remainders, ties to the lower rank. Empty ``weights``
-    means an equal split over ``world_size`` ranks (the remainder goes to the first ranks).
-    """
-    if not weights:
-        if world_size is None or world_size < 1:
-            raise ConfigError(f"an equal split needs world_size >= 1, got {world_size}")
-        weights = [1.0] * world_size
-    elif world_size is not None and len(weights) != world_size:
-        raise ConfigError(f"{len(weights)} weights given for {world_size} ranks")
-    if global_batch < 0:
-        raise ConfigError(f"global_batch must be >= 0, got {global_batch}")
-    if any(not math.isfinite(w) or w < 0 for w in weights):
-        raise ConfigError(f"weights must be finite and >= 0, got {list(weights)}")
-    total = sum(Fraction(w) for w in weights)
-    if total == 0:
-        raise ConfigError(f"weights sum to {float(total)}; at least one rank needs a positive weight")
-    quotas = [global_batch * Fraction(w) / total for w in weights]
-    counts = [math.floor(q) for q in quotas]
-    left = global_batch - sum(counts)
-    # Largest remainder first; sorted() stays stable with reverse=True, so ties keep rank order.
-    by_remainder = sorted(range(len(quotas)), key=lambda r: quotas[r] - counts[r], reverse=True)
-    for rank in by_remainder[:left]:
-        counts[rank] += 1
-    return counts
 
 
 @dataclass(frozen=True)
@@ -278,161 +251,26 @@ class TrainConfig:
         (``preflight`` tries the folders).
         """
         check_values(self)
-        self._check_schedule()
+        check_schedule(self)
         check_model_kind(self.model.kind)
         if world_size < 1:
             raise ConfigError(f"the world needs at least one rank, got {world_size}")
-        self._check_applies()
-        self._check_diloco()
+        check_applies(self)
+        check_diloco(self)
         dims = self.dims(world_size)
-        self._check_batch(dims.dp)
-        self._check_corpus()
+        check_batch(self, dims.dp)
+        check_context(self.model)
+        check_corpus(self)
         return replace(self, parallel=replace(self.parallel, dp=dims.dp))
 
     def dims(self, world_size: int) -> ParallelDims:
         """The job's validated degrees in a world of ``world_size`` ranks."""
         return ParallelDims.build(self.parallel, world_size, self.ps.servers if self.strategy == "ps" else 0)
 
-    def _check_schedule(self) -> None:
-        """What the schedule's fields mean together (each field's own range is declared on it)."""
-        optim = self.optim
-        length = optim.schedule_steps or self.steps
-        if optim.warmup_steps >= length:
-            where = f"optim.schedule_steps({length})" if optim.schedule_steps else f"steps({self.steps})"
-            raise ConfigError(
-                f"optim.warmup_steps must be in [0, {where}), got {optim.warmup_steps}: "
-                "a warm-up as long as the run never reaches the learning rate"
-            )
-        if optim.min_lr > optim.lr:
-            raise ConfigError(f"optim.min_lr must be in [0, optim.lr({optim.lr})], got {optim.min_lr}")
-        if self.strategy == "ps" and self.ps.mode == "async" and 0 < optim.clip_grad_norm < math.inf:
-            raise ConfigError(
-                "gradient clipping with the asynchronous parameter server is not built yet; "
-                "use ps.mode = sync or optim.clip_grad_norm = 0"
-            )
-
     @property
     def compute_precision(self) -> str:
         """``precision``, or the deprecated ``zero.precision`` when only that one is set."""
         return self.precision if self.precision != "fp32" else self.zero.precision
-
-    def _check_applies(self) -> None:
-        """Refuse settings the chosen strategy would silently ignore (``STRATEGY_KEYS``)."""
-        ignored = ignored_settings(self)
-        if ignored:
-            them, they = ("it", "it belongs") if len(ignored) == 1 else ("them", "they belong")
-            raise ConfigError(
-                f"{self.strategy} does not read {', '.join(ignored)}: remove {them} or choose the strategy "
-                f"{they} to"
-            )
-        if self.comm.profile and self.comm.algorithm != "auto":  # only auto consults the cost model
-            raise ConfigError(
-                f"comm.profile = {self.comm.profile!r} applies to comm.algorithm = 'auto', not "
-                f"{self.comm.algorithm!r}: remove it or set comm.algorithm = auto"
-            )
-        if self.zero.offload_dir and self.zero.offload != "disk":
-            raise ConfigError(
-                f"zero.offload_dir = {self.zero.offload_dir!r} applies to zero.offload = 'disk', not "
-                f"{self.zero.offload!r}: remove it or set zero.offload = disk"
-            )
-        if self.strategy == "ps" and self.compute_precision == "fp16":
-            raise ConfigError(
-                "fp16 with the parameter server is not built yet (its loss scale would travel with every "
-                "push); use precision = bf16"
-            )
-        if self.precision != "fp32" and self.zero.precision not in ("fp32", self.precision):
-            raise ConfigError(
-                f"precision = {self.precision!r} and the deprecated zero.precision = {self.zero.precision!r} "
-                "disagree; set only precision"
-            )
-
-    def _check_diloco(self) -> None:
-        diloco = self.diloco
-        if diloco.sync_every < 1:
-            raise ConfigError(f"diloco.sync_every must be >= 1, got {diloco.sync_every}")
-        if not diloco.outer_lr > 0 or not 0 <= diloco.outer_momentum < 1:
-            raise ConfigError(
-                f"diloco.outer_lr must be > 0 and diloco.outer_momentum in [0, 1); got "
-                f"{diloco.outer_lr}, {diloco.outer_momentum}"
-            )
-        every = self.checkpoint.every
-        if self.strategy == "diloco" and every > 0 and every % diloco.sync_every:
-            raise ConfigError(
-                f"diloco saves checkpoints at synchronisations: checkpoint.every({every}) must be a multiple "
-                f"of diloco.sync_every({diloco.sync_every})"
-            )
-
-    def _check_batch(self, dp: int) -> None:
-        data = self.data
-        if data.weights and len(data.weights) != dp:
-            raise ConfigError(
-                f"data.weights has {len(data.weights)} entries but there are {dp} data-parallel ranks"
-            )
-        if data.weights and (min(data.weights) < 0 or sum(data.weights) <= 0):
-            raise ConfigError(f"data.weights must be >= 0 with a positive sum, got {list(data.weights)}")
-        if data.global_batch < dp and not data.weights:
-            raise ConfigError(
-                f"data.global_batch({data.global_batch}) is smaller than the {dp} data-parallel ranks: "
-                f"every rank needs at least one sequence"
-            )
-        self._check_micro_batches(dp)
-
-    def _check_micro_batches(self, dp: int) -> None:
-        """No more micro-batches than the rank with the most rows has rows a step: past that every
-        further one is empty on every rank, and each costs a pass and its schedule's actions (10^8 of
-        them never finish building). A rank with fewer rows, or none, runs empty ones, as now."""
-        data = self.data
-        counts = split_counts(data.global_batch, data.weights or [1.0] * dp)
-        most = max(counts)
-        if data.micro_batches <= most:
-            return
-        if data.weights:
-            rank = counts.index(most)
-            share = Fraction(data.weights[rank]) / sum(Fraction(w) for w in data.weights)
-            arithmetic = (
-                f"data.global_batch({data.global_batch}) x the share of dp rank {rank} "
-                f"({float(share):.4g} of data.weights {list(data.weights)}) = {most} rows"
-            )
-        else:
-            arithmetic = f"data.global_batch({data.global_batch}) / dp({dp}) = {most} rows"
-            arithmetic += " (rounded up)" if data.global_batch % dp else ""
-        raise ConfigError(
-            f"data.micro_batches({data.micro_batches}) is more than the rows a rank has a step: "
-            f"{arithmetic} on the rank with the most, so at most {most} micro-batches of a row each; "
-            f"lower data.micro_batches to at most {most} or raise data.global_batch"
-        )
-
-    def _check_corpus(self) -> None:
-        """A window of seq_len + 1 tokens must fit the built-in GPT's context and the held-out share of
-        the corpus, and evaluation must find its windows there."""
-        seq_len = self.model.seq_len
-        if self.model.kind == "gpt" and seq_len > MAX_GPT_SEQ_LEN:
-            raise ConfigError(
-                f"model.seq_len({seq_len}) is longer than the built-in gpt's context of {MAX_GPT_SEQ_LEN} "
-                f"positions: its attention would cost {seq_len}^2 = {seq_len**2:.1e} per head and sequence, "
-                f"{(seq_len / MAX_GPT_SEQ_LEN) ** 2:,.0f}x that of {MAX_GPT_SEQ_LEN}; lower model.seq_len, "
-                "or use an hf: model whose max_position_embeddings covers it"
-            )
-        held_out = int(self.data.corpus_bytes * VAL_FRACTION)
-        if held_out < self.model.seq_len + 1:
-            need = math.ceil((self.model.seq_len + 1) / VAL_FRACTION)
-            raise ConfigError(
-                f"model.seq_len({self.model.seq_len}) + 1 tokens do not fit in the held-out "
-                f"{VAL_FRACTION:.0%} of data.corpus_bytes({self.data.corpus_bytes}); raise "
-                f"data.corpus_bytes to at least {need} or lower model.seq_len"
-            )
-        # evaluation reads eval_batches x global_batch windows spread over the held-out tokens; more
-        # than it has distinct windows only repeats them (and a huge count never finishes building)
-        windows = held_out - self.model.seq_len
-        wanted = self.eval_batches * self.data.global_batch
-        if wanted > windows:
-            raise ConfigError(
-                f"eval_batches({self.eval_batches}) x data.global_batch({self.data.global_batch}) = {wanted} "
-                f"held-out windows, but the held-out {VAL_FRACTION:.0%} of data.corpus_bytes"
-                f"({self.data.corpus_bytes}) = {held_out} tokens has {held_out} - model.seq_len"
-                f"({self.model.seq_len}) = {windows} distinct windows; lower eval_batches to at most "
-                f"{windows // self.data.global_batch} or raise data.corpus_bytes"
-            )
 
 
 def describe_layout(config: TrainConfig, dims: ParallelDims) -> str:
@@ -461,51 +299,6 @@ def describe_layout(config: TrainConfig, dims: ParallelDims) -> str:
     return ", ".join(parts)
 
 
-# Which strategies read each setting (a table's name: every key in it); ``validate`` refuses a setting
-# that differs from its default under any other strategy, which would otherwise train as if it were
-# not there. ``zero.precision`` is absent on purpose: the deprecated spelling of ``precision``.
-ZERO = ("zero1", "zero2", "zero3")
-STRATEGY_KEYS: dict[str, tuple[str, ...]] = {
-    "ddp": ("ddp",),
-    "ps": ("ps",),
-    "diloco": ("diloco",),
-    "zero.offload": ZERO,
-    "zero.offload_dir": ZERO,
-    "zero.bucket_mb": ("zero1", "zero2"),  # stage 3 gathers and reduces per unit, not per bucket
-    "zero.prefetch": ("zero3",),
-    "zero.unit": ("zero3",),
-}
-
-
-def ignored_settings(config: TrainConfig) -> list[str]:
-    """``key = value (ps only)`` for each setting of ``config`` that its strategy does not read."""
-    default = TrainConfig()
-    found = []
-    for where, strategies in STRATEGY_KEYS.items():
-        if config.strategy in strategies:
-            continue
-        value, base = _get_key(config, where), _get_key(default, where)
-        pairs = (
-            [(f"{where}.{f.name}", getattr(value, f.name), getattr(base, f.name)) for f in fields(value)]
-            if dataclasses.is_dataclass(value)
-            else [(where, value, base)]
-        )
-        found += [
-            f"{key} = {_show(now)} ({'/'.join(strategies)} only)" for key, now, was in pairs if now != was
-        ]
-    return found
-
-
-def _get_key(config: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        config = getattr(config, part)
-    return config
-
-
-def _show(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else repr(value)
-
-
 def model_source(kind: str) -> str:
     """Where ``model.kind`` comes from: "builtin" (gpt, mlp), "hf" (``hf:PATH`` or a shipped config's
     name) or "factory" (``package.module:function``); "" when it is none of them."""
@@ -526,6 +319,18 @@ def check_model_kind(kind: str) -> None:
         )
 
 
+def check_context(model: ModelConfig) -> None:
+    """A window of seq_len + 1 tokens must fit the built-in GPT's context (``MAX_GPT_SEQ_LEN``)."""
+    seq_len = model.seq_len
+    if model.kind == "gpt" and seq_len > MAX_GPT_SEQ_LEN:
+        raise ConfigError(
+            f"model.seq_len({seq_len}) is longer than the built-in gpt's context of {MAX_GPT_SEQ_LEN} "
+            f"positions: its attention would cost {seq_len}^2 = {seq_len**2:.1e} per head and sequence, "
+            f"{(seq_len / MAX_GPT_SEQ_LEN) ** 2:,.0f}x that of {MAX_GPT_SEQ_LEN}; lower model.seq_len, "
+            "or use an hf: model whose max_position_embeddings covers it"
+        )
+
+
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
     """Read a TOML file (optional) and apply dotted-key overrides on top of the defaults."""
     config = TrainConfig()
@@ -534,4 +339,3 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     for key, value in (overrides or {}).items():
         config = set_key(config, key, value)
     return config
-
