@@ -227,7 +227,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from shardwise.commands.verify import VERIFY_DEFAULTS, verify_command, verify_defaults
 
     first = config_from_args(args, VERIFY_DEFAULTS)  # the defaults depend on the model and strategy
-    defaults = verify_defaults(first.model.kind, first.strategy)
+    defaults = verify_defaults(first.model.kind, first.strategy, first.parallel.schedule)
     config = config_from_args(args, defaults)
     return verify_command(config, _nproc(args, config), args.json)
 

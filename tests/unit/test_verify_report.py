@@ -72,3 +72,13 @@ def test_verify_diloco_with_h4_is_one_line_exit_2(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("shardwise verify: error: verify compares diloco with one process only where")
+
+
+def test_verify_runs_a_split_schedule_past_its_fit() -> None:
+    """The fitted schedule (the one training keeps) runs from step FIT_STEPS on: verify reaches it."""
+    from shardwise.pipeline.fitting import FIT_STEPS
+
+    assert verify_defaults("gpt", "ddp", "zb")["steps"] == str(FIT_STEPS + 2)
+    assert verify_defaults("gpt", "ddp", "dualpipev")["steps"] == str(FIT_STEPS + 2)
+    assert verify_defaults("gpt", "ddp", "1f1b")["steps"] == verify_defaults("gpt")["steps"] == "5"
+    assert verify_defaults("gpt", "ddp", "nope")["steps"] == "5"  # refused later, by the config's check

@@ -102,7 +102,7 @@ def _verify_config(overrides: dict[str, str]) -> TrainConfig:
     from shardwise.commands.verify import VERIFY_DEFAULTS, verify_defaults
 
     first = load_config(None, {**VERIFY_DEFAULTS, **overrides})
-    defaults = verify_defaults(first.model.kind, first.strategy)
+    defaults = verify_defaults(first.model.kind, first.strategy, first.parallel.schedule)
     return load_config(None, {**defaults, **overrides, "device": "cuda"})
 
 

@@ -23,6 +23,8 @@ import torch
 from shardwise.config import ConfigError, TrainConfig, describe_layout
 from shardwise.launcher import LaunchError, init_distributed, launch_local
 from shardwise.models import GPT_KIND
+from shardwise.pipeline.fitting import FIT_STEPS
+from shardwise.pipeline.schedules import SCHEDULES
 from shardwise.preflight import preflight
 from shardwise.testing.parity import compare_tensors
 
@@ -47,10 +49,15 @@ DILOCO_DEFAULTS = {
 }
 
 
-def verify_defaults(kind: str, strategy: str = "ddp") -> dict[str, str]:
-    """The defaults for ``model.kind`` and ``strategy``: only the built-in GPT has ``wpe`` to freeze;
-    diloco runs as local SGD at H = 1, where it equals one process."""
+def verify_defaults(kind: str, strategy: str = "ddp", schedule: str | None = None) -> dict[str, str]:
+    """The defaults for ``model.kind``, ``strategy`` and a pipeline's ``schedule``: only the built-in
+    GPT has ``wpe`` to freeze; diloco runs as local SGD at H = 1, where it equals one process; a
+    schedule that splits backwards runs two steps past its fit (``pipeline/fitting.py``: the fitted
+    schedule, the one training keeps, runs from step ``FIT_STEPS`` on)."""
     defaults = dict(VERIFY_DEFAULTS)
+    spec = SCHEDULES.get(schedule or "")  # an unknown name is refused by the config's own check
+    if spec is not None and spec.splits_backward:
+        defaults["steps"] = str(FIT_STEPS + 2)
     if kind != GPT_KIND:  # the deep preset is the GPT's; the MLP keeps its own odd one
         del defaults["model.freeze"]
         defaults["model.preset"] = "odd"
