@@ -76,6 +76,9 @@ class ParallelConfig:
     virtual_stages: int = checked(
         0, Range(ge=1, also=(0,), note="or 0 for the schedule's own (2 for interleaved and V, else 1)")
     )
+    # a zero-bubble schedule keeps its split backwards only where the run's own timings say they pay
+    # (pipeline/fitting.py); false: every step runs the schedule as built
+    fit_schedule: bool = True
     # the block each stage after the first starts at, by its name in the model ("blocks.3", "blocks.6":
     # pp x virtual_stages - 1 of them, in order); empty: stages balanced by parameter count
     pp_split: tuple[str, ...] = ()

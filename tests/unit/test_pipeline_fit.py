@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from shardwise.pipeline.actions import Kind, format_actions, fuse_schedule
-from shardwise.pipeline.adapt import fit_schedule, fully_fused, measured_costs, splits
+from shardwise.pipeline.adapt import (
+    _fuse_one,
+    describe_fit,
+    fit_report,
+    fit_schedule,
+    fully_fused,
+    measured_costs,
+    splits,
+)
 from shardwise.pipeline.fitting import BUILT, FIT_STEPS, FITTED, FUSED, TIMED_PAIRS, ScheduleFitter
 from shardwise.pipeline.schedules import build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
@@ -75,7 +83,7 @@ def test_the_fitter_times_its_pairs_of_steps_then_runs_the_fit(monkeypatch: pyte
     assert seen == [(BUILT, False), *[s for k in range(TIMED_PAIRS) for s in pairs[k % 2]], (FITTED, False)]
     # rank 1's B takes one tick and its I and W one each: the split costs a tick and fills nothing
     # here (rank 0 timed none), so the fit undoes it
-    assert fitter.schedule(4, FITTED) == fully_fused(built) and fitter.kept[4] == 0
+    assert fitter.schedule(4, FITTED) == fully_fused(built) and fitter.reports[4]["splits_kept"] == 0
 
 
 def test_a_schedule_without_a_split_is_never_fitted() -> None:
@@ -85,3 +93,29 @@ def test_a_schedule_without_a_split_is_never_fitted() -> None:
         fitter.step_done(4, None)
     with pytest.raises(KeyError):
         fitter.schedule(4, FITTED)
+
+
+def test_a_fit_says_what_it_kept_once() -> None:
+    """The report counts the splits built and kept; the note names them and the switch that keeps all."""
+    built = fuse_schedule(build("zb", 2, 1, 4))
+    fitted = {0: built[0], 1: _fuse_one(built[1], next(a for a in built[1] if a.kind is Kind.WEIGHT_GRAD))}
+    per_stage = [{"F": 1e-3, "B": 2e-3, "Fs": 1e-3, "I": 1e-3, "W": 1e-3}] * 2
+    report = fit_report(built, fitted, per_stage)
+    kept = [[a.stage, a.microbatch] for a in fitted[1] if a.kind is Kind.INPUT_GRAD]
+    assert report["splits_built"] == 4 and report["splits_kept"] == 3 and report["kept"] == kept
+    assert report["measured_ms"][1] == {"F": 1.0, "B": 2.0, "Fs": 1.0, "I": 1.0, "W": 1.0}
+    note = describe_fit(4, report)
+    assert "3 of 4 backwards stay split" in note and "stage 1: micro-batch 1, 2, 3" in note
+    assert "the other 1 run as one B" in note and "parallel.fit_schedule=false" in note
+    none_kept = describe_fit(4, fit_report(built, fully_fused(built), per_stage))
+    assert "none of its 4 split backwards pays here" in none_kept
+
+
+def test_fitting_off_runs_the_schedule_as_built_every_step() -> None:
+    built = fuse_schedule(build("zb", 2, 1, 4))
+    fitter = ScheduleFitter(lambda m: built, (0, 1), 2, fit=False)
+    for _ in range(FIT_STEPS + 2):
+        assert fitter.phase(4) == BUILT and not fitter.timing(4)
+        assert fitter.schedule(4, BUILT) == built
+        fitter.step_done(4, None)
+    assert fitter.reports == {} and fitter.notes == []

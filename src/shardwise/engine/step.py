@@ -48,6 +48,10 @@ class StepRunner(Protocol):
         """
         ...
 
+    def report(self) -> dict[str, Any]:
+        """What the run's summary should say of how the steps ran (a pipeline's fitted schedule)."""
+        ...
+
 
 def run_passes(engine: Engine, micro_batches: Sequence[Any], divisor: float) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn, every backward but the last under
@@ -73,6 +77,9 @@ class MicroBatchLoop:
         MONITOR.set_phase("gradient sync")
         engine.finish_grads()
         return engine.step_loss(share)
+
+    def report(self) -> dict[str, Any]:
+        return {}
 
 
 class StepResult(NamedTuple):

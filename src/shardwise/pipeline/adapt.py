@@ -9,15 +9,17 @@ right after its I, as one B, is then faster. ``fit_schedule`` decides it W by W 
 I and the pair made one B wherever that does not lengthen the simulated step. Every rank given the
 same costs makes the same choices, so their plans (and message orders) agree.
 
-``fully_fused`` is the schedule with every split undone, and ``measured_costs`` turns a run's
-per-stage timings into the simulator's costs; the runtime (``PipelineRunner``) runs the schedule as
-built and fully fused for two measured steps each (``fitting.TIMED_PAIRS``), agrees on the timings
-and runs the fitted one from then on. Pure: no torch.
+``fully_fused`` is the schedule with every split undone, ``measured_costs`` turns a run's per-stage
+timings into the simulator's costs, and ``fit_report`` / ``describe_fit`` say what a fit kept; the
+runtime (``PipelineRunner``) runs the schedule as built and fully fused for two measured steps each
+(``fitting.TIMED_PAIRS``), agrees on the timings and runs the fitted one from then on (or, with
+``parallel.fit_schedule = false``, the schedule as built every step). Pure: no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from shardwise.pipeline.actions import Action, Kind, Schedule
 from shardwise.pipeline.simulate import Costs, simulate
@@ -87,3 +89,39 @@ def _fuse_one(actions: Sequence[Action], weight: Action) -> list[Action]:
             action = Action(action.stage, Kind.BACKWARD, action.microbatch)
         out.append(action)
     return out
+
+
+def fit_report(
+    built: Mapping[int, Sequence[Action]], fitted: Mapping[int, Sequence[Action]],
+    per_stage: Sequence[Mapping[str, float]],
+) -> dict[str, Any]:  # fmt: skip
+    """What a fit chose: how many backwards the schedule splits as built and how many it kept split,
+    which (``[stage, micro-batch]``), and the costs it chose from as timed (ms per micro-batch; a
+    stage that never splits has no I or W)."""
+    kept = sorted(
+        (a.stage, a.microbatch) for acts in fitted.values() for a in acts if a.kind is Kind.INPUT_GRAD
+    )
+    return {
+        "splits_built": sum(a.kind is Kind.INPUT_GRAD for acts in built.values() for a in acts),
+        "splits_kept": len(kept),
+        "kept": [list(k) for k in kept],
+        "measured_ms": [{k: round(1e3 * v, 3) for k, v in s.items()} for s in per_stage],
+    }
+
+
+def describe_fit(microbatches: int, report: Mapping[str, Any]) -> str:
+    """One line for a user: what the fit kept split, and how to keep every split instead."""
+    built, kept = report["splits_built"], report["splits_kept"]
+    by_stage: dict[int, list[str]] = {}
+    for stage, mb in report["kept"]:
+        by_stage.setdefault(stage, []).append(str(mb))
+    where = "; ".join(f"stage {s}: micro-batch {', '.join(mbs)}" for s, mbs in sorted(by_stage.items()))
+    split = f"{kept} of {built} backwards stay split into I and a later W ({where})" if kept else (
+        f"none of its {built} split backwards pays here"
+    )
+    return (
+        f"the zero-bubble schedule, fitted to this run's timings ({microbatches} micro-batches), from the "
+        "next step on: "
+        f"{split}; the other {built - kept} run as one B, where their W would fill no bubble "
+        "(--set parallel.fit_schedule=false keeps every split as built)"
+    )

@@ -86,7 +86,8 @@ class PipelineAxis(Axis):
         split = split_model(model, placement, comm.rank, parallel.pp_split)
         spec = SCHEDULES[name]
         runner = PipelineRunner(
-            split, comm, placement, lambda m: build_schedule(name, pp, virtual, m), spec.splits_backward
+            split, comm, placement, lambda m: build_schedule(name, pp, virtual, m), spec.splits_backward,
+            parallel.fit_schedule,
         )
         self.runner = self.step_runner = runner
         self.comm, self.split = comm, split
@@ -135,7 +136,18 @@ def check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
                 "parallel.pp_split names where pipeline stages start, but there is no pipeline: set "
                 "parallel.pp > 1 (--pp) or leave pp_split empty"
             )
+        if not parallel.fit_schedule:
+            raise ConfigError(
+                "parallel.fit_schedule = false keeps a zero-bubble schedule as built, but there is no "
+                "pipeline: set parallel.pp > 1 (--pp) or leave fit_schedule unset"
+            )
         return
+    if not parallel.fit_schedule and not SCHEDULES[parallel.schedule].splits_backward:
+        raise ConfigError(
+            f"parallel.fit_schedule = false keeps a zero-bubble schedule's split backwards as built, but "
+            f"{parallel.schedule!r} splits none: use zb, interleaved-zb, zbv or dualpipev, or leave "
+            "fit_schedule unset"
+        )
     if config.strategy in PIPELINE_REFUSED:
         raise NotBuiltError(
             f"--strategy {config.strategy} does not run with pipeline parallelism "

@@ -12,7 +12,9 @@ bench's 2-stage zb, its fit kept the last stage's last split (it sends the input
 sooner) in one run and dropped it in the next; with two pairs in this order it kept the last
 stage's last two splits in three runs of three. The
 gradients are the same whichever ran (a B is an I and a W at once). A schedule without a split is
-run as built from the start.
+run as built from the start, and so is every schedule with ``parallel.fit_schedule = false``. What a
+fit kept is said once on the reporting rank's stderr and in the run's summary (``pipeline_fit``:
+``adapt.fit_report``), so a zb run that became nearly 1F1B says so.
 
 Timing: ``time.perf_counter`` around each action on the CPU; on a GPU a pair of CUDA events per
 action, read after one synchronisation at the end of the timed step (``2 * TIMED_PAIRS`` in a run).
@@ -32,7 +34,15 @@ import torch
 from shardwise.collectives.api import Comm
 from shardwise.device import HOST
 from shardwise.pipeline.actions import Action, Kind, Schedule
-from shardwise.pipeline.adapt import KINDS, fit_schedule, fully_fused, measured_costs, splits
+from shardwise.pipeline.adapt import (
+    KINDS,
+    describe_fit,
+    fit_report,
+    fit_schedule,
+    fully_fused,
+    measured_costs,
+    splits,
+)
 
 BUILT, FUSED, FITTED = "built", "fused", "fitted"
 TIMED_PAIRS = 2  # pairs of timed steps, one fully fused and one as built, in turn: F B, B F, F B, ...
@@ -42,13 +52,17 @@ FIT_STEPS = 1 + 2 * TIMED_PAIRS  # the steps before the fitted schedule runs: a 
 class ScheduleFitter:
     """Which schedule each step runs, and the timings that fit it (module docstring)."""
 
-    def __init__(self, build: Callable[[int], Schedule], placement: tuple[int, ...], stages: int) -> None:
+    def __init__(
+        self, build: Callable[[int], Schedule], placement: tuple[int, ...], stages: int, fit: bool = True
+    ) -> None:
         self._build, self.placement, self.stages = build, placement, stages
+        self.fit = fit  # False (``parallel.fit_schedule``): every step runs the schedule as built
+        self.reports: dict[int, dict[str, Any]] = {}  # micro-batch count -> its fit (adapt.fit_report)
+        self.notes: list[str] = []  # each fit in words, once: the runner prints them on the reporting rank
         self._built: dict[int, Schedule] = {}  # micro-batch count -> the schedule as built
         self._splits: dict[int, bool] = {}  # micro-batch count -> whether it splits any backward
         self._steps: dict[int, int] = {}  # micro-batch count -> steps run with it
         self._fitted: dict[int, Schedule] = {}
-        self.kept: dict[int, int] = {}  # micro-batch count -> split backwards the fitted schedule kept
         self._timed: list[tuple[int, str, Any, Any]] = []  # (stage, kind, start, end) this step
         self._sums = torch.zeros(stages, len(KINDS), 2, dtype=torch.float64, device=HOST)  # seconds, count
 
@@ -60,9 +74,10 @@ class ScheduleFitter:
         return self._built[microbatches]
 
     def splits(self, microbatches: int) -> bool:
-        """Whether the schedule as built splits a backward (read once per micro-batch count)."""
+        """Whether this schedule is fitted: it splits a backward as built (read once per micro-batch
+        count), and fitting is on."""
         self.build(microbatches)
-        return self._splits[microbatches]
+        return self.fit and self._splits[microbatches]
 
     def phase(self, microbatches: int) -> str:
         """What step ``microbatches`` runs now: ``BUILT``, ``FUSED`` or ``FITTED``."""
@@ -132,10 +147,14 @@ class ScheduleFitter:
             trainers.all_reduce(sums)  # every rank then fits from the same numbers
         seconds, counts = sums[..., 0], sums[..., 1].clamp(min=1.0)
         means = (seconds / counts).tolist()
-        per_stage = [_stage_costs({k: means[s][i] for i, k in enumerate(KINDS) if sums[s, i, 1] > 0})
-                     for s in range(self.stages)]  # fmt: skip
-        fitted, kept = fit_schedule(self.build(microbatches), self.placement, measured_costs(per_stage))
-        self._fitted[microbatches], self.kept[microbatches] = fitted, kept
+        timed = [
+            {k: means[s][i] for i, k in enumerate(KINDS) if sums[s, i, 1] > 0} for s in range(self.stages)
+        ]
+        built = self.build(microbatches)
+        fitted, _ = fit_schedule(built, self.placement, measured_costs([_stage_costs(t) for t in timed]))
+        self._fitted[microbatches] = fitted
+        self.reports[microbatches] = fit_report(built, fitted, timed)  # what was timed, nothing filled in
+        self.notes.append(describe_fit(microbatches, self.reports[microbatches]))
         self._sums.zero_()
 
 

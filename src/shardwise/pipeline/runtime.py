@@ -46,6 +46,7 @@ arXiv:2104.04473; Qi et al. 2023, arXiv:2401.10241 for I and W).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -77,7 +78,7 @@ class PipelineRunner:
 
     def __init__(
         self, split: Split, comm: Comm, placement: Sequence[int], schedule: Callable[[int], Schedule],
-        split_backward: bool = False,
+        split_backward: bool = False, fit: bool = True,
     ) -> None:  # fmt: skip
         self.split, self.comm, self.placement = split, comm, tuple(placement)
         self.schedule = schedule  # microbatches -> every rank's [Action]
@@ -93,6 +94,7 @@ class PipelineRunner:
             lambda m: fuse_schedule(schedule(m)),
             self.placement,
             len(self.placement),
+            fit,
         )
 
     def step_plan(self, microbatches: int) -> tuple[list[Action], list[list[Transfer]]]:
@@ -140,7 +142,16 @@ class PipelineRunner:
         MONITOR.set_phase("gradient sync")
         engine.finish_grads()
         self.fitter.step_done(len(micro_batches), engine.trainers)
+        while self.fitter.notes:  # what a fit kept, in words, once (every rank fitted the same)
+            note = self.fitter.notes.pop(0)
+            if engine.role.reports:
+                print(f"shardwise: {note}", file=sys.stderr, flush=True)
         return engine.step_loss(state.share)  # the last stage reports it (``PipelineAxis``)
+
+    def report(self) -> dict[str, Any]:
+        """For the run's summary: what each fit of a split schedule kept (``adapt.fit_report``)."""
+        reports = self.fitter.reports
+        return {"pipeline_fit": {str(m): r for m, r in reports.items()}} if reports else {}
 
     def _post(self, boundary: list[Transfer], empty: set[int], state: _StepState) -> None:
         """This boundary's sends and receives, in the step's one order (``pipeline/messages.py``),
