@@ -85,6 +85,7 @@ FITTED_CASES = {
     "pp2-interleaved-zb-fitted": pp2("interleaved-zb", 2),
     "pp2-zbv-fitted-ac": [*pp2("zbv", 2), "--activation-checkpointing"],
     "pp2-dualpipev-fitted": pp2("dualpipev", 2),
+    "pp2-zb-as-built": [*pp2("zb"), "--set", "parallel.fit_schedule=false"],
     "dp2-pp2-zero3-zb-fitted": ["--pp", "2", "--nproc", "4", "--strategy", "zero3", "--schedule", "zb",
                                 "--micro-batches", "4"],
 }  # fmt: skip
@@ -310,3 +311,39 @@ def test_bench_pipeline_measures_both_sides_of_a_schedule() -> None:
     assert row["profiled_ms"]["send"] > 0, row["profiled_ms"]
     # a message's transfer priced from the warm-up steps' waits, the profile relay's beside it
     assert isinstance(row["profiled_ms"]["transfer_relay"], float), row["profiled_ms"]
+
+
+@pytest.mark.slow
+def test_fit_schedule_false_runs_the_schedule_as_built(tmp_path: Path) -> None:
+    """Without the fit every step runs zb as built (with it, step 1 would run fully fused)."""
+    args = ["--pp", "2", "--nproc", "2", "--steps", "2", "--preset", "tiny", "--micro-batches", "4"]
+    result = shardwise(
+        "train", *args, "--schedule", "zb", "--set", "parallel.fit_schedule=false", "--trace",
+        "--run-dir", str(tmp_path), "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    actions = [(e["pid"], e["name"]) for e in events if "kind" in e.get("args", {})]
+    built = fuse_schedule(build("zb", 2, 1, 4))
+    assert sorted(actions) == sorted((rank, str(a)) for _ in range(2) for rank in (0, 1) for a in built[rank])
+    assert "pipeline_fit" not in last_json(result)
+
+
+@pytest.mark.slow
+def test_a_fit_says_what_it_kept(tmp_path: Path) -> None:
+    """One stderr line and ``pipeline_fit`` in the summary, which agree with the I actions that ran."""
+    args = ["--pp", "2", "--nproc", "2", "--steps", "6", "--preset", "tiny", "--micro-batches", "4"]
+    result = shardwise("train", *args, "--schedule", "zb", "--trace", "--run-dir", str(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    notes = [line for line in result.stderr.splitlines() if "fitted to this run's timings" in line]
+    assert len(notes) == 1, result.stderr[-3000:]
+    fit = last_json(result)["pipeline_fit"]["4"]
+    assert fit["splits_built"] == 4
+    said = f"{fit['splits_kept']} of 4 backwards" if fit["splits_kept"] else "none of its 4"
+    assert said in notes[0], notes[0]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kinds = [e["args"]["kind"] for e in events if "kind" in e.get("args", {})]
+    # steps 0-4: as built, fused, built, built, fused (4 I's each time as built); step 5: what was kept
+    assert kinds.count("I") == 3 * 4 + fit["splits_kept"]
