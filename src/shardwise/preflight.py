@@ -26,6 +26,7 @@ from shardwise.device import check_device, device_type
 from shardwise.models import build_model, check_model_config
 from shardwise.observe.tensorboard import available as tensorboard_available
 from shardwise.parallelism import check as check_parallelism
+from shardwise.pipeline.axis import check_combination
 
 
 def preflight(config: TrainConfig, world_size: int, writes_run_files: bool = True) -> TrainConfig:
@@ -34,6 +35,7 @@ def preflight(config: TrainConfig, world_size: int, writes_run_files: bool = Tru
     ``writes_run_files``: whether the command writes the run folder and checkpoints (``train`` does,
     ``verify`` does not).
     """
+    check_combination(config)  # before the world's arithmetic: a pipeline job that cannot run at all
     config = config.validate(world_size)
     check_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     check_algorithm(config.comm.algorithm, device_type(config.device))

@@ -83,3 +83,20 @@ def test_values_are_checked_before_any_folder_is_made(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^optim\.lr must be"):
         preflight(load_config(None, {"run_dir": str(run_dir), "optim.lr": "inf"}), 1)
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"strategy": "ps"}, "--strategy ps does not run with pipeline parallelism"),
+        ({"precision": "fp16"}, "precision = fp16 (each stage would decide an overflow alone)"),
+    ],
+)
+def test_a_pipeline_that_cannot_run_is_said_before_the_rank_count(
+    tmp_path: Path, overrides: dict[str, str], message: str
+) -> None:
+    """pp 2 on 2 ranks with ps (one rank serves) would first fail the world's arithmetic; the user
+    should hear what can never run, not fix the rank count first."""
+    config = load_config(None, {"parallel.pp": "2", "run_dir": str(tmp_path), **overrides})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        preflight(config, 2)

@@ -42,6 +42,7 @@ from shardwise.pipeline.schedules import SCHEDULES, ScheduleConfigError, stage_p
 from shardwise.pipeline.schedules import build as build_schedule
 from shardwise.pipeline.schedules import check as check_schedule
 from shardwise.pipeline.split import plan_stages, split_model
+from shardwise.pipeline.stages import FEWER_STAGES
 
 # the data-parallel engines a pipeline stage runs under
 PIPELINE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -148,6 +149,33 @@ def check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
             f"{parallel.schedule!r} splits none: use zb, interleaved-zb, zbv or dualpipev, or leave "
             "fit_schedule unset"
         )
+    check_combination(config)
+    try:
+        check_schedule(parallel.schedule, parallel.pp, parallel.stages_per_rank, config.data.micro_batches)
+    except ScheduleConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    if not config_model:
+        return
+    if parallel.pp_split:  # the names against the model's own blocks (built on meta: no values drawn)
+        model = build_model(config.model, meta=True)
+        plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
+    elif (blocks := config_blocks(config.model)) is not None:
+        stages = parallel.pp * parallel.stages_per_rank
+        if blocks < stages:
+            raise ConfigError(
+                f"the {config.model.kind} preset {config.model.preset!r} has {blocks} blocks, fewer than "
+                f"pp({parallel.pp}) x virtual_stages({parallel.stages_per_rank}) = {stages} stages; pick a "
+                f"larger preset, or {FEWER_STAGES}"
+            )
+
+
+def check_combination(config: TrainConfig) -> None:
+    """What cannot run on a pipeline at all (a strategy, fp16, a codec, unused-parameter search), at
+    pp > 1. ``preflight`` asks it before the world's arithmetic, so such a job hears it first, not
+    after fixing a rank count it could never use."""
+    parallel = config.parallel
+    if parallel.pp == 1:
+        return
     if config.strategy in PIPELINE_REFUSED:
         raise NotBuiltError(
             f"--strategy {config.strategy} does not run with pipeline parallelism "
@@ -166,21 +194,4 @@ def check_pipeline(config: TrainConfig, config_model: bool = True) -> None:
             raise NotBuiltError(
                 f"{what} with pipeline parallelism (parallel.pp = {parallel.pp}) is not built yet; "
                 "drop it or set parallel.pp = 1"
-            )
-    try:
-        check_schedule(parallel.schedule, parallel.pp, parallel.stages_per_rank, config.data.micro_batches)
-    except ScheduleConfigError as exc:
-        raise ConfigError(str(exc)) from None
-    if not config_model:
-        return
-    if parallel.pp_split:  # the names against the model's own blocks (built on meta: no values drawn)
-        model = build_model(config.model, meta=True)
-        plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
-    elif (blocks := config_blocks(config.model)) is not None:
-        stages = parallel.pp * parallel.stages_per_rank
-        if blocks < stages:
-            raise ConfigError(
-                f"the {config.model.kind} preset {config.model.preset!r} has {blocks} blocks, fewer than "
-                f"pp({parallel.pp}) x virtual_stages({parallel.stages_per_rank}) = {stages} stages; pick a "
-                "larger preset"
             )

@@ -39,7 +39,7 @@ from torch import nn
 
 from shardwise.models.adapters import ModelAdapter, SplitError, StageInputs, pipeline_adapter
 from shardwise.models.adapters import get_module as _get
-from shardwise.pipeline.stages import balance
+from shardwise.pipeline.stages import FEWER_STAGES, balance
 
 __all__ = ["Split", "SplitError", "Stage", "StageInputs", "Tied", "balance", "split_model"]
 
@@ -116,7 +116,7 @@ def plan_stages(model: nn.Module, stages: int, boundaries: Sequence[str] = ()) -
     if len(container) < stages:
         raise SplitError(
             f"the model has {len(container)} blocks but the pipeline has {stages} stages (pp x virtual "
-            "stages); every stage needs at least one block: lower --pp or --virtual-stages"
+            f"stages); every stage needs at least one block: {FEWER_STAGES}"
         )
     return balance([sum(p.numel() for p in b.parameters()) for b in container], stages)
 

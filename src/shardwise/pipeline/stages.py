@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# the fixes for a pipeline with more stages than the model has blocks (both places that refuse one)
+FEWER_STAGES = (
+    "lower --pp, or hold fewer stages per rank (--virtual-stages; zbv and dualpipev hold two, "
+    "zb and 1f1b one)"
+)
+
 
 def balance(costs: Sequence[float], stages: int) -> list[list[int]]:
     """Contiguous runs of block indices, one per stage, each non-empty, minimising the largest sum of
