@@ -239,7 +239,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from shardwise.commands.parser import CommandParser
+
+    parser = CommandParser(  # and so every sub-command's parser: one line per bad flag, no abbreviations
         prog="shardwise",
         description="Distributed training on torch.distributed, each strategy verified against one process.",
     )

@@ -179,3 +179,92 @@ def test_bad_input_is_one_line_exit_2_before_any_rank(
     assert lines[0].startswith(f"shardwise {command}: error: ")
     assert message.format(**inputs) in lines[0], err
     assert not (run_dir / "pids").exists()  # every rank writes its pid there first: none started
+
+
+# flags argparse refuses: one line from the (sub-)command itself, with the flag meant where one is close
+BAD_FLAGS = [
+    (
+        ["train", "--nproc", "2", "--pp", "2", "--shedule", "zb", "--steps", "2"],
+        "shardwise train: error: unknown flag --shedule: did you mean --schedule?",
+    ),
+    (
+        ["verify", "--nproc", "2", "--pp", "2", "--shedule", "zb", "--steps", "2"],
+        "shardwise verify: error: unknown flag --shedule: did you mean --schedule?",
+    ),
+    # prefixes of a flag used to run as the flag (argparse's allow_abbrev)
+    (
+        ["train", "--schedul", "zb"],
+        "shardwise train: error: unknown flag --schedul: did you mean --schedule?",
+    ),
+    (
+        ["verify", "--sched=zb"],
+        "shardwise verify: error: unknown flag --sched: did you mean --schedule or --seed?",
+    ),
+    (
+        ["train", "--virtual-stage", "2"],
+        "shardwise train: error: unknown flag --virtual-stage: did you mean --virtual-stages?",
+    ),
+    (
+        ["bench", "pipeline", "--step", "3"],
+        "shardwise bench pipeline: error: unknown flag --step: did you mean --steps?",
+    ),
+    (["plan", "--prese", "tiny"], "shardwise plan: error: unknown flag --prese: did you mean --preset?"),
+    (
+        ["ckpt", "inspect", "x", "--no-verif"],
+        "shardwise ckpt inspect: error: unknown flag --no-verif: did you mean --no-verify?",
+    ),
+    (["plot", "x", "--outt", "y"], "shardwise plot: error: unknown flag --outt: did you mean --out?"),
+    # nothing close
+    (
+        ["train", "--zzzzzz", "1"],
+        "shardwise train: error: unknown flag --zzzzzz (see shardwise train --help)",
+    ),
+    # a flag without its value, a missing or extra positional
+    (
+        ["train", "--pp"],
+        "shardwise train: error: argument --pp: expected one argument (see shardwise train --help)",
+    ),
+    (
+        ["bench", "pipeline", "--rounds"],
+        "shardwise bench pipeline: error: argument --rounds: expected one argument "
+        "(see shardwise bench pipeline --help)",
+    ),
+    (
+        ["ckpt", "inspect"],
+        "shardwise ckpt inspect: error: the following arguments are required: dir "
+        "(see shardwise ckpt inspect --help)",
+    ),
+    (
+        ["ckpt", "inspect", "a", "b"],
+        "shardwise ckpt inspect: error: unexpected argument 'b' (see shardwise ckpt inspect --help)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "line"), BAD_FLAGS)
+def test_bad_flag_is_one_line_from_the_command_exit_2(capsys, argv: list[str], line: str) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    captured = capsys.readouterr()
+    assert exit.value.code == 2
+    assert captured.err.splitlines() == [line], captured.err
+    assert captured.out == ""
+
+
+def test_bench_pipeline_help_shows_defaults_and_schedules(capsys, monkeypatch) -> None:
+    from shardwise.pipeline.schedules import SCHEDULES
+
+    monkeypatch.setenv("COLUMNS", "200")  # no help text wrapped (at a hyphen, say)
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "pipeline", "--help"])
+    assert exit.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # a long flag's help starts on the next line
+    for wanted in (
+        "--steps STEPS steps per launch, the first 5 warm up (default 40)",
+        "--rounds ROUNDS launches, the sides' steps alternating (default 3)",
+        "--micro-batches MICRO_BATCHES micro-batches per step (default 4)",
+        "--preset PRESET the gpt preset (default small)",
+        "--global-batch GLOBAL_BATCH sequences per step (default 8)",
+        f"--schedules SCHEDULES comma-separated: {', '.join(SCHEDULES)} (default: all)",
+    ):
+        assert wanted in text, text

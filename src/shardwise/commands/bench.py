@@ -7,6 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from shardwise.commands.output import write_json as _write
+from shardwise.pipeline.schedules import SCHEDULES
+
+SHOW_DEFAULT = " (default %(default)s)"  # a flag's help ends so: argparse puts in the default
 
 
 def _kind(kinds: Any, name: str, help: str, run: Callable[[argparse.Namespace], int], nproc: int) -> Any:
@@ -23,12 +26,18 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     bench = sub.add_parser("bench", help="benchmarks against PyTorch's built-ins")
     kinds = bench.add_subparsers(dest="kind", required=True)
     ddp = _kind(kinds, "ddp", "our all-reduce DP against torch DistributedDataParallel", run, nproc=2)
-    ddp.add_argument("--steps", type=int, default=20)
-    ddp.add_argument("--rounds", type=int, default=3, help="interleaved runs of each implementation")
+    ddp.add_argument(
+        "--steps", type=int, default=20, help="steps per launch, the first 3 warm up" + SHOW_DEFAULT
+    )
+    ddp.add_argument(
+        "--rounds", type=int, default=3, help="interleaved runs of each implementation" + SHOW_DEFAULT
+    )
     # the 10.8M-parameter GPT: large enough that gradient traffic matters, as it does where DDP is used
-    ddp.add_argument("--preset", default="base")
-    ddp.add_argument("--global-batch", type=int, default=8)
-    ddp.add_argument("--bucket-mb", type=float, default=25.0)
+    ddp.add_argument("--preset", default="base", help="the gpt preset" + SHOW_DEFAULT)
+    ddp.add_argument("--global-batch", type=int, default=8, help="sequences per step" + SHOW_DEFAULT)
+    ddp.add_argument(
+        "--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB" + SHOW_DEFAULT
+    )
     ddp.add_argument(
         "--watchdog", action="store_true", help="also our DDP without the hang watchdog: its cost"
     )
@@ -41,32 +50,44 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
         action="store_true",
         help="only measure the cost model's step costs, save and show them",
     )
-    comm.add_argument("--ops", help="comma-separated: all_reduce,broadcast,reduce,all_gather,reduce_scatter")
+    comm.add_argument(
+        "--ops", help="comma-separated: all_reduce,broadcast,reduce,all_gather,reduce_scatter (default: all)"
+    )
     comm.add_argument("--max-mb", type=float, default=256.0, help="largest message (default 256 MB)")
     zero = _kind(kinds, "zero", "ZeRO stages against ZeroRedundancyOptimizer and FSDP2", run, nproc=2)
-    zero.add_argument("--steps", type=int, default=5)
-    zero.add_argument("--repeats", type=int, default=3, help="interleaved runs of each side; medians")
-    zero.add_argument("--stages", default="1,2,3")
-    zero.add_argument("--bucket-mb", type=float, default=4.0)
+    zero.add_argument("--steps", type=int, default=5, help="steps per run" + SHOW_DEFAULT)
+    zero.add_argument(
+        "--repeats", type=int, default=3, help="interleaved runs of each side; medians" + SHOW_DEFAULT
+    )
+    zero.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages" + SHOW_DEFAULT)
+    zero.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size in MB" + SHOW_DEFAULT)
     zero.add_argument("--offload-stage", type=int, help="instead: peak RSS with and without disk offload")
     tp = _kind(kinds, "tp", "tensor parallelism against DTensor's parallelize_module", run, nproc=2)
-    tp.add_argument("--steps", type=int, default=5)
-    tp.add_argument("--repeats", type=int, default=3, help="interleaved runs of each side; medians")
-    tp.add_argument("--preset", default="small", help="a gpt preset whose heads and widths nproc divides")
-    tp.add_argument("--global-batch", type=int, default=8)
-    tp.add_argument("--seq-len", type=int, default=64)
-    tp.add_argument("--rows", default="tp,tp+sp", help="comma-separated: tp, tp+sp (sequence parallel)")
+    tp.add_argument("--steps", type=int, default=5, help="steps per run" + SHOW_DEFAULT)
+    tp.add_argument(
+        "--repeats", type=int, default=3, help="interleaved runs of each side; medians" + SHOW_DEFAULT
+    )
+    tp.add_argument(
+        "--preset", default="small", help="a gpt preset whose heads and widths nproc divides" + SHOW_DEFAULT
+    )
+    tp.add_argument("--global-batch", type=int, default=8, help="sequences per step" + SHOW_DEFAULT)
+    tp.add_argument("--seq-len", type=int, default=64, help="tokens per sequence" + SHOW_DEFAULT)
+    tp.add_argument(
+        "--rows", default="tp,tp+sp", help="comma-separated: tp, tp+sp (sequence parallel)" + SHOW_DEFAULT
+    )
     compare = _kind(kinds, "dp-compare", "single-process DP, parameter server, all-reduce DP", run, nproc=3)
-    compare.add_argument("--steps", type=int, default=5)
-    compare.add_argument("--global-batch", type=int, default=16)
+    compare.add_argument("--steps", type=int, default=5, help="steps per run" + SHOW_DEFAULT)
+    compare.add_argument("--global-batch", type=int, default=16, help="sequences per step" + SHOW_DEFAULT)
     ps_async = _kind(kinds, "ps-async", "asynchronous against synchronous parameter server", run, nproc=3)
-    ps_async.add_argument("--steps", type=int, default=150)
-    ps_async.add_argument("--seeds", type=int, default=3, help="runs per mode; means are compared")
-    ps_async.add_argument("--preset", default="small")
+    ps_async.add_argument("--steps", type=int, default=150, help="steps per run" + SHOW_DEFAULT)
+    ps_async.add_argument(
+        "--seeds", type=int, default=3, help="runs per mode; means are compared" + SHOW_DEFAULT
+    )
+    ps_async.add_argument("--preset", default="small", help="the gpt preset" + SHOW_DEFAULT)
     compress = _kind(kinds, "compress", "each gradient codec and DiLoCo against no compression", run, nproc=2)
     compress.add_argument("--steps", type=int, help="steps per run (default 600; with --link 300)")
     compress.add_argument("--seeds", type=int, help="runs per row; means are compared (default 3)")
-    compress.add_argument("--preset", default="small")
+    compress.add_argument("--preset", default="small", help="the gpt preset" + SHOW_DEFAULT)
     compress.add_argument("--rows", help="comma-separated row labels (default: all), e.g. fp16,topk:0.01")
     compress.add_argument("--no-torch", action="store_true", help="skip torch DDP and its powerSGD_hook")
     compress.add_argument(
@@ -78,25 +99,38 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
         "each row needs to reach the uncompressed run's held-out loss; one seed; needs root and iproute2",
     )
     compress.add_argument("--global-batch", type=int, help="with --link: the global batch (default 4)")
-    compress.add_argument("--eval-every", type=int, default=10, help="with --link: steps between evaluations")
     compress.add_argument(
-        "--step-factor", type=float, default=2.0, help="with --link: rows may train this many times --steps"
+        "--eval-every", type=int, default=10, help="with --link: steps between evaluations" + SHOW_DEFAULT
+    )
+    compress.add_argument(
+        "--step-factor",
+        type=float,
+        default=2.0,
+        help="with --link: rows may train this many times --steps" + SHOW_DEFAULT,
     )
     compress.add_argument("--seed", type=int, help="with --link: the seed of every run (default 0)")
     pipe = _kind(kinds, "pipeline", "pipeline schedules against torch.distributed.pipelining", run, nproc=2)
-    pipe.add_argument("--micro-batches", type=int, default=4)
-    pipe.add_argument("--steps", type=int, default=40, help="steps per launch, the first 5 warm up")
-    pipe.add_argument("--rounds", type=int, default=3, help="launches, the sides' steps alternating")
-    pipe.add_argument("--preset", default="small")
-    pipe.add_argument("--global-batch", type=int, default=8)
-    pipe.add_argument("--schedules", help="comma-separated (default: all)")
-    pipe.add_argument("--timeout", type=float, default=180.0, help="seconds a launch may take (default 180)")
+    pipe.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step" + SHOW_DEFAULT)
+    pipe.add_argument(
+        "--steps", type=int, default=40, help="steps per launch, the first 5 warm up" + SHOW_DEFAULT
+    )
+    pipe.add_argument(
+        "--rounds", type=int, default=3, help="launches, the sides' steps alternating" + SHOW_DEFAULT
+    )
+    pipe.add_argument("--preset", default="small", help="the gpt preset" + SHOW_DEFAULT)
+    pipe.add_argument("--global-batch", type=int, default=8, help="sequences per step" + SHOW_DEFAULT)
+    pipe.add_argument("--schedules", help=f"comma-separated: {', '.join(SCHEDULES)} (default: all)")
+    pipe.add_argument("--timeout", type=float, default=180.0, help="seconds a launch may take" + SHOW_DEFAULT)
     pipe.add_argument("--trace", metavar="DIR", help="write DIR/<schedule>/trace.json and simulated.json")
     ckpt = _kind(
         kinds, "ckpt", "checkpoint save/load MB/s against torch.distributed.checkpoint", run, nproc=2
     )
-    ckpt.add_argument("--size-mb", type=float, default=64.0, help="total state, split over the ranks")
-    ckpt.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians reported")
+    ckpt.add_argument(
+        "--size-mb", type=float, default=64.0, help="total state, split over the ranks" + SHOW_DEFAULT
+    )
+    ckpt.add_argument(
+        "--repeats", type=int, default=3, help="interleaved repeats; medians reported" + SHOW_DEFAULT
+    )
     ckpt.add_argument("--dir", help="where to write (default: a temporary folder)")
     from shardwise.commands.bench_gpu import add_gpu_parser
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardwise.commands.bench import SHOW_DEFAULT
 from shardwise.config import TrainConfig, load_config
 from shardwise.device import CUDA_BACKEND_ENV, cuda_count
 
@@ -60,11 +61,19 @@ SHARED = {
 def add_gpu_parser(kinds: Any, run: Any) -> None:
     about = "the GPU checks: world 1 on CUDA vs the CPU, ranks sharing a GPU, overhead against torch"
     gpu = kinds.add_parser("gpu", help=about)
-    gpu.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
-    gpu.add_argument("--out-dir", default="benchmarks/results", help="where gpu-<part>.json go")
-    gpu.add_argument("--preset", default="small", help="overhead: the gpt preset")
-    gpu.add_argument("--steps", type=int, default=30, help="overhead: steps per run, the first 5 warm-up")
-    gpu.add_argument("--rounds", type=int, default=3, help="overhead: interleaved runs of each side")
+    gpu.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)} (default: all)"
+    )
+    gpu.add_argument(
+        "--out-dir", default="benchmarks/results", help="where gpu-<part>.json go" + SHOW_DEFAULT
+    )
+    gpu.add_argument("--preset", default="small", help="overhead: the gpt preset" + SHOW_DEFAULT)
+    gpu.add_argument(
+        "--steps", type=int, default=30, help="overhead: steps per run, the first 5 warm-up" + SHOW_DEFAULT
+    )
+    gpu.add_argument(
+        "--rounds", type=int, default=3, help="overhead: interleaved runs of each side" + SHOW_DEFAULT
+    )
     gpu.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     gpu.set_defaults(run=run)
 
