@@ -396,13 +396,21 @@ def _loop(
 
 
 def _announce(config: TrainConfig, ckpt: TrainCheckpoints | None, start: int, restarts: int) -> None:
-    """One line on stderr for what a user would otherwise miss: a restart, a resume, nothing to do."""
+    """One line on stderr for what a user would otherwise miss: a restart, a resume, nothing to do, a
+    pipeline with fewer micro-batches than stages."""
     where = f" from {ckpt.root}/step-{start:08d}" if ckpt and start else ""
     if restarts:
         origin = where or " from step 0"
         log(f"restart {restarts} of {config.max_restarts} after a rank failed; resuming{origin}")
     elif start:
         log(f"resuming at step {start}{where}")
+    p, m = config.parallel.pp, config.data.micro_batches
+    if p > 1 and m < p:
+        log(
+            f"pp {p} with {m} micro-batch{'es' if m > 1 else ''} a step: fewer micro-batches than stages "
+            f"leave most stages idle most of the step (1F1B's bubble (p-1)/(m+p-1) = "
+            f"{100 * (p - 1) / (m + p - 1):.0f}%); --micro-batches {4 * p}, say, fills the pipeline"
+        )
     if start == config.steps:
         log(f"the checkpoint already holds the last step ({start}): the run is complete")
     elif start > config.steps:
