@@ -52,6 +52,10 @@ class StepRunner(Protocol):
         """What the run's summary should say of how the steps ran (a pipeline's fitted schedule)."""
         ...
 
+    def take_notes(self) -> list[str]:
+        """What a user should hear of how the steps run, once each (a pipeline's fit, in words)."""
+        ...
+
 
 def run_passes(engine: Engine, micro_batches: Sequence[Any], divisor: float) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn, every backward but the last under
@@ -80,6 +84,9 @@ class MicroBatchLoop:
 
     def report(self) -> dict[str, Any]:
         return {}
+
+    def take_notes(self) -> list[str]:
+        return []
 
 
 class StepResult(NamedTuple):

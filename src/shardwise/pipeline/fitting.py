@@ -13,8 +13,8 @@ sooner) in one run and dropped it in the next; with two pairs in this order it k
 stage's last two splits in three runs of three. The
 gradients are the same whichever ran (a B is an I and a W at once). A schedule without a split is
 run as built from the start, and so is every schedule with ``parallel.fit_schedule = false``. What a
-fit kept is said once on the reporting rank's stderr and in the run's summary (``pipeline_fit``:
-``adapt.fit_report``), so a zb run that became nearly 1F1B says so.
+fit kept is said once on the reporting rank's stderr by the train loop (``take_notes``) and in the
+run's summary (``pipeline_fit``: ``adapt.fit_report``), so a zb run that became nearly 1F1B says so.
 
 Timing: ``time.perf_counter`` around each action on the CPU; on a GPU a pair of CUDA events per
 action, read after one synchronisation at the end of the timed step (``2 * TIMED_PAIRS`` in a run).
@@ -58,7 +58,7 @@ class ScheduleFitter:
         self._build, self.placement, self.stages = build, placement, stages
         self.fit = fit  # False (``parallel.fit_schedule``): every step runs the schedule as built
         self.reports: dict[int, dict[str, Any]] = {}  # micro-batch count -> its fit (adapt.fit_report)
-        self.notes: list[str] = []  # each fit in words, once: the runner prints them on the reporting rank
+        self.notes: list[str] = []  # each fit in words, once: the train loop prints them (take_notes)
         self._built: dict[int, Schedule] = {}  # micro-batch count -> the schedule as built
         self._splits: dict[int, bool] = {}  # micro-batch count -> whether it splits any backward
         self._steps: dict[int, int] = {}  # micro-batch count -> steps run with it

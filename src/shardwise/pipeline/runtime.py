@@ -46,7 +46,6 @@ arXiv:2104.04473; Qi et al. 2023, arXiv:2401.10241 for I and W).
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -142,16 +141,17 @@ class PipelineRunner:
         MONITOR.set_phase("gradient sync")
         engine.finish_grads()
         self.fitter.step_done(len(micro_batches), engine.trainers)
-        while self.fitter.notes:  # what a fit kept, in words, once (every rank fitted the same)
-            note = self.fitter.notes.pop(0)
-            if engine.role.reports:
-                print(f"shardwise: {note}", file=sys.stderr, flush=True)
         return engine.step_loss(state.share)  # the last stage reports it (``PipelineAxis``)
 
     def report(self) -> dict[str, Any]:
         """For the run's summary: what each fit of a split schedule kept (``adapt.fit_report``)."""
         reports = self.fitter.reports
         return {"pipeline_fit": {str(m): r for m, r in reports.items()}} if reports else {}
+
+    def take_notes(self) -> list[str]:
+        """What each fit since the last call kept, in words (the train loop prints them once)."""
+        notes, self.fitter.notes = self.fitter.notes, []
+        return notes
 
     def _post(self, boundary: list[Transfer], empty: set[int], state: _StepState) -> None:
         """This boundary's sends and receives, in the step's one order (``pipeline/messages.py``),

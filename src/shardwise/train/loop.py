@@ -350,6 +350,9 @@ def _loop(
     try:
         for step in range(start, config.steps):
             record = trainer.step(step)
+            for note in trainer.engine.runner.take_notes():  # a pipeline's fit, in words, once
+                if role.reports:
+                    log(note)
             last = step == config.steps - 1
             if record.nonfinite and not record.skipped:  # every rank, this same step
                 writer.write(record)
