@@ -58,9 +58,10 @@ from shardwise.bench.pipeline_profile import PROFILE_REPEATS, costs_of, launch, 
 from shardwise.bench.pipeline_rows import (
     TORCH_PEER,
     Launches,
-    as_run,
     conditions,
     row,
+    schedule_of,
+    simulated,
     steps_by_rank,
     virtual_for,
     zb_over_1f1b,
@@ -69,7 +70,7 @@ from shardwise.bench.pipeline_sides import WARMUP_STEPS, ours_worker, paired_wor
 from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.observe.monitor import Span
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
-from shardwise.pipeline.simulate import Costs, simulate
+from shardwise.pipeline.simulate import Costs
 
 
 def bench_config(
@@ -217,24 +218,23 @@ def write_traces(
     run_dir: Path, step: Mapping[int, Sequence[Span]], result_row: dict[str, Any], costs: Costs
 ) -> None:
     """``trace.json`` (one measured step, every rank) and ``simulated.json`` (the simulator's timeline
-    from the profiled costs) in ``run_dir``: what ``shardwise plot timeline`` draws side by side."""
+    of the schedule that step ran, from the profiled costs) in ``run_dir``: what ``shardwise plot
+    timeline`` draws side by side."""
     from shardwise.observe.trace import rank_events
 
-    name, pp, virtual = result_row["schedule"], result_row["pp"], result_row["virtual_stages"]
+    name, pp = result_row["schedule"], result_row["pp"]
     origin = min(s.start for spans in step.values() for s in spans)
     end = max(s.start + s.duration for spans in step.values() for s in spans)
     events = []
     for rank, spans in sorted(step.items()):
         frame = [Span("step", "step", "step", origin, end - origin), *spans]
         events += rank_events(frame, rank, origin)
-    timeline = simulate(
-        as_run(name, pp, virtual, result_row["microbatches"]), stage_placement(name, pp, virtual), costs
-    )
-    simulated = [
+    timeline = simulated(schedule_of(step), name, pp, result_row["microbatches"], costs)  # as the row's
+    predicted = [
         e for rank in sorted(timeline.slots) for e in rank_events(timeline.spans(rank, 1.0), rank, 0.0)
     ]
     run_dir.mkdir(parents=True, exist_ok=True)
-    for file, body in (("trace.json", events), ("simulated.json", simulated)):
+    for file, body in (("trace.json", events), ("simulated.json", predicted)):
         (run_dir / file).write_text(json.dumps({"traceEvents": body, "displayTimeUnit": "ms"}))
 
 

@@ -19,7 +19,7 @@ from shardwise.bench.pipeline_sides import ACTION_LANE
 from shardwise.observe.monitor import Span
 from shardwise.observe.trace import idle_fraction
 from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
-from shardwise.pipeline.simulate import Costs, simulate
+from shardwise.pipeline.simulate import Costs, Timeline, simulate
 from shardwise.pipeline.validate import ScheduleError
 
 TORCH_PEER = {"zb": "Schedule1F1B"}  # torch has no ZB-H1: our zb is measured against its 1F1B
@@ -61,17 +61,36 @@ def theory(name: str, pp: int, virtual: int, microbatches: int, costs: Costs) ->
 def _ran(ours: Launches | str) -> dict[int, list[Any]] | None:
     """The schedule our side ran in its last measured step (a split schedule is fitted to the run:
     ``pipeline/fitting.py``), read off its action spans; None without spans."""
-    from shardwise.pipeline.actions import parse_action
-
     if isinstance(ours, str) or not ours:
         return None
     steps = steps_by_rank(ours)
     if not steps or not all(steps[-1].values()):
         return None
+    return schedule_of(steps[-1])
+
+
+def schedule_of(step: Mapping[int, Sequence[Span]]) -> dict[int, list[Any]]:
+    """Each rank's actions of one recorded step, in the order they ran (their spans' names)."""
+    from shardwise.pipeline.actions import parse_action
+
     return {
-        r: [parse_action(s.name) for s in sorted(spans, key=lambda s: s.start)]
-        for r, spans in steps[-1].items()
+        r: [parse_action(s.name) for s in sorted(spans, key=lambda s: s.start)] for r, spans in step.items()
     }
+
+
+def simulated(
+    ran: Mapping[int, Sequence[Any]] | None, name: str, pp: int, microbatches: int, costs: Costs
+) -> Timeline:
+    """The simulator's timeline of the schedule a step ran (``ran``: fitted to the run, for a split
+    one), or of the schedule as the runtime builds it where none was recorded whole."""
+    virtual = virtual_for(name)
+    placement = stage_placement(name, pp, virtual)
+    if ran is not None:
+        try:
+            return simulate(ran, placement, costs)
+        except ScheduleError:  # the spans do not make a whole schedule (a rank that recorded none)
+            pass
+    return simulate(as_run(name, pp, virtual, microbatches), placement, costs)
 
 
 def as_run(name: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[Any]]:
@@ -96,11 +115,7 @@ def row(
     string saying why that side has none (``"timeout after N s"``)."""
     virtual = virtual_for(name)
     spec = SCHEDULES[name]
-    placement = stage_placement(name, pp, virtual)
-    try:
-        timeline = simulate(_ran(ours) or as_run(name, pp, virtual, microbatches), placement, costs)
-    except ScheduleError:  # the spans do not make a whole schedule (a rank that recorded none)
-        timeline = simulate(as_run(name, pp, virtual, microbatches), placement, costs)
+    timeline = simulated(_ran(ours), name, pp, microbatches, costs)
     value, formula = theory(name, pp, virtual, microbatches, costs)
     out: dict[str, Any] = {
         "schedule": name,
