@@ -7,9 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from shardwise.commands.output import write_json as _write
+from shardwise.commands.parser import SHOW_DEFAULT
 from shardwise.pipeline.schedules import SCHEDULES
-
-SHOW_DEFAULT = " (default %(default)s)"  # a flag's help ends so: argparse puts in the default
 
 
 def _kind(kinds: Any, name: str, help: str, run: Callable[[argparse.Namespace], int], nproc: int) -> Any:

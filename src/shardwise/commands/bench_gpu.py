@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from shardwise.commands.bench import SHOW_DEFAULT
+from shardwise.commands.parser import SHOW_DEFAULT
 from shardwise.config import TrainConfig, load_config
 from shardwise.device import CUDA_BACKEND_ENV, cuda_count
 

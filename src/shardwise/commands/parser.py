@@ -16,6 +16,8 @@ import difflib
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+SHOW_DEFAULT = " (default %(default)s)"  # a flag's help ends so: argparse puts in the default
+
 
 class CommandParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors are one line, and which takes whole flags only."""
