@@ -118,4 +118,4 @@ def test_fitting_off_runs_the_schedule_as_built_every_step() -> None:
         assert fitter.phase(4) == BUILT and not fitter.timing(4)
         assert fitter.schedule(4, BUILT) == built
         fitter.step_done(4, None)
-    assert fitter.reports == {} and fitter.notes == []
+    assert fitter.reports == {} and fitter.take_notes() == []

@@ -58,7 +58,7 @@ class ScheduleFitter:
         self._build, self.placement, self.stages = build, placement, stages
         self.fit = fit  # False (``parallel.fit_schedule``): every step runs the schedule as built
         self.reports: dict[int, dict[str, Any]] = {}  # micro-batch count -> its fit (adapt.fit_report)
-        self.notes: list[str] = []  # each fit in words, once: the train loop prints them (take_notes)
+        self._notes: list[str] = []  # each fit in words, until taken (``take_notes``)
         self._built: dict[int, Schedule] = {}  # micro-batch count -> the schedule as built
         self._splits: dict[int, bool] = {}  # micro-batch count -> whether it splits any backward
         self._steps: dict[int, int] = {}  # micro-batch count -> steps run with it
@@ -72,6 +72,12 @@ class ScheduleFitter:
             self._built[microbatches] = self._build(microbatches)
             self._splits[microbatches] = splits(self._built[microbatches])
         return self._built[microbatches]
+
+    def take_notes(self) -> list[str]:
+        """Each fit since the last call, in words (``adapt.describe_fit``), once: the train loop
+        prints them."""
+        notes, self._notes = self._notes, []
+        return notes
 
     def splits(self, microbatches: int) -> bool:
         """Whether this schedule is fitted: it splits a backward as built (read once per micro-batch
@@ -154,7 +160,7 @@ class ScheduleFitter:
         fitted, _ = fit_schedule(built, self.placement, measured_costs([_stage_costs(t) for t in timed]))
         self._fitted[microbatches] = fitted
         self.reports[microbatches] = fit_report(built, fitted, timed)  # what was timed, nothing filled in
-        self.notes.append(describe_fit(microbatches, self.reports[microbatches]))
+        self._notes.append(describe_fit(microbatches, self.reports[microbatches]))
         self._sums.zero_()
 
 

@@ -150,8 +150,7 @@ class PipelineRunner:
 
     def take_notes(self) -> list[str]:
         """What each fit since the last call kept, in words (the train loop prints them once)."""
-        notes, self.fitter.notes = self.fitter.notes, []
-        return notes
+        return self.fitter.take_notes()
 
     def _post(self, boundary: list[Transfer], empty: set[int], state: _StepState) -> None:
         """This boundary's sends and receives, in the step's one order (``pipeline/messages.py``),
