@@ -9,11 +9,11 @@ import torch
 
 from shardwise.pipeline.actions import Kind, format_actions, fuse_schedule
 from shardwise.pipeline.adapt import (
-    _fuse_one,
     describe_fit,
     fit_report,
     fit_schedule,
     fully_fused,
+    fuse_one,
     measured_costs,
     splits,
 )
@@ -98,7 +98,7 @@ def test_a_schedule_without_a_split_is_never_fitted() -> None:
 def test_a_fit_says_what_it_kept_once() -> None:
     """The report counts the splits built and kept; the note names them and the switch that keeps all."""
     built = fuse_schedule(build("zb", 2, 1, 4))
-    fitted = {0: built[0], 1: _fuse_one(built[1], next(a for a in built[1] if a.kind is Kind.WEIGHT_GRAD))}
+    fitted = {0: built[0], 1: fuse_one(built[1], next(a for a in built[1] if a.kind is Kind.WEIGHT_GRAD))}
     per_stage = [{"F": 1e-3, "B": 2e-3, "Fs": 1e-3, "I": 1e-3, "W": 1e-3}] * 2
     report = fit_report(built, fitted, per_stage)
     kept = [[a.stage, a.microbatch] for a in fitted[1] if a.kind is Kind.INPUT_GRAD]
@@ -108,7 +108,10 @@ def test_a_fit_says_what_it_kept_once() -> None:
     assert "3 of 4 backwards stay split" in note and "stage 1: micro-batch 1, 2, 3" in note
     assert "the other 1 run as one B" in note and "parallel.fit_schedule=false" in note
     none_kept = describe_fit(4, fit_report(built, fully_fused(built), per_stage))
-    assert "none of its 4 split backwards pays here" in none_kept
+    assert "none of its 4 split backwards pays here: all 4 run as one B" in none_kept
+    assert "the other" not in none_kept
+    every = describe_fit(4, fit_report(built, built, per_stage))
+    assert "all 4 backwards stay split" in every and "the other" not in every
 
 
 def test_fitting_off_runs_the_schedule_as_built_every_step() -> None:

@@ -226,11 +226,12 @@ class Engine(ABC):
     def device(self) -> torch.device:
         """Where this rank computes: its parameters' device (the CPU for a rank that holds none; the
         meta device for a rank whose parameters all are: ``plan --dry-run``)."""
-        params = list(self.model.parameters())
-        for p in params:
+        first = None
+        for p in self.model.parameters():  # the first one that is not meta: no walk past it
             if not p.is_meta:
                 return p.device
-        return params[0].device if params else HOST
+            first = first if first is not None else p
+        return first.device if first is not None else HOST
 
     def begin_step(self, micro_batches: Sequence[Any], global_count: float) -> float:
         """Before the step's first forward: the engine's preparation (gradient buffers attached,

@@ -68,7 +68,7 @@ def fit_schedule(
         (rank, a) for rank, actions in current.items() for a in actions if a.kind is Kind.WEIGHT_GRAD
     ]
     for rank, weight in candidates:
-        trial = {**current, rank: _fuse_one(current[rank], weight)}
+        trial = {**current, rank: fuse_one(current[rank], weight)}
         makespan = simulate(trial, placement, costs).makespan
         if makespan <= best:
             current, best = trial, makespan
@@ -76,8 +76,8 @@ def fit_schedule(
     return current, kept
 
 
-def _fuse_one(actions: Sequence[Action], weight: Action) -> list[Action]:
-    """``actions`` with ``weight`` (a W) removed and its I made a B."""
+def fuse_one(actions: Sequence[Action], weight: Action) -> list[Action]:
+    """``actions`` with ``weight`` (a W) removed and its I made a B: one step of ``fit_schedule``."""
     out = []
     for action in actions:
         if action == weight:
@@ -116,12 +116,17 @@ def describe_fit(microbatches: int, report: Mapping[str, Any]) -> str:
     for stage, mb in report["kept"]:
         by_stage.setdefault(stage, []).append(str(mb))
     where = "; ".join(f"stage {s}: micro-batch {', '.join(mbs)}" for s, mbs in sorted(by_stage.items()))
-    split = f"{kept} of {built} backwards stay split into I and a later W ({where})" if kept else (
-        f"none of its {built} split backwards pays here"
-    )
+    if kept == built:
+        split = f"all {built} backwards stay split into I and a later W ({where})"
+    elif kept:
+        split = (
+            f"{kept} of {built} backwards stay split into I and a later W ({where}); the other "
+            f"{built - kept} run as one B, where their W would fill no bubble"
+        )
+    else:
+        split = f"none of its {built} split backwards pays here: all {built} run as one B"
     return (
         f"the zero-bubble schedule, fitted to this run's timings ({microbatches} micro-batches), from the "
-        "next step on: "
-        f"{split}; the other {built - kept} run as one B, where their W would fill no bubble "
+        f"next step on: {split} "
         "(--set parallel.fit_schedule=false keeps every split as built)"
     )
