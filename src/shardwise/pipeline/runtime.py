@@ -13,7 +13,8 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    of the runner's own (``collectives.comm_thread.CommThread``) posts them, in that order, so the
    next action starts at once: gloo runs a send to a peer already waiting for it on the thread that
    posts it (on this 2-core machine, under load, 3-5 ms per activation against 0.1 ms to a peer still
-   busy: each one the next action's delay). ``F`` runs
+   busy: each one the next action's delay); over NCCL, where posting only queues the op on a stream,
+   the compute thread posts them itself (``tied.posting_thread``). ``F`` runs
    the stage on its input (the micro-batch's token ids on the first stage, the received activation
    elsewhere, a leaf that requires grad; every stage also reads the micro-batch's mask, positions and
    segment ids itself); the last stage's ``F`` computes the summed loss / divisor. ``B`` runs backward
@@ -54,7 +55,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise.collectives.api import Comm
-from shardwise.collectives.comm_thread import CommThread
 from shardwise.collectives.p2p import Work
 from shardwise.engine.linear import DeferredWeightGrad, WeightGradStore, apply_weight_grads
 from shardwise.engine.loss import rows
@@ -64,7 +64,7 @@ from shardwise.pipeline.deferred import defer_weight_grads
 from shardwise.pipeline.fitting import ScheduleFitter
 from shardwise.pipeline.messages import plan
 from shardwise.pipeline.split import Split, StageInputs
-from shardwise.pipeline.tied import TAG, Posted, TiedExchange
+from shardwise.pipeline.tied import TAG, Posted, TiedExchange, posting_thread
 
 if TYPE_CHECKING:
     from shardwise.engine.base import Engine
@@ -86,7 +86,7 @@ class PipelineRunner:
         if self.weight_grads is not None:  # the I passes keep each linear layer's dW for the W pass
             defer_weight_grads(next(iter(split.stages.values())).adapter.model, self.weight_grads)
         self._plans: dict[tuple[int, str], tuple[list[Action], list[list[Transfer]]]] = {}
-        self._posting = CommThread()  # posts this rank's messages, in order, off the compute thread
+        self._posting = posting_thread(comm)  # posts this rank's messages, in order (None: at once)
         self.tied = TiedExchange(split, comm, self.placement, self._posting)
         # the first stage's I followed by its W is one B; a split schedule is then fitted to the run
         self.fitter = ScheduleFitter(

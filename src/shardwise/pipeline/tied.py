@@ -12,8 +12,9 @@ The first stage's rank owns the parameter; the last stage's rank computes with a
    the step's order (``pipeline/messages.py``), well before its own last backward, so the gradient
    arrives while that backward runs (``receive_boundary``, ``post_gradient``, ``add_gradient``).
 
-Every message goes through the runner's posting thread (``Posted``), in the order the step's other
-messages keep, as NCCL needs. ``values_now`` is step 1 waited for at once (evaluation).
+Every message goes through the runner's posting thread (``Posted``; over NCCL posted at once,
+``posting_thread``), in the order the step's other messages keep, as NCCL needs. ``values_now`` is
+step 1 waited for at once (evaluation).
 Communication: point-to-point between the first and the last stage's ranks over the pp axis.
 """
 
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardwise.collectives.api import Comm
-from shardwise.collectives.comm_thread import CommThread
+from shardwise.collectives.comm_thread import CommThread, Pending
 from shardwise.collectives.p2p import Work
 from shardwise.pipeline.actions import Transfer
 from shardwise.pipeline.split import Split
@@ -37,14 +38,19 @@ TAG = 0  # every message of the pipeline: they are matched by their order alone,
 
 
 class Posted:
-    """A message handed to the posting thread: ``wait()`` waits until it is posted, then until it is
-    done (and re-raises what went wrong on either)."""
+    """A message posted on the runner's posting thread (``thread``), or at once on the caller's
+    (``thread`` None: ``posting_thread``): ``wait()`` waits until it is posted, then until it is done
+    (and re-raises what went wrong on either)."""
 
     def __init__(
-        self, thread: CommThread, post: Callable[[torch.Tensor, int, int], Work], tensor: torch.Tensor,
-        peer: int,
+        self, thread: CommThread | None, post: Callable[[torch.Tensor, int, int], Work],
+        tensor: torch.Tensor, peer: int,
     ) -> None:  # fmt: skip
         self._work: Work | None = None
+        self._posted: Pending | None = None
+        if thread is None:
+            self._work = post(tensor, peer, TAG)
+            return
 
         def run() -> None:
             self._work = post(tensor, peer, TAG)
@@ -52,15 +58,28 @@ class Posted:
         self._posted = thread.submit(run)
 
     def wait(self) -> object:
-        self._posted.wait()
+        if self._posted is not None:
+            self._posted.wait()
         assert self._work is not None
         return self._work.wait()
+
+
+def posting_thread(comm: Comm) -> CommThread | None:
+    """Where a pipeline posts its messages over ``comm``: a thread of their own where posting can run
+    the transfer (gloo runs a send to a peer already waiting for it on the thread that posts it, so
+    on the compute thread the next action would wait for it); None, at once on the compute thread,
+    over NCCL, where posting only queues the op on a stream: no host wait for a thread to take off,
+    and the op is ordered after the compute stream that made the tensor (the posting thread's current
+    stream is its own default one, not the one a user's context set on the compute thread)."""
+    return None if comm.device_type == "cuda" and not comm.cuda_over_gloo else CommThread()
 
 
 class TiedExchange:
     """This rank's end of the tied weight's messages (nothing where it holds both ends or neither)."""
 
-    def __init__(self, split: Split, comm: Comm, placement: Sequence[int], posting: CommThread) -> None:
+    def __init__(
+        self, split: Split, comm: Comm, placement: Sequence[int], posting: CommThread | None
+    ) -> None:
         self.owner, self.tied = split.tied_owner, split.tied
         self.comm, self.posting = comm, posting
         self.peer = placement[-1] if self.owner is not None else placement[0]
