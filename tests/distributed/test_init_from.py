@@ -20,7 +20,7 @@ from shardwise.models import build_model
 from shardwise.testing import run_on_ranks
 from shardwise.testing.memory import TensorBytes
 
-from .cli_helpers import last_json, shardwise
+from .cli_helpers import last_json, refusal, shardwise
 
 pytest.importorskip("transformers")
 
@@ -150,12 +150,17 @@ def test_verify_zero3_from_saved_weights_says_the_cast_once(tmp_path: Path) -> N
     assert result.stderr.count("weights cast to the run's dtype (float32 -> float64), exactly") == 1
 
 
-def test_an_init_from_without_safetensors_is_one_line_before_any_rank_starts(tmp_path: Path) -> None:
-    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
-    result = shardwise("train", "--init-from", str(tmp_path), "--nproc", "2", "--steps", "1")
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert "holds no .safetensors file" in lines[0], lines
+def test_an_init_from_without_safetensors_is_one_line_before_any_rank_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``cli.main`` in this process, as ``python -m shardwise`` runs it (exit 2, one line, no pid file)."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "pytorch_model.bin").write_bytes(b"not read")
+    line = refusal(
+        ["train", "--init-from", str(weights), "--nproc", "2", "--steps", "1"], tmp_path / "run", capsys
+    )
+    assert "holds no .safetensors file" in line, line
 
 
 @pytest.mark.slow
