@@ -283,20 +283,43 @@ def test_a_pipeline_checkpoint_loads_in_any_layout(
         assert a["final_grad_norm"] == pytest.approx(b["final_grad_norm"], rel=1e-10, abs=0), load
 
 
-@pytest.mark.slow
-def test_trace_records_every_action_of_every_rank(tmp_path: Path) -> None:
-    args = ["--pp", "2", "--nproc", "2", "--steps", "2", "--preset", "tiny", "--micro-batches", "4"]
-    result = shardwise("train", *args, "--schedule", "zb", "--trace", "--run-dir", str(tmp_path), "--json")
+@pytest.fixture(scope="module")
+def zb_traced_six_steps(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any], list[dict]]:
+    """``train --pp 2 --schedule zb --trace`` for six steps (the fit's steps and one past them): its
+    stderr, its summary and its trace's events; every test of the trace reads this one run."""
+    run_dir = tmp_path_factory.mktemp("zb-traced")
+    args = ["--pp", "2", "--nproc", "2", "--steps", "6", "--preset", "tiny", "--micro-batches", "4"]
+    result = shardwise("train", *args, "--schedule", "zb", "--trace", "--run-dir", str(run_dir), "--json")
     assert result.returncode == 0, result.stderr[-3000:]
-    trace = json.loads((tmp_path / "trace.json").read_text())
+    trace = json.loads((run_dir / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    actions = [(e["pid"], e["name"]) for e in events if "kind" in e.get("args", {})]  # one span per action
+    return result.stderr, last_json(result), events
+
+
+def _actions_by_step(events: list[dict]) -> dict[int, list[tuple[int, str]]]:
+    """Each action span (rank, name) under the step it ran in: the last of its rank's step spans that
+    began at or before it."""
+    starts = [(e["pid"], e["ts"], int(e["name"].split()[1])) for e in events if e.get("cat") == "step"]
+    by_step: dict[int, list[tuple[int, str]]] = {}
+    for e in events:
+        if "kind" in e.get("args", {}):
+            began = [(t, s) for pid, t, s in starts if pid == e["pid"] and t <= e["ts"]]
+            assert began, f"an action before its rank's first step: {e}"
+            by_step.setdefault(max(began)[1], []).append((e["pid"], e["name"]))
+    return by_step
+
+
+@pytest.mark.slow
+def test_trace_records_every_action_of_every_rank(zb_traced_six_steps: tuple[str, dict, list[dict]]) -> None:
+    """One span per action (the run of six steps: each action falls within one of its rank's steps)."""
+    by_step = _actions_by_step(zb_traced_six_steps[2])
+    assert sorted(by_step) == list(range(6)), sorted(by_step)
     # the fit's first two steps (pipeline/fitting.py): as built (the first stage's I and W one B),
     # then every backward one B
     built = fuse_schedule(build("zb", 2, 1, 4))
-    steps = [built, fully_fused(built)]
-    expected = [(rank, str(a)) for schedule in steps for rank in (0, 1) for a in schedule[rank]]
-    assert sorted(actions) == sorted(expected)
+    for step, schedule in enumerate([built, fully_fused(built)]):
+        expected = [(rank, str(a)) for rank in (0, 1) for a in schedule[rank]]
+        assert sorted(by_step[step]) == sorted(expected), step
 
 
 def test_bench_pipeline_measures_both_sides_of_a_schedule() -> None:
@@ -331,19 +354,15 @@ def test_fit_schedule_false_runs_the_schedule_as_built(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_fit_says_what_it_kept(tmp_path: Path) -> None:
+def test_a_fit_says_what_it_kept(zb_traced_six_steps: tuple[str, dict, list[dict]]) -> None:
     """One stderr line and ``pipeline_fit`` in the summary, which agree with the I actions that ran."""
-    args = ["--pp", "2", "--nproc", "2", "--steps", "6", "--preset", "tiny", "--micro-batches", "4"]
-    result = shardwise("train", *args, "--schedule", "zb", "--trace", "--run-dir", str(tmp_path), "--json")
-    assert result.returncode == 0, result.stderr[-3000:]
-    notes = [line for line in result.stderr.splitlines() if "fitted to this run's timings" in line]
-    assert len(notes) == 1, result.stderr[-3000:]
-    fit = last_json(result)["pipeline_fit"]["4"]
+    stderr, summary, events = zb_traced_six_steps
+    notes = [line for line in stderr.splitlines() if "fitted to this run's timings" in line]
+    assert len(notes) == 1, stderr[-3000:]
+    fit = summary["pipeline_fit"]["4"]
     assert fit["splits_built"] == 4
     said = f"{fit['splits_kept']} of 4 backwards" if fit["splits_kept"] else "none of its 4"
     assert said in notes[0], notes[0]
-    trace = json.loads((tmp_path / "trace.json").read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
     kinds = [e["args"]["kind"] for e in events if "kind" in e.get("args", {})]
     # steps 0-4: as built, fused, built, built, fused (4 I's each time as built); step 5: what was kept
     assert kinds.count("I") == 3 * 4 + fit["splits_kept"]
