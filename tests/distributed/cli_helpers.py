@@ -4,7 +4,8 @@
 background (``finished`` then waits for the summary), and ``last_step`` / ``metrics_steps`` /
 ``wait_for`` follow a run through its ``metrics.jsonl`` so a test can strike at a chosen step. The
 run's ``pids/rank<r>.<attempt>`` files name each rank's process. ``refusal`` runs a command line that
-must be refused before any rank starts through ``cli.main`` in the test process (no process launch).
+must be refused before any rank starts through ``cli.main`` in the test process (no process launch), and
+``in_process`` runs a command that starts no rank (``plot``) the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def refusal(argv: Sequence[str], run_dir: Path, capsys: pytest.CaptureFixture[st
     assert len(lines) == 1, err[-3000:]
     assert not (run_dir / "pids").exists(), f"a rank started: {err[-3000:]}"
     return lines[0]
+
+
+def in_process(argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """The exit code and stderr of ``python -m shardwise <argv>`` for a command that starts no rank
+    (``plot``, say), run as ``cli.main`` in this process: the code ``__main__`` runs, without the
+    seconds a fresh interpreter takes to start and import torch."""
+    code = main(list(argv))
+    return code, capsys.readouterr().err
 
 
 def free_port() -> int:

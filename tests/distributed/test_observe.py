@@ -17,7 +17,7 @@ import torch.distributed as dist
 from shardwise.observe.watchdog import Watchdog
 from shardwise.testing import run_on_ranks
 
-from .cli_helpers import SRC, last_json, shardwise
+from .cli_helpers import SRC, in_process, last_json, shardwise
 
 
 def _start(run_dir: Path, *args: str) -> subprocess.Popen[str]:
@@ -139,7 +139,7 @@ def test_a_rank_in_another_collective_is_named_with_the_mismatch() -> None:
 
 # -- trace, plots, TensorBoard -----------------------------------------------------------------------
 @pytest.mark.slow
-def test_trace_plots_and_tensorboard(tmp_path: Path) -> None:
+def test_trace_plots_and_tensorboard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = shardwise(
         "train", "--nproc", "2", "--steps", "30", "--preset", "tiny", "--eval-every", "10",
         "--trace", "--tensorboard", "--run-dir", str(tmp_path), "--json",
@@ -162,9 +162,9 @@ def test_trace_plots_and_tensorboard(tmp_path: Path) -> None:
         assert any(
             e["cat"] == "comm" and e["name"].startswith("all_reduce") for e in spans if e["pid"] == rank
         )
-    plots = shardwise("plot", str(tmp_path))
-    timeline = shardwise("plot", "timeline", str(tmp_path))
-    assert plots.returncode == 0 and timeline.returncode == 0, plots.stderr + timeline.stderr
+    plots, plots_err = in_process(["plot", str(tmp_path)], capsys)  # cli.main here: no rank starts
+    timeline, timeline_err = in_process(["plot", "timeline", str(tmp_path)], capsys)
+    assert plots == 0 and timeline == 0, plots_err + timeline_err
     for name in ("loss", "throughput", "ranks", "memory", "timeline"):
         png = tmp_path / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
@@ -185,27 +185,27 @@ def _wait_live_trace(run_dir: Path, run: subprocess.Popen[str], timeout_s: float
 
 
 @pytest.mark.slow
-def test_plot_a_run_that_is_still_running(tmp_path: Path) -> None:
+def test_plot_a_run_that_is_still_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Curves and the timeline: the trace is written every few seconds while the run goes."""
     args = ["--nproc", "2", "--steps", "100000", "--preset", "tiny", "--hang-timeout-s", "0", "--trace"]
     run = _start(tmp_path, *args, "--eval-every", "0")
     try:
         _wait_rows(tmp_path, 5)
-        result = shardwise("plot", str(tmp_path))
+        result, result_err = in_process(["plot", str(tmp_path)], capsys)
         _wait_live_trace(tmp_path, run)
-        timeline = shardwise("plot", "timeline", str(tmp_path))
+        timeline, timeline_err = in_process(["plot", "timeline", str(tmp_path)], capsys)
         assert run.poll() is None, "the run ended before the plots were drawn"
     finally:
         run.send_signal(signal.SIGTERM)
         run.communicate(timeout=60)
-    assert result.returncode == 0, result.stderr
+    assert result == 0, result_err
     assert (tmp_path / "plots" / "loss.png").exists()
-    assert timeline.returncode == 0, timeline.stderr
+    assert timeline == 0, timeline_err
     assert (tmp_path / "plots" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plot_says_what_is_missing(tmp_path: Path) -> None:
-    result = shardwise("plot", str(tmp_path))
-    assert result.returncode == 2 and "metrics.jsonl does not exist" in result.stderr
-    result = shardwise("plot", "timeline", str(tmp_path))
-    assert result.returncode == 2 and "--trace" in result.stderr
+def test_plot_says_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = in_process(["plot", str(tmp_path)], capsys)
+    assert code == 2 and "metrics.jsonl does not exist" in err
+    code, err = in_process(["plot", "timeline", str(tmp_path)], capsys)
+    assert code == 2 and "--trace" in err
