@@ -31,7 +31,7 @@ def file_group(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadgroup``: xdist's scope scheduler, a scope being a file group (the biggest first)."""
+    """``--dist loadgroup``: xdist's scope scheduler, a scope being a file group (most tests first)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
