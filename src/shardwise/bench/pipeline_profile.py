@@ -7,10 +7,10 @@ stages the schedule places on it, each alone, computed as the runtime computes t
 on the last, the loss; B its backward; I the same backward with the stage's linear layers keeping
 their weight gradients (``engine/linear.py``); W those kept gradients computed. Repeats are
 interleaved with barriers so the ranks compute together; medians. Then the messages, posted as the
-runtime posts them (``tied.Posted`` on a ``CommThread``, through ``Comm``), each rank computing its
+runtime posts them (through ``Comm``, on the compute thread), each rank computing its
 first stage's forward before it sends: ``send``, what posting one activation takes its sender while
-both ranks compute and exchange (0.14-0.28 ms here: the posting thread's share of the GIL and
-gloo's work, on a machine whose other core computes); ``transfer``, per trip of a relay (one rank
+both ranks compute and exchange (gloo's work to post it, and to send it where the peer already
+waits); ``transfer``, per trip of a relay (one rank
 computes and sends on while the other waits in its receive) half the round trip less both computes
 and both posts, the median over trips. A bare ping-pong with nothing computed between gave 0.1 ms
 and no sender's cost, where an action in a run started 0.3-0.5 ms after the remote one it waited
@@ -34,13 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.collectives.p2p import Work
 from shardwise.config import TrainConfig
 from shardwise.device import HOST
 from shardwise.pipeline.adapt import measured_costs
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
 from shardwise.pipeline.simulate import Costs
 from shardwise.pipeline.split import Split
-from shardwise.pipeline.tied import Posted
+from shardwise.pipeline.tied import TAG
 from shardwise.testing.harness import RankFailure, run_on_ranks
 
 HAND_OFFS = 30
@@ -192,26 +193,22 @@ def _time_stage(
 
 
 class _Poster:
-    """Messages between ranks 0 and 1 posted as the runtime posts them (``tied.Posted`` on a
-    ``CommThread``, through ``Comm``), with this rank's stage forward as the work between them."""
+    """Messages between ranks 0 and 1 posted as the runtime posts them (through ``Comm``, on the
+    compute thread), with this rank's stage forward as the work between them."""
 
     def __init__(self, rank: int, activation: torch.Tensor, work: Callable[[], Any]) -> None:
         from shardwise.collectives.api import Comm
-        from shardwise.collectives.comm_thread import CommThread
-
-        self.comm, self.thread = Comm(None), CommThread()
+        self.comm = Comm(None)
         self.activation, self.buffer, self.peer = activation, torch.empty_like(activation), 1 - rank
         self.work = work
 
-    def receive(self) -> Posted:
-        return Posted(self.thread, self.comm.irecv, self.buffer, self.peer)
+    def receive(self) -> Work:
+        return self.comm.irecv(self.buffer, self.peer, TAG)
 
-    def send(self) -> tuple[Posted, float]:
-        """Post the activation; with the seconds it took this thread (the posting thread is handed
-        the GIL for its share of the post at once, as it takes it in a run at the next operation)."""
+    def send(self) -> tuple[Work, float]:
+        """Post the activation; with the seconds it took this rank."""
         started = time.perf_counter()
-        sent = Posted(self.thread, self.comm.isend, self.activation, self.peer)
-        time.sleep(0)
+        sent = self.comm.isend(self.activation, self.peer, TAG)
         return sent, time.perf_counter() - started
 
     def compute(self) -> float:

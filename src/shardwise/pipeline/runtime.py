@@ -9,12 +9,11 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
 2. the actions in order, all under ``engine.no_sync()``, with this rank's messages posted at the
    boundaries between them in the step's one order (``pipeline/messages.py``: the same order on both
    ends of every pair, one tag for all, as NCCL needs): a send as soon as its action produced it, a
-   receive as early as that order allows; an action waits only for the messages it reads. A thread
-   of the runner's own (``collectives.comm_thread.CommThread``) posts them, in that order, so the
-   next action starts at once: gloo runs a send to a peer already waiting for it on the thread that
-   posts it (on this 2-core machine, under load, 3-5 ms per activation against 0.1 ms to a peer still
-   busy: each one the next action's delay); over NCCL, where posting only queues the op on a stream,
-   the compute thread posts them itself (``tied.posting_thread``). ``F`` runs
+   receive as early as that order allows; an action waits only for the messages it reads. The
+   compute thread posts them itself, between its actions: a thread of their own (which let a gloo
+   send to a peer already waiting for it run beside the next action) made every schedule of the
+   pipeline bench 2-6% slower on a quiet 2-core machine, each message paying a hand-over to it;
+   over NCCL posting only queues the op on a stream, after the stream that made the tensor. ``F`` runs
    the stage on its input (the micro-batch's token ids on the first stage, the received activation
    elsewhere, a leaf that requires grad; every stage also reads the micro-batch's mask, positions and
    segment ids itself); the last stage's ``F`` computes the summed loss / divisor. ``B`` runs backward
@@ -64,7 +63,7 @@ from shardwise.pipeline.deferred import defer_weight_grads
 from shardwise.pipeline.fitting import ScheduleFitter
 from shardwise.pipeline.messages import plan
 from shardwise.pipeline.split import Split, StageInputs
-from shardwise.pipeline.tied import TAG, Posted, TiedExchange, posting_thread
+from shardwise.pipeline.tied import TAG, TiedExchange
 
 if TYPE_CHECKING:
     from shardwise.engine.base import Engine
@@ -86,8 +85,7 @@ class PipelineRunner:
         if self.weight_grads is not None:  # the I passes keep each linear layer's dW for the W pass
             defer_weight_grads(next(iter(split.stages.values())).adapter.model, self.weight_grads)
         self._plans: dict[tuple[int, str], tuple[list[Action], list[list[Transfer]]]] = {}
-        self._posting = posting_thread(comm)  # posts this rank's messages, in order (None: at once)
-        self.tied = TiedExchange(split, comm, self.placement, self._posting)
+        self.tied = TiedExchange(split, comm, self.placement)
         # the first stage's I followed by its W is one B; a split schedule is then fitted to the run
         self.fitter = ScheduleFitter(
             lambda m: fuse_schedule(schedule(m)),
@@ -154,16 +152,16 @@ class PipelineRunner:
 
     def _post(self, boundary: list[Transfer], empty: set[int], state: _StepState) -> None:
         """This boundary's sends and receives, in the step's one order (``pipeline/messages.py``),
-        handed to the posting thread (module docstring), which posts them in that order."""
+        posted in that order (module docstring)."""
         for t in boundary:
             if t.microbatch in empty:  # dropped at both ends alike
                 continue
             if t.op == "send":
                 tensor = state.outbox.pop(t.key)
-                state.sends.append(Posted(self._posting, self.comm.isend, tensor, t.peer))
+                state.sends.append(self.comm.isend(tensor, t.peer, TAG))
             else:
                 buffer = state.buffer(t.microbatch)
-                state.pending[t.key] = (buffer, Posted(self._posting, self.comm.irecv, buffer, t.peer))
+                state.pending[t.key] = (buffer, self.comm.irecv(buffer, t.peer, TAG))
 
     def _run(self, engine: Engine, action: Action, batch: Any, divisor: float, state: _StepState) -> None:
         started = time.monotonic()
