@@ -361,7 +361,8 @@ def test_a_fit_says_what_it_kept(zb_traced_six_steps: tuple[str, dict, list[dict
     assert len(notes) == 1, stderr[-3000:]
     fit = summary["pipeline_fit"]["4"]
     assert fit["splits_built"] == 4
-    said = f"{fit['splits_kept']} of 4 backwards" if fit["splits_kept"] else "none of its 4"
+    kept = fit["splits_kept"]
+    said = "all 4 backwards" if kept == 4 else f"{kept} of 4 backwards" if kept else "none of its 4"
     assert said in notes[0], notes[0]
     kinds = [e["args"]["kind"] for e in events if "kind" in e.get("args", {})]
     # steps 0-4: as built, fused, built, built, fused (4 I's each time as built); step 5: what was kept
