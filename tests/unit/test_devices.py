@@ -142,6 +142,24 @@ def test_verify_on_cuda_without_cuda_exits_2_with_one_line(
     assert err[0].startswith("shardwise verify: error: device = cuda, but this machine has no CUDA device")
 
 
+@pytest.mark.parametrize(
+    ("backend", "device", "aside"),
+    [("cpu:gloo,cuda:nccl", "cuda", False), ("cpu:gloo,cuda:nccl", "cpu", True), ("gloo", "cuda", True)],
+)
+def test_a_receive_posted_early_stands_aside_on_gloo_alone(
+    backend: str, device: str, aside: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipeline posts every receive at the step's start where it holds up nothing (gloo), and in
+    the one order both ends keep where NCCL's stream would stall behind it (``pipeline/messages.py``)."""
+    from shardwise.collectives import api
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(api, "next_tag_slot", lambda group: 0)
+    assert api.Comm(None, device_type=device).receives_stand_aside is aside
+
+
 def test_the_explicit_algorithms_are_refused_on_nccl() -> None:
     for algorithm in ("ring", "tree", "halving_doubling", "naive"):
         with pytest.raises(ConfigError, match=f"comm.algorithm = {algorithm} runs on tagged send/recv"):

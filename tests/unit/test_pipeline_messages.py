@@ -43,6 +43,31 @@ def test_every_schedule_posts_its_messages_in_one_order_at_both_ends(
         assert len(at) == sum(len(r) + len(s) for _, r, s in transfers(rank, actions, where))
 
 
+@pytest.mark.parametrize(("name", "pp", "virtual", "m"), grid())
+def test_early_receives_all_come_first_in_each_directions_order(
+    name: str, pp: int, virtual: int, m: int
+) -> None:
+    """Over gloo every receive is posted at the step's start: each direction of every pair still
+    matches its messages in one order, while the sends stay right after the actions producing them."""
+    schedule, where = build(name, pp, virtual, m), stage_placement(name, pp, virtual)
+    plans, early = plan(schedule, where), plan(schedule, where, early=True)
+    assert check_same_order(early, directed=True) == check_same_order(plans)
+    for rank in schedule:
+        receives = [t for t in early[rank][0] if t.op == "recv"]
+        assert receives == [t for boundary in plans[rank] for t in boundary if t.op == "recv"]
+        assert [[t for t in b if t.op == "send"] for b in early[rank]] == [
+            [t for t in b if t.op == "send"] for b in plans[rank]
+        ]
+        assert all(t.op == "send" for boundary in early[rank][1:] for t in boundary)
+
+
+def test_early_receives_break_the_one_order_nccl_needs() -> None:
+    """Early plans are gloo's alone: a pair with messages both ways no longer posts them in one order."""
+    schedule, where = build("1f1b", 2, 1, 4), stage_placement("1f1b", 2, 1)
+    with pytest.raises(ScheduleError, match=r"^ranks 0 and 1 post their messages in different orders"):
+        check_same_order(plan(schedule, where, early=True))
+
+
 def test_a_v_is_read_in_another_order_than_it_is_produced_yet_posted_in_one() -> None:
     """In ZB-V rank 1 reads rank 0's activations of stage 0 and gradients of stage 3 in another order
     than rank 0 produces them, so receiving in reading order would cross the pair's messages (on

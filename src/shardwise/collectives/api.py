@@ -138,6 +138,13 @@ class Comm:
         self._thread = CommThread()
         self.seq = 0  # calls issued on this group: the watchdog's and the trace's numbering
 
+    @property
+    def receives_stand_aside(self) -> bool:
+        """Whether a posted receive holds up none of this group's other ops. Gloo matches each
+        direction of a pair by posting order (and tag) and runs every op on its own; NCCL runs a
+        pair's ops in posting order on one stream, so a receive posted early stalls the ops behind it."""
+        return self.device_type != "cuda" or self.cuda_over_gloo
+
     @classmethod
     def from_config(
         cls, group: dist.ProcessGroup | None, config: CommSettings, name: str = "", device_type: str = "cpu"

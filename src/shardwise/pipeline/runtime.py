@@ -9,7 +9,9 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
 2. the actions in order, all under ``engine.no_sync()``, with this rank's messages posted at the
    boundaries between them in the step's one order (``pipeline/messages.py``: the same order on both
    ends of every pair, one tag for all, as NCCL needs): a send as soon as its action produced it, a
-   receive as early as that order allows; an action waits only for the messages it reads. The
+   receive as early as that order allows, and over gloo every receive at the step's start
+   (``Comm.receives_stand_aside``; each direction's order kept); an action waits only for the
+   messages it reads. The
    compute thread posts them itself, between its actions: a thread of their own (which let a gloo
    send to a peer already waiting for it run beside the next action) made every schedule of the
    pipeline bench 2-6% slower on a quiet 2-core machine, each message paying a hand-over to it;
@@ -103,7 +105,8 @@ class PipelineRunner:
             actions = list(every[self.comm.rank])
             if self.weight_grads is None and any(a.kind is Kind.INPUT_GRAD for a in actions):
                 raise ValueError("a schedule with I and W actions needs PipelineRunner(split_backward=True)")
-            self._plans[key] = (actions, plan(every, self.placement)[self.comm.rank])
+            early = self.comm.receives_stand_aside  # gloo: every receive at the step's start
+            self._plans[key] = (actions, plan(every, self.placement, early)[self.comm.rank])
         return self._plans[key]
 
     # -- the step -------------------------------------------------------------------------------
