@@ -174,6 +174,22 @@ def test_a_w_pass_over_two_micro_batches_equals_backward_and_a_hooked_weight_s_h
         assert got.grad is not None and torch.equal(got.grad, want.grad), name
 
 
+def test_a_w_gradient_takes_the_layout_of_a_weight_stored_transposed() -> None:
+    """A weight whose strides are not the matmul's (stored transposed) gets its W gradient in its own
+    layout, as autograd's accumulator lays a first gradient out, with a full backward's values."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    weight = nn.Parameter(torch.randn(4, 5, generator=g, dtype=torch.float64).t())  # (5, 4), strides (1, 5)
+    (want,) = torch.autograd.grad(nn.functional.linear(x, weight).square().sum(), [weight])
+    store = WeightGradStore()
+    with store.collect() as kept:
+        linear(x, weight, None, False, store).square().sum().backward()
+    assert weight.grad is None and len(kept) == 1
+    apply_weight_grads(kept)
+    assert weight.grad is not None and weight.grad.stride() == weight.stride() == want.stride()
+    assert torch.equal(weight.grad, want)
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["nn.Linear", "Conv1D"])
 def test_a_deferred_linear_outside_an_i_pass_is_the_plain_op_and_under_autocast_casts_like_it(
     transposed: bool,

@@ -120,18 +120,21 @@ def apply_weight_grads(records: Sequence[DeferredWeightGrad]) -> None:
 
 def _accumulate(record: DeferredWeightGrad) -> bool:
     """``record``'s gradient accumulated into its weight as autograd's accumulator would (the same
-    values, bit for bit) where nothing watches the weight's gradient; False (nothing done) where a
-    hook does, or where the gradient would need another layout."""
+    values, bit for bit: stored in the weight's layout when it has none, added in place otherwise)
+    where no hook on the weight watches its gradient; False (nothing done) where one does. Hooks on
+    the accumulator node itself (torch's own DDP registers its there) are not seen: the pipeline's
+    engines use the weight's post-accumulate hooks."""
     weight = record.weight
     if not _HOOKS_READABLE or weight._backward_hooks or weight._post_accumulate_grad_hooks:
         return False
-    if weight.grad is not None:
-        weight.grad.add_(record.compute().to(weight.dtype))
-        return True
     grad = record.compute().to(weight.dtype)
-    if grad.stride() != weight.stride():
-        return False
-    weight.grad = grad
+    if weight.grad is not None:
+        weight.grad.add_(grad)
+    elif grad.stride() == weight.stride():
+        weight.grad = grad
+    else:
+        weight.grad = torch.empty_strided(weight.shape, weight.stride(), dtype=grad.dtype, device=grad.device)
+        weight.grad.copy_(grad)
     return True
 
 

@@ -11,11 +11,11 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    ends of every pair, one tag for all, as NCCL needs): a send as soon as its action produced it, a
    receive as early as that order allows, and over gloo every receive at the step's start
    (``Comm.receives_stand_aside``; each direction's order kept); an action waits only for the
-   messages it reads. The
-   compute thread posts them itself, between its actions: a thread of their own (which let a gloo
-   send to a peer already waiting for it run beside the next action) made every schedule of the
-   pipeline bench 2-6% slower on a quiet 2-core machine, each message paying a hand-over to it;
-   over NCCL posting only queues the op on a stream, after the stream that made the tensor. ``F`` runs
+   messages it reads. The compute thread posts them itself, between its actions: a thread of their
+   own (which let a gloo send to a peer already waiting for it run beside the next action) made
+   every schedule of the pipeline bench 2-6% slower on a quiet 2-core machine, each message paying
+   a hand-over to it; over NCCL posting only queues the op on a stream, after the stream that made
+   the tensor. ``F`` runs
    the stage on its input (the micro-batch's token ids on the first stage, the received activation
    elsewhere, a leaf that requires grad; every stage also reads the micro-batch's mask, positions and
    segment ids itself); the last stage's ``F`` computes the summed loss / divisor. ``B`` runs backward
