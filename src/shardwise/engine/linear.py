@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shardwise.device import HOST
+
 
 @dataclass
 class DeferredWeightGrad:
@@ -141,7 +143,7 @@ def _accumulate(record: DeferredWeightGrad) -> bool:
 def _hooks_readable() -> bool:
     """Whether a tensor shows its gradient hooks where ``_accumulate`` looks (checked once: a torch
     that keeps them elsewhere sends every W gradient through autograd)."""
-    probe = torch.zeros(1, requires_grad=True)
+    probe = torch.zeros(1, requires_grad=True, device=HOST)
     probe.register_hook(lambda grad: grad)
     probe.register_post_accumulate_grad_hook(lambda tensor: None)
     return bool(getattr(probe, "_backward_hooks", None)) and bool(
