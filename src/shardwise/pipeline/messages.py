@@ -25,7 +25,7 @@ own thread as it is posted; one posted first waits for the receiver's notice, wh
 event-loop threads relay, and on a busy 2-core machine such a hand-off took 1-6 ms. An in-launch A/B
 of the pipeline bench (ours early, ours in the one order, torch's class, steps rotating; 3 launches
 of 40 steps) gave zbv +5-7%, interleaved-zb +4%, dualpipev +2%, interleaved +1%, the
-one-stage-a-rank schedules within +-1%. The price: the buffers of every message the step receives
+one-stage-a-rank schedules from -1% to +2%. The price: the buffers of every message the step receives
 exist from its start (per stage boundary crossed, one activation and one gradient per micro-batch),
 small beside the activations each stage keeps. Pure: no torch.
 """
