@@ -134,9 +134,8 @@ def _accumulate(record: DeferredWeightGrad) -> bool:
         weight.grad.add_(grad)
     elif grad.stride() == weight.stride():
         weight.grad = grad
-    else:
-        weight.grad = torch.empty_strided(weight.shape, weight.stride(), dtype=grad.dtype, device=grad.device)
-        weight.grad.copy_(grad)
+    else:  # the weight's own strides (empty_like keeps a dense tensor's)
+        weight.grad = torch.empty_like(weight).copy_(grad)
     return True
 
 
