@@ -164,10 +164,44 @@ def _interrupt(signum: int, frame: Any) -> None:
     starting with half its data, or a semaphore the unwinding has already removed, and prints a
     traceback (or the resource tracker a "leaked semaphore" warning) after our one line. Ended here,
     before anything unwinds, every rank dies quietly (SIGTERM is SIG_DFL in a rank: ``_RankMain``).
+    A start under way is let finish first (``_forking_a_rank``), so that its rank is there to end.
     """
+    if _hold(signum, frame):
+        return
+    _held_since.clear()
     signals.restore_defaults()  # a second signal ends the launcher at once
     _end_spawned_ranks()
     raise signals.Interrupted(signum)
+
+
+# how long a signal may wait for a rank's start to end (a forkserver that never forks: not forever)
+HOLD_S = 5.0
+_held_since: dict[int, float] = {}
+
+
+def _hold(signum: int, frame: Any) -> bool:
+    """Hold the signal while the main thread is starting a rank through the forkserver: the start-up
+    data may already be written while the rank is not yet forked (the forkserver forks it later, after
+    the sweep, and it would start on its own). Sent again in 20 ms, it lands once the start is over."""
+    if not _forking_a_rank(frame):
+        return False
+    if time.monotonic() > _held_since.setdefault(signum, time.monotonic()) + HOLD_S:
+        return False
+    timer = threading.Timer(0.02, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
+    return True
+
+
+def _forking_a_rank(frame: Any) -> bool:
+    """Whether the main thread is inside multiprocessing's forkserver start of a process (``_launch``
+    writes the start-up data, then waits for the forked pid)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_launch" and code.co_filename.endswith("popen_forkserver.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _end_spawned_ranks() -> None:

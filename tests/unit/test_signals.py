@@ -63,3 +63,43 @@ def test_a_signal_to_the_launcher_ends_its_spawned_ranks_before_it_unwinds() -> 
         rank.join()
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def _fake_forkserver_start() -> dict[str, object]:
+    """A function named and filed as multiprocessing's forkserver ``Popen._launch``."""
+    source = "def _launch(wait):\n    wait()\n"
+    namespace: dict[str, object] = {}
+    exec(compile(source, "/usr/lib/python3/multiprocessing/popen_forkserver.py", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("hold_s", [5.0, 0.0], ids=["held", "not-past-the-limit"])
+def test_a_signal_while_a_rank_is_forked_lands_once_its_start_is_over(
+    monkeypatch: pytest.MonkeyPatch, hold_s: float
+) -> None:
+    """The forkserver forks a rank after its start-up data is written: a signal landing in between
+    used to unwind before the rank existed, which then started alone and printed a traceback (a
+    semaphore already removed). The launcher holds it until the start returns, HOLD_S at most."""
+    import time
+
+    from shardwise import launcher
+
+    monkeypatch.setattr(launcher, "HOLD_S", hold_s)
+    start = _fake_forkserver_start()["_launch"]
+    before = {s: signal.getsignal(s) for s in signals.HANDLED}
+    started: list[str] = []
+
+    def wait_for_the_pid() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)  # the held signal comes back every 20 ms meanwhile
+        started.append("rank")
+
+    try:
+        launcher._install_launch_handlers()
+        with pytest.raises(signals.Interrupted):
+            start(wait_for_the_pid)  # type: ignore[operator]
+            time.sleep(5)
+        assert started == (["rank"] if hold_s else [])
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
