@@ -160,8 +160,9 @@ def test_sigterm_stops_verify_and_its_ranks(tmp_path: Path) -> None:
 def test_sigint_to_the_launcher_alone_as_the_first_rank_spawns_is_one_line_every_time(tmp_path: Path) -> None:
     """The signal lands while the launcher is still starting ranks (inside ``Process.start`` for one):
     that rank used to go on starting after the launcher unwound and print a traceback (or the resource
-    tracker a leaked-semaphore warning) after the one line, in about 3 of 8 tries."""
-    for attempt in range(6):
+    tracker a leaked-semaphore warning) after the one line, in about 3 of 8 tries; and one forked after
+    the sweep, in about 1 of 4 under load (tests/unit/test_signals.py holds the signal deterministically)."""
+    for attempt in range(4):
         proc = _start(*_train_args(tmp_path / str(attempt)))
         _wait_for(lambda proc=proc: len(_ranks(proc)) >= 1, 120, "a rank", proc)
         started = _ranks(proc)
