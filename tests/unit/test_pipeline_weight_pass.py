@@ -178,7 +178,7 @@ def test_a_w_gradient_takes_the_layout_of_a_weight_stored_transposed() -> None:
     """A weight whose strides are not the matmul's (stored transposed) gets its W gradient in its own
     layout, as autograd's accumulator lays a first gradient out, with a full backward's values."""
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(3, 4, generator=g, dtype=torch.float64, requires_grad=True)
     weight = nn.Parameter(torch.randn(4, 5, generator=g, dtype=torch.float64).t())  # (5, 4), strides (1, 5)
     (want,) = torch.autograd.grad(nn.functional.linear(x, weight).square().sum(), [weight])
     store = WeightGradStore()
@@ -206,10 +206,11 @@ def test_a_deferred_linear_outside_an_i_pass_is_the_plain_op_and_under_autocast_
     want_out = plain_op()
     want = torch.autograd.grad(want_out.square().sum(), [x, weight, bias])
     out = linear(x, weight, bias, transposed, WeightGradStore())  # no I pass collecting: dW at once
-    got = torch.autograd.grad(out.square().sum(), [x, weight, bias])
+    out.square().sum().backward()  # (the weight is not in the graph: its node's hook accumulates dW)
     torch.testing.assert_close(out, want_out)
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip((x.grad, weight.grad, bias.grad), want, strict=True):
         torch.testing.assert_close(a, b)
+    x.grad = bias.grad = None
     with torch.autocast("cpu", dtype=torch.bfloat16):  # kept in bf16, accumulated into the fp32 weight
         store = WeightGradStore()
         low = linear(x, weight, bias, transposed, store)
@@ -233,3 +234,49 @@ def test_only_plain_linear_layers_conv1d_and_declared_layers_defer() -> None:
     model = nn.Sequential(nn.Linear(2, 2), Own(2, 2), nn.LayerNorm(2))
     assert defer_weight_grads(model, WeightGradStore()) == 1  # a subclass's own forward is left alone
     assert not is_conv1d(model[0])
+
+
+def test_a_layer_whose_input_and_bias_need_no_gradient_takes_the_plain_op_and_its_dw_comes_in_i() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 4, generator=g, dtype=torch.float64)  # no gradient wanted: no node of it runs in I
+    weight = nn.Parameter(torch.randn(5, 4, generator=g, dtype=torch.float64))
+    store = WeightGradStore()
+    with store.collect() as kept:
+        linear(x, weight, None, False, store).square().sum().backward()
+    (want,) = torch.autograd.grad(nn.functional.linear(x, weight).square().sum(), [weight])
+    assert kept == [] and weight.grad is not None and torch.equal(weight.grad, want)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_a_checkpointed_block_s_linear_inputs_are_not_held_from_the_forward(
+    monkeypatch: pytest.MonkeyPatch, checkpointed: bool
+) -> None:
+    """X is kept as autograd keeps a saved tensor: in a checkpointed block only checkpointing's handle
+    is held after the forward, and X comes from the recomputation in I."""
+    import gc
+    import weakref
+
+    from shardwise.engine import linear as module
+
+    held: list[weakref.ref[torch.Tensor]] = []
+    hold = module._hold
+    monkeypatch.setattr(module, "_hold", lambda x: (held.append(weakref.ref(x)), hold(x))[1])
+    block = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+    reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+    reference.load_state_dict(block.state_dict())
+    store = WeightGradStore()
+    defer_weight_grads(block, store)
+    if checkpointed:
+        checkpoint_forward(block)
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    out = block(x)
+    gc.collect()
+    forward_inputs = [ref() is not None for ref in held[:2]]
+    assert forward_inputs == [not checkpointed, not checkpointed]
+    with store.collect() as kept:
+        out.square().sum().backward()
+    apply_weight_grads(kept)
+    reference(x.detach()).square().sum().backward()
+    assert len(kept) == 2
+    for got, want in zip(block.parameters(), reference.parameters(), strict=True):
+        assert got.grad is not None and torch.equal(got.grad, want.grad)

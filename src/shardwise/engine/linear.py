@@ -4,18 +4,22 @@ A linear layer's backward is two matmuls from one output gradient ``dY``: the in
 ``dX = dY W`` (needed at once: it travels on to the previous layer, and to the previous pipeline
 stage) and the weight's ``dW = dY^T X`` (needed only by the update). Zero-bubble schedules (Qi et
 al. 2023, arXiv:2401.10241) run the first in an I pass and the second later, in a W pass that fills
-a bubble. Here each layer's backward does exactly that: with a ``WeightGradStore`` collecting (the I
-pass), it returns ``dX`` and the bias's gradient and keeps ``(X, dY)`` in the store instead of
-computing ``dW``; outside a collection (a plain backward, a B pass) it computes ``dW`` at once. The
-W pass (``apply_weight_grads``) is then those matmuls alone: no autograd graph is walked again, no
-activation is recomputed (an activation-checkpointed block is recomputed once, in I, where ``X``
-is taken from the recomputation), and the graph itself is freed when I ends. What is held from I
-to W is each deferred layer's input (shared by the layers that read one input: q, k, v) and output
-gradient. A weight with gradient hooks (DDP's buckets, ZeRO-3's flat buffers, a user's) gets its W
-gradient through its own accumulator (``torch.autograd.backward`` from the weights), so the hooks see
-it arrive as from any backward; one without gets it as that accumulator would give it (stored, or
-added in place), without a call into autograd's engine: on the small GPT's 21 layers (one process,
-the W pass of one micro-batch) 2.9 ms instead of 3.7, of which the matmuls are 2.3.
+a bubble. Here each deferring layer computes its op with its weight detached, so its autograd node
+computes ``dX`` and the bias's gradient alone, and a pre-hook on that node (``_Capture``) takes ``dY``
+as backward reaches it and keeps ``(X, dY)`` in the ``WeightGradStore`` while it collects (the I
+pass); outside a collection (a plain backward) the hook accumulates ``dW`` at once. The forward costs
+what the plain op does plus one hook; the I pass is a plain backward that skips the ``dW`` matmuls.
+``X`` is kept as autograd keeps a saved tensor, through the saved-tensor hooks in force: in an
+activation-checkpointed block the forward keeps only checkpointing's handle and ``X`` comes from the
+recomputation in I. The W pass (``apply_weight_grads``) is then those matmuls alone: no autograd graph
+is walked again, no activation is recomputed, and the graph itself is freed when I ends. What is held
+from I to W is each deferred layer's input and output gradient. A weight with gradient hooks (DDP's
+buckets, ZeRO-3's flat buffers, a user's) gets its W gradient through its own accumulator
+(``torch.autograd.backward`` from the weights), so the hooks see it arrive as from any backward; one
+without gets it as that accumulator would give it (stored, or added in place), without a call into
+autograd's engine: on the small GPT's 21 layers (one process, the W pass of one micro-batch) 2.9 ms
+instead of 3.7, of which the matmuls are 2.3. A layer whose input needs no gradient and whose bias
+none (nothing of it would run in I) takes the plain op: its ``dW`` comes in I, as in B.
 
 Torch's pipelining splits backward on the graph instead (``stage_backward_input`` registers hooks on
 the nodes where each weight's subgraph joins the input's, ``stage_backward_weight`` runs backward
@@ -25,8 +29,9 @@ and Megatron's weight-gradient store do, needs the layers to route through ``lin
 patches ``nn.Linear`` and Hugging Face's ``Conv1D``; the tensor-parallel layers call it), and gives
 everything else (norms, embeddings, biases, a custom layer) its gradient in I, as B would.
 
-Under autocast the operands are cast as autocast casts a linear (to its lower-precision dtype) and
-the deferred ``dW`` is cast back to the weight's dtype, as autocast's cast would on its way back.
+Under autocast the op is autocast's (its operands in the lower-precision dtype), ``X`` is kept cast
+alike, and the deferred ``dW`` is cast back to the weight's dtype, as autocast's cast would on its
+way back.
 Communication: none.
 """
 
@@ -153,34 +158,41 @@ def _hooks_readable() -> bool:
 _HOOKS_READABLE = _hooks_readable()
 
 
-class _Linear(torch.autograd.Function):
-    """``Y = X W^T + b`` (``transposed``: ``X W + b``) whose ``dW`` can wait (module docstring). Kept
-    lean: each Python op here runs once per layer and micro-batch, beside matmuls that may be small."""
+class _Capture:
+    """The pre-hook on a deferring layer's autograd node: when backward reaches the node (whose weight
+    is not in the graph: it computes ``dX`` and the bias's gradient alone), it takes ``dY`` from it and
+    ``X`` from where the forward kept it, and keeps the pair in the store (or, with no I pass
+    collecting, accumulates ``dW`` at once)."""
 
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
-        store: WeightGradStore, leaf: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        ctx.save_for_backward(x, weight)
-        ctx.transposed, ctx.store, ctx.leaf = transposed, store, leaf
-        return _plain(x, weight, bias, transposed)
+    __slots__ = ("held", "leaf", "store", "transposed")
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        rows = grad.reshape(-1, grad.shape[-1])  # (rows, out): one 2-D view for the three products
-        grad_input = None
-        if needs[0]:
-            grad_input = rows.mm(weight.t() if ctx.transposed else weight).view(x.shape)
-        grad_bias = rows.sum(0) if needs[2] else None
-        grad_weight = None
-        if needs[1]:
-            record = DeferredWeightGrad(ctx.leaf, x, rows, ctx.transposed)
-            if not ctx.store.keep(record):
-                grad_weight = record.compute()
-        return grad_input, grad_weight, grad_bias, None, None, None
+    def __init__(self, store: WeightGradStore, leaf: torch.Tensor, held: _Held, transposed: bool) -> None:
+        self.store, self.leaf, self.held, self.transposed = store, leaf, held, transposed
+
+    def __call__(self, grads: tuple[torch.Tensor, ...]) -> None:
+        unpack, kept = self.held
+        self.held = (None, None)  # once: a checkpointed block's recomputed tensor is given out once
+        x = kept if unpack is None else unpack(kept)
+        record = DeferredWeightGrad(self.leaf, x, grads[0], self.transposed)
+        if not self.store.keep(record):
+            apply_weight_grads([record])
+
+
+# X as the forward kept it: (None, X), or (the unpack hook, what the pack hook in force returned)
+_Held = tuple[Any, Any]
+
+
+def _hold(x: torch.Tensor) -> _Held:
+    """Keep ``x`` as autograd keeps a saved tensor: through the saved-tensor hooks in force, if any
+    (activation checkpointing's, so that a checkpointed block's ``X`` is its recomputation's and is
+    not held from the forward; an offload's), else the tensor itself."""
+    hooks = _top_hooks()
+    return (None, x) if hooks is None else (hooks[1], hooks[0](x))
+
+
+def _top_hooks() -> tuple[Any, Any] | None:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
 
 
 def _plain(
@@ -206,14 +218,16 @@ def linear(
         store.armed and weight.requires_grad and weight.is_leaf and torch.is_grad_enabled()
     ):
         return _plain(x, weight, bias, transposed)
-    leaf = weight
+    if not (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return _plain(x, weight, bias, transposed)  # no node would run in I: dW comes there, as in B
+    rows = x.reshape(-1, x.shape[-1])  # (rows, in), as the plain op flattens it
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # cast as autocast casts a linear's operands
-        dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-        with torch.autocast(device, enabled=False):
-            out: torch.Tensor = _Linear.apply(x, weight, bias, transposed, store, leaf)
-        return out
-    out = _Linear.apply(x, weight, bias, transposed, store, leaf)
-    return out
+    if torch.is_autocast_enabled(device):  # X kept as autocast casts a linear's input
+        rows = rows.to(torch.get_autocast_dtype(device))
+    held = _hold(rows)  # before the op, in the forward and in a recomputation alike
+    out = _plain(rows, weight.detach(), bias, transposed)  # the weight outside the graph: no dW in I
+    # (in a checkpointed block's recomputation too, where the node is never run: freed with it)
+    node = out.grad_fn
+    assert node is not None  # x or the bias requires grad (above)
+    node.register_prehook(_Capture(store, weight, held, transposed))
+    return out.view(*x.shape[:-1], out.shape[-1])

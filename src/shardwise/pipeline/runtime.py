@@ -183,6 +183,8 @@ class PipelineRunner:
             else:
                 MONITOR.set_phase("backward")
                 self._backward(engine, action, state)
+        if self.weight_grads is not None:  # outside the actions (evaluation, a user's call) the plain op
+            self.weight_grads.armed = False
         # one span per action (with --trace): what observe.plots and the pipeline bench read as busy time
         MONITOR.span(
             str(action), "compute", "actions", started,
