@@ -261,8 +261,8 @@ def test_a_checkpointed_block_s_linear_inputs_are_not_held_from_the_forward(
     held: list[weakref.ref[torch.Tensor]] = []
     hold = module._hold
     monkeypatch.setattr(module, "_hold", lambda x: (held.append(weakref.ref(x)), hold(x))[1])
-    block = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).double()
-    reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+    block = nn.Sequential(nn.Tanh(), nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+    reference = nn.Sequential(nn.Tanh(), nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).double()
     reference.load_state_dict(block.state_dict())
     store = WeightGradStore()
     defer_weight_grads(block, store)

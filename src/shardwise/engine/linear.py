@@ -55,12 +55,13 @@ class DeferredWeightGrad:
 
     weight: torch.Tensor  # the leaf the gradient is for (a parameter, or a tied weight's copy)
     inputs: torch.Tensor  # X: (..., in)
-    grad_output: torch.Tensor  # dY: (rows, out)
+    grad_output: torch.Tensor  # dY: (..., out)
     transposed: bool  # the weight is stored (in, out)
 
     def compute(self) -> torch.Tensor:
         """``dW`` in the operands' dtype (under autocast, the lower one)."""
-        x, dy = self.inputs.reshape(-1, self.inputs.shape[-1]), self.grad_output  # (rows, in), (rows, out)
+        x = self.inputs.reshape(-1, self.inputs.shape[-1])  # (rows, in)
+        dy = self.grad_output.reshape(-1, self.grad_output.shape[-1])  # (rows, out)
         return x.t().mm(dy) if self.transposed else dy.t().mm(x)  # (in, out) or (out, in)
 
 
@@ -191,8 +192,11 @@ def _hold(x: torch.Tensor) -> _Held:
 
 
 def _top_hooks() -> tuple[Any, Any] | None:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top(False) if top is not None else None
+    return _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
+
+
+# the (pack, unpack) pair in force (torch keeps no public reader of it; without one, X is kept as is)
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def _plain(
@@ -220,14 +224,13 @@ def linear(
         return _plain(x, weight, bias, transposed)
     if not (x.requires_grad or (bias is not None and bias.requires_grad)):
         return _plain(x, weight, bias, transposed)  # no node would run in I: dW comes there, as in B
-    rows = x.reshape(-1, x.shape[-1])  # (rows, in), as the plain op flattens it
     device = x.device.type
     if torch.is_autocast_enabled(device):  # X kept as autocast casts a linear's input
-        rows = rows.to(torch.get_autocast_dtype(device))
-    held = _hold(rows)  # before the op, in the forward and in a recomputation alike
-    out = _plain(rows, weight.detach(), bias, transposed)  # the weight outside the graph: no dW in I
+        x = x.to(torch.get_autocast_dtype(device))
+    held = _hold(x)  # before the op, in the forward and in a recomputation alike
+    out = _plain(x, weight.detach(), bias, transposed)  # the weight outside the graph: no dW in I
     # (in a checkpointed block's recomputation too, where the node is never run: freed with it)
     node = out.grad_fn
     assert node is not None  # x or the bias requires grad (above)
     node.register_prehook(_Capture(store, weight, held, transposed))
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return out
