@@ -2,8 +2,8 @@
 
 A zero-bubble schedule splits each backward into I (the input's gradient, sent on at once) and W
 (the weights', run later to fill a bubble). The split is not free: W's matmuls find their operands
-out of cache and every deferred layer pays a little bookkeeping, so I + W costs more than B, by
-10-20% per micro-batch for the small layers of a CPU run. Where a W fills no bubble, running it
+out of cache and every deferred layer pays a hook, so I + W costs more than B (by 2-8% per
+micro-batch for the small layers of the CPU bench, its F 7% more). Where a W fills no bubble, running it
 right after its I, as one B, is then faster. ``fit_schedule`` decides it W by W on the simulator
 (``simulate.simulate``) with costs measured on the run itself: each W, in order, is moved next to its
 I and the pair made one B wherever that does not lengthen the simulated step. Every rank given the
