@@ -49,7 +49,7 @@ def test_both_directions_are_shaped_and_the_namespaces_go_away() -> None:
 def test_a_tiny_run_over_the_link_reports_time_to_target(tmp_path) -> None:
     before = set(_namespaces().split())  # a killed run elsewhere may have left its own behind
     command = [sys.executable, "-m", "shardwise", "bench", "compress", "--link", "1gbit", "--rows", "int8",
-               "--preset", "tiny", "--steps", "16", "--eval-every", "4", "--json",
+               "--preset", "tiny", "--steps", "24", "--eval-every", "4", "--json",
                "--out", str(tmp_path / "link.json")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
@@ -60,12 +60,12 @@ def test_a_tiny_run_over_the_link_reports_time_to_target(tmp_path) -> None:
     assert result["link"]["tc_rate"] == "1000000000bit" and result["link"]["bytes_per_s"] == 1.25e8
     assert all("rate 1Gbit" in q for q in result["link"]["qdisc"].values())  # tc read our bits as bits
     assert {"unshaped", "shaped"} <= set(result["probe"])
-    assert result["job"]["global_batch"] == 4 and result["job"]["max_steps"] == 32
+    assert result["job"]["global_batch"] == 4 and result["job"]["max_steps"] == 48
     assert {"load_start", "load_end", "target_heldout_loss", "best", "goal_met"} <= set(result)
     base, (row,) = result["uncompressed"], result["rows"]
     assert set(base) >= ROW_FIELDS and set(row) >= ROW_FIELDS
     assert base["reached"] and base["time_ratio"] == 1.0
-    assert row["label"] == "int8" and row["steps_run"] <= 32
+    assert row["label"] == "int8" and row["steps_run"] <= 48
     assert row["reached"] == (row["time_to_target_s"] is not None)
     left = {name for name in set(_namespaces().split()) - before if name.startswith("sw")}
     assert not left, left  # the bench's namespaces (sw<host><tag>) are gone
