@@ -47,18 +47,22 @@ def test_every_schedule_posts_its_messages_in_one_order_at_both_ends(
 def test_early_receives_all_come_first_in_each_directions_order(
     name: str, pp: int, virtual: int, m: int
 ) -> None:
-    """Over gloo every receive is posted at the step's start: each direction of every pair still
-    matches its messages in one order, while the sends stay right after the actions producing them."""
+    """Over gloo every receive is posted at once: at the step's start where the rank's first action
+    reads one, else (the first stage's rank) right after its first action's sends. Each direction of
+    every pair still matches its messages in one order, the sends stay right after the actions
+    producing them."""
     schedule, where = build(name, pp, virtual, m), stage_placement(name, pp, virtual)
     plans, early = plan(schedule, where), plan(schedule, where, early=True)
     assert check_same_order(early, directed=True) == check_same_order(plans)
-    for rank in schedule:
-        receives = [t for t in early[rank][0] if t.op == "recv"]
-        assert receives == [t for boundary in plans[rank] for t in boundary if t.op == "recv"]
+    for rank, actions in schedule.items():
+        at = 1 if actions[0].stage == 0 else 0  # the first stage's F reads nothing
+        sends = [t for t in early[rank][at] if t.op == "send"]
+        assert early[rank][at] == sends + [t for b in plans[rank] for t in b if t.op == "recv"]
+        assert sends == [t for t in plans[rank][at] if t.op == "send"]
         assert [[t for t in b if t.op == "send"] for b in early[rank]] == [
             [t for t in b if t.op == "send"] for b in plans[rank]
         ]
-        assert all(t.op == "send" for boundary in early[rank][1:] for t in boundary)
+        assert all(t.op == "send" for i, b in enumerate(early[rank]) if i != at for t in b)
 
 
 def test_early_receives_break_the_one_order_nccl_needs() -> None:

@@ -18,8 +18,10 @@ each op runs to completion alone in that order, as NCCL's stream runs them: the 
 lowest rank is always posted at both of its ends. The runtime waits for a receive only right
 before the action that reads it, and for its sends at the end of the step.
 
-Over gloo (``post_plan(early=True)``) every receive is posted at the step's start instead, still in
-that order among themselves: gloo matches each direction of a pair by order alone and a posted
+Over gloo (``post_plan(early=True)``) every receive is posted at once instead, still in that order
+among themselves, at the step's start, or on a rank whose first action reads nothing (the first
+stage's) right after that action's sends, so the next stage is not kept waiting for posts that
+nothing can arrive for yet: gloo matches each direction of a pair by order alone and a posted
 receive holds up no other op. A gloo send whose receive is already posted is written by the sender's
 own thread as it is posted; one posted first waits for the receiver's notice, which gloo's
 event-loop threads relay, and on a busy 2-core machine such a hand-off took 1-6 ms. An in-launch A/B
@@ -82,8 +84,21 @@ def post_plan(
                 f"rank {rank} would post its receive of {t.what} {t.stage}:{t.microbatch} after the "
                 f"action that reads it ({actions[index]})"
             )
-        posts[0 if early and t.op == "recv" else boundary].append(t)
+        if not (early and t.op == "recv"):
+            posts[boundary].append(t)
+    if early:
+        receives = [t for _, t in ops if t.op == "recv"]
+        posts[_first_post(ops)].extend(receives)  # after that boundary's sends
     return posts
+
+
+def _first_post(ops: Sequence[tuple[int, Transfer]]) -> int:
+    """Where a gloo plan posts all its receives: at the first boundary with a send (after the sends),
+    or before the first action that reads a message if that comes sooner. A first stage's rank thus
+    runs its first forward and sends its output before anything else: the next stage waits on that
+    send, and nothing can arrive for it sooner."""
+    firsts = [index + 1 if t.op == "send" else index for index, t in ops]
+    return min(firsts, default=0)
 
 
 def plan(

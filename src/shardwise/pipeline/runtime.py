@@ -5,12 +5,14 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
 1. every micro-batch read as its stages will read it (``Split.inputs``: the token ids and the keys
    the blocks use, a key no stage honours refused before any message is sent); ``engine.begin_step``
    (the loss divisor); the tied weight's values sent from the first stage to the last stage's copy
-   (``pipeline/tied.py``: posted first, waited for by the last stage's first F);
+   (``pipeline/tied.py``: posted right after the step's first activation where that goes to the
+   copy's rank, else first; waited for by the last stage's first F);
 2. the actions in order, all under ``engine.no_sync()``, with this rank's messages posted at the
    boundaries between them in the step's one order (``pipeline/messages.py``: the same order on both
    ends of every pair, one tag for all, as NCCL needs): a send as soon as its action produced it, a
-   receive as early as that order allows, and over gloo every receive at the step's start
-   (``Comm.receives_stand_aside``; each direction's order kept); an action waits only for the
+   receive as early as that order allows, and over gloo every receive at once, at the step's start
+   or, on the first stage's rank, right after its first action's sends (``Comm.receives_stand_aside``;
+   each direction's order kept); an action waits only for the
    messages it reads. The compute thread posts them itself, between its actions: a thread of their
    own (which let a gloo send to a peer already waiting for it run beside the next action) made
    every schedule of the pipeline bench 2-6% slower on a quiet 2-core machine, each message paying
@@ -51,7 +53,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -63,7 +65,7 @@ from shardwise.observe.monitor import MONITOR
 from shardwise.pipeline.actions import Action, Kind, Transfer, fuse_schedule
 from shardwise.pipeline.deferred import defer_weight_grads
 from shardwise.pipeline.fitting import ScheduleFitter
-from shardwise.pipeline.messages import plan
+from shardwise.pipeline.messages import MessageKey, plan
 from shardwise.pipeline.split import Split, StageInputs
 from shardwise.pipeline.tied import TAG, TiedExchange
 
@@ -86,7 +88,7 @@ class PipelineRunner:
         self.weight_grads = WeightGradStore() if split_backward else None
         if self.weight_grads is not None:  # the I passes keep each linear layer's dW for the W pass
             defer_weight_grads(next(iter(split.stages.values())).adapter.model, self.weight_grads)
-        self._plans: dict[tuple[int, str], tuple[list[Action], list[list[Transfer]]]] = {}
+        self._plans: dict[tuple[int, str], _Plan] = {}
         self.tied = TiedExchange(split, comm, self.placement)
         # the first stage's I followed by its W is one B; a split schedule is then fitted to the run
         self.fitter = ScheduleFitter(
@@ -96,17 +98,20 @@ class PipelineRunner:
             fit,
         )
 
-    def step_plan(self, microbatches: int) -> tuple[list[Action], list[list[Transfer]]]:
-        """This rank's actions and the messages it posts before each (and after the last), cached per
-        micro-batch count and ``ScheduleFitter`` phase (every rank is in the same one)."""
+    def step_plan(self, microbatches: int) -> _Plan:
+        """This rank's actions, the messages it posts before each (and after the last) and the one the
+        tied weight's values follow (``TiedExchange.values_anchor``), cached per micro-batch count
+        and ``ScheduleFitter`` phase (every rank is in the same one)."""
         key = (microbatches, self.fitter.phase(microbatches))
         if key not in self._plans:
             every = self.fitter.schedule(*key)
             actions = list(every[self.comm.rank])
             if self.weight_grads is None and any(a.kind is Kind.INPUT_GRAD for a in actions):
                 raise ValueError("a schedule with I and W actions needs PipelineRunner(split_backward=True)")
-            early = self.comm.receives_stand_aside  # gloo: every receive at the step's start
-            self._plans[key] = (actions, plan(every, self.placement, early)[self.comm.rank])
+            early = self.comm.receives_stand_aside  # gloo: every receive at once, as soon as useful
+            plans = plan(every, self.placement, early)
+            anchor = self.tied.values_anchor(plans.get(self.placement[0]))
+            self._plans[key] = _Plan(actions, plans[self.comm.rank], anchor)
         return self._plans[key]
 
     # -- the step -------------------------------------------------------------------------------
@@ -114,23 +119,24 @@ class PipelineRunner:
         # read (and checked) before any message: every pp rank refuses the same batch at the same place
         given = [self.split.inputs(batch) for batch in micro_batches]
         divisor = engine.begin_step(micro_batches, global_count)
-        actions, posts = self.step_plan(len(micro_batches))
+        actions, posts, anchor = self.step_plan(len(micro_batches))
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
         state = _StepState(given, _dtype(engine), self.split.hidden_size, engine.device)
         state.split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.INPUT_GRAD}
         state.timing = self.fitter.timing(len(micro_batches))
-        if (sent := self.tied.post_values(engine, state.dtype)) is not None:
-            state.sends.append(sent)
+        state.anchor = anchor
+        if anchor is None:
+            self._post_values(engine, state)
         tied_receive = self.tied.receive_boundary(posts)
         with engine.no_sync():
             for index, (action, boundary) in enumerate(zip(actions, posts, strict=False)):
-                self._post(boundary, empty, state)
+                self._post(engine, boundary, empty, state)
                 if index == tied_receive:
                     self.tied.post_receive()
                 if action.microbatch not in empty:
                     self._receive(action, state)  # before its span: the span is its compute alone
                     self._run(engine, action, micro_batches[action.microbatch], divisor, state)
-        self._post(posts[-1], empty, state)
+        self._post(engine, posts[-1], empty, state)
         if tied_receive == len(actions):
             self.tied.post_receive()
         if (sent := self.tied.post_gradient()) is not None:
@@ -153,18 +159,23 @@ class PipelineRunner:
         """What each fit since the last call kept, in words (the train loop prints them once)."""
         return self.fitter.take_notes()
 
-    def _post(self, boundary: list[Transfer], empty: set[int], state: _StepState) -> None:
+    def _post(self, engine: Engine, boundary: list[Transfer], empty: set[int], state: _StepState) -> None:
         """This boundary's sends and receives, in the step's one order (``pipeline/messages.py``),
         posted in that order (module docstring)."""
         for t in boundary:
-            if t.microbatch in empty:  # dropped at both ends alike
-                continue
-            if t.op == "send":
-                tensor = state.outbox.pop(t.key)
-                state.sends.append(self.comm.isend(tensor, t.peer, TAG))
-            else:
-                buffer = state.buffer(t.microbatch)
-                state.pending[t.key] = (buffer, self.comm.irecv(buffer, t.peer, TAG))
+            if t.microbatch not in empty:  # else dropped at both ends alike
+                if t.op == "send":
+                    tensor = state.outbox.pop(t.key)
+                    state.sends.append(self.comm.isend(tensor, t.peer, TAG))
+                else:
+                    buffer = state.buffer(t.microbatch)
+                    state.pending[t.key] = (buffer, self.comm.irecv(buffer, t.peer, TAG))
+            if t.key == state.anchor:  # the tied weight's values follow this message at both ends
+                self._post_values(engine, state)
+
+    def _post_values(self, engine: Engine, state: _StepState) -> None:
+        if (sent := self.tied.post_values(engine, state.dtype)) is not None:
+            state.sends.append(sent)
 
     def _run(self, engine: Engine, action: Action, batch: Any, divisor: float, state: _StepState) -> None:
         started = time.monotonic()
@@ -304,6 +315,14 @@ class PipelineRunner:
         return loss
 
 
+class _Plan(NamedTuple):
+    """This rank's step: its actions, its posts at each boundary, the tied values' anchor."""
+
+    actions: list[Action]
+    posts: list[list[Transfer]]
+    anchor: MessageKey | None
+
+
 class _StepState:
     """What one step keeps between actions: inputs and outputs by (stage, mb), messages, the loss."""
 
@@ -321,6 +340,7 @@ class _StepState:
         self.sends: list[Work] = []
         self.split: set[tuple[int, int]] = set()  # (stage, mb) whose backward is an I and a W
         self.timing = False  # this step's actions are timed for the schedule's fit
+        self.anchor: MessageKey | None = None  # the message the tied weight's values follow
         self.share = torch.zeros((), dtype=torch.float64, device=device)
 
     def buffer(self, microbatch: int) -> torch.Tensor:

@@ -3,9 +3,11 @@
 The first stage's rank owns the parameter; the last stage's rank computes with a copy
 (``split.Tied``). Each step, when the two ends are on different ranks:
 
-1. the owner's values go to the copy (they changed at the last update), posted before any other
-   message of the step at both ends and waited for only by the last stage's first F, so neither end
-   stalls on it (``post_values``, ``wait_values``);
+1. the owner's values go to the copy (they changed at the last update), waited for only by the last
+   stage's first F, so neither end stalls on it (``post_values``, ``wait_values``). Both ends post
+   them right after the step's first message where the owner's first action sends it to the copy's
+   rank (``values_anchor``: with two ranks, the first activation; the next stage waits on that one,
+   not on these), else before any other message of the step;
 2. the copy's gradient goes to the owner, which adds it to the parameter's before the data-parallel
    exchange. Both ends see it as the last message between them: the copy's rank sends it after its
    last action; the owner posts its receive right after its last other message with that rank in
@@ -27,6 +29,7 @@ import torch
 from shardwise.collectives.api import Comm
 from shardwise.collectives.p2p import Work
 from shardwise.pipeline.actions import Transfer
+from shardwise.pipeline.messages import MessageKey
 from shardwise.pipeline.split import Split
 
 if TYPE_CHECKING:
@@ -56,6 +59,16 @@ class TiedExchange:
             self.tied.match(dtype)  # in the owner's dtype (ZeRO's compute copies: the compute one)
             self._values = self.comm.irecv(self.tied.copy.data, self.peer, TAG)
         return None
+
+    def values_anchor(self, owner_posts: Sequence[Sequence[Transfer]] | None) -> MessageKey | None:
+        """The message both ends post the values right after (``owner_posts``: the owner's rank's
+        post plan): the first its first action sends the copy's rank, which nothing precedes; None
+        (post them first) where there is none, or where this rank holds neither end."""
+        if owner_posts is None or (self.owner is None and self.tied is None) or len(owner_posts) < 2:
+            return None
+        copy_rank = self.peer if self.owner is not None else self.comm.rank
+        first = [t.key for t in owner_posts[1] if t.op == "send" and t.peer == copy_rank]
+        return first[0] if first else None
 
     def wait_values(self) -> None:
         """The copy's values are here (the last stage's first F calls this; the step's end too)."""
