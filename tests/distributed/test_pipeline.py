@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from shardwise.pipeline.actions import fuse_schedule
-from shardwise.pipeline.adapt import fully_fused
+from shardwise.pipeline.adapt import split_by_parity
 from shardwise.pipeline.schedules import build
 from shardwise.testing import run_on_ranks
 
@@ -314,10 +314,10 @@ def test_trace_records_every_action_of_every_rank(zb_traced_six_steps: tuple[str
     """One span per action (the run of six steps: each action falls within one of its rank's steps)."""
     by_step = _actions_by_step(zb_traced_six_steps[2])
     assert sorted(by_step) == list(range(6)), sorted(by_step)
-    # the fit's first two steps (pipeline/fitting.py): as built (the first stage's I and W one B),
-    # then every backward one B
+    # the fit's first steps (pipeline/fitting.py): as built (the first stage's I and W one B), then
+    # only the even micro-batches' backwards split, then only the odd ones'
     built = fuse_schedule(build("zb", 2, 1, 4))
-    for step, schedule in enumerate([built, fully_fused(built)]):
+    for step, schedule in enumerate([built, split_by_parity(built, 0), split_by_parity(built, 1)]):
         expected = [(rank, str(a)) for rank in (0, 1) for a in schedule[rank]]
         assert sorted(by_step[step]) == sorted(expected), step
 

@@ -15,9 +15,10 @@ from shardwise.pipeline.adapt import (
     fully_fused,
     fuse_one,
     measured_costs,
+    split_by_parity,
     splits,
 )
-from shardwise.pipeline.fitting import BUILT, FIT_STEPS, FITTED, FUSED, TIMED_PAIRS, ScheduleFitter
+from shardwise.pipeline.fitting import BUILT, FIT_STEPS, FITTED, TIMED, TIMED_STEPS, ScheduleFitter
 from shardwise.pipeline.schedules import build, stage_placement
 from shardwise.pipeline.simulate import Costs, simulate
 
@@ -63,7 +64,7 @@ def test_fully_fused_undoes_every_split() -> None:
     assert {a.kind for acts in schedule.values() for a in acts} == {Kind.FORWARD, Kind.BACKWARD}
 
 
-def test_the_fitter_times_its_pairs_of_steps_then_runs_the_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fitter_times_steps_split_by_parity_then_runs_the_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     built = fuse_schedule(build("zb", 2, 1, 4))
     fitter = ScheduleFitter(lambda m: built, (0, 1), 2)
     cpu = torch.device("cpu")
@@ -74,16 +75,27 @@ def test_the_fitter_times_its_pairs_of_steps_then_runs_the_fit(monkeypatch: pyte
     for _ in range(FIT_STEPS + 1):
         phase = fitter.phase(4)
         seen.append((phase, fitter.timing(4)))
-        for action in fitter.schedule(4, phase)[1]:  # rank 1's actions, as if run
-            split = action.kind is not Kind.BACKWARD and phase != FUSED
-            with fitter.timed(action, split, cpu):
+        actions = fitter.schedule(4, phase)[1]  # rank 1's actions, as if run
+        split = {a.microbatch for a in actions if a.kind is Kind.INPUT_GRAD}
+        if phase in TIMED:  # every timed step has split and unsplit backwards side by side
+            assert split == {mb for mb in range(4) if mb % 2 == TIMED.index(phase)}
+        for action in actions:
+            with fitter.timed(action, action.microbatch in split, cpu):
                 pass
         fitter.step_done(4, None)
-    pairs = [[(FUSED, True), (BUILT, True)], [(BUILT, True), (FUSED, True)]]  # in turn: drift cancels
-    assert seen == [(BUILT, False), *[s for k in range(TIMED_PAIRS) for s in pairs[k % 2]], (FITTED, False)]
+    assert seen == [(BUILT, False), *[(TIMED[k % 2], True) for k in range(TIMED_STEPS)], (FITTED, False)]
+    assert FIT_STEPS == 1 + TIMED_STEPS
     # rank 1's B takes one tick and its I and W one each: the split costs a tick and fills nothing
     # here (rank 0 timed none), so the fit undoes it
     assert fitter.schedule(4, FITTED) == fully_fused(built) and fitter.reports[4]["splits_kept"] == 0
+    assert fitter.reports[4]["measured_ms"][1] == {k: 1000.0 for k in ("F", "B", "Fs", "I", "W")}
+
+
+def test_split_by_parity_keeps_every_other_split_in_place() -> None:
+    built = build("zb", 2, 1, 4)
+    even = split_by_parity(built, 0)
+    assert format_actions(even[1]) == "1F0 1I0 1F1 1B1 1W0 1F2 1I2 1F3 1B3 1W2"
+    assert fully_fused(split_by_parity(built, 1)) == fully_fused(built)
 
 
 def test_a_schedule_without_a_split_is_never_fitted() -> None:

@@ -9,16 +9,17 @@ right after its I, as one B, is then faster. ``fit_schedule`` decides it W by W 
 I and the pair made one B wherever that does not lengthen the simulated step. Every rank given the
 same costs makes the same choices, so their plans (and message orders) agree.
 
-``fully_fused`` is the schedule with every split undone, ``measured_costs`` turns a run's per-stage
-timings into the simulator's costs, and ``fit_report`` / ``describe_fit`` say what a fit kept; the
-runtime (``PipelineRunner``) runs the schedule as built and fully fused for two measured steps each
-(``fitting.TIMED_PAIRS``), agrees on the timings and runs the fitted one from then on (or, with
-``parallel.fit_schedule = false``, the schedule as built every step). Pure: no torch.
+``fully_fused`` is the schedule with every split undone, ``split_by_parity`` the one with every
+other micro-batch's split undone, ``measured_costs`` turns a run's per-stage timings into the
+simulator's costs, and ``fit_report`` / ``describe_fit`` say what a fit kept; the runtime
+(``PipelineRunner``) times ``fitting.TIMED_STEPS`` steps split by parity, agrees on the timings and
+runs the fitted one from then on (or, with ``parallel.fit_schedule = false``, the schedule as built
+every step). Pure: no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardwise.pipeline.actions import Action, Kind, Schedule
@@ -29,15 +30,25 @@ KINDS = ("F", "B", "Fs", "I", "W")  # what is timed per stage: F and B unsplit, 
 
 def fully_fused(schedule: Mapping[int, Sequence[Action]]) -> Schedule:
     """Every W run right after its I, the two as one B."""
-    return {rank: _fuse_all(actions) for rank, actions in schedule.items()}
+    return {rank: _fuse_where(actions, lambda _: True) for rank, actions in schedule.items()}
 
 
-def _fuse_all(actions: Sequence[Action]) -> list[Action]:
+def split_by_parity(schedule: Mapping[int, Sequence[Action]], parity: int) -> Schedule:
+    """Only the backwards of the micro-batches whose index has ``parity`` (0 or 1) split, the others'
+    W run right after their I as one B: one step then times F and B beside the split's F, I and W
+    (``fitting``), at whatever speed the machine has in that step."""
+    return {
+        rank: _fuse_where(actions, lambda a: a.microbatch % 2 != parity) for rank, actions in schedule.items()
+    }
+
+
+def _fuse_where(actions: Sequence[Action], fuse: Callable[[Action], bool]) -> list[Action]:
+    """``actions`` with each split backward for which ``fuse`` holds made one B (at its I's place)."""
     out = []
     for action in actions:
-        if action.kind is Kind.INPUT_GRAD:
+        if action.kind is Kind.INPUT_GRAD and fuse(action):
             out.append(Action(action.stage, Kind.BACKWARD, action.microbatch))
-        elif action.kind is not Kind.WEIGHT_GRAD:
+        elif action.kind is not Kind.WEIGHT_GRAD or not fuse(action):
             out.append(action)
     return out
 

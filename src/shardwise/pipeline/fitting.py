@@ -1,23 +1,23 @@
-"""Fitting a zero-bubble schedule to the run: measured steps in pairs, one agreement, the fitted plan.
+"""Fitting a zero-bubble schedule to the run: timed steps, one agreement, the fitted plan.
 
 For a schedule that splits backwards, per micro-batch count: step 0 runs as built (warm-up, not
-timed); then ``TIMED_PAIRS`` pairs of steps, one fully fused (every backward one B: times F and B
-per stage) and one as built (times the split's F, I and W), the first pair in that order and the
-next reversed (fused, built, built, fused), so a steady drift of the machine's speed weighs on both
-sides of the comparison alike; then every rank that steps sums its stages' timings in
-one all-reduce (each stage's mean over the ranks that hold it: its dp replicas, its tp shards), so
-all of them fit the same schedule (``adapt.fit_schedule``), as their message orders and their dp and
-tp collectives per action need, and run it from step ``FIT_STEPS`` on. One pair was too few: on the
-bench's 2-stage zb, its fit kept the last stage's last split (it sends the input's gradient a W
-sooner) in one run and dropped it in the next; with two pairs in this order it kept the last
-stage's last two splits in three runs of three. The
-gradients are the same whichever ran (a B is an I and a W at once). A schedule without a split is
-run as built from the start, and so is every schedule with ``parallel.fit_schedule = false``. What a
-fit kept is said once on the reporting rank's stderr by the train loop (``take_notes``) and in the
-run's summary (``pipeline_fit``: ``adapt.fit_report``), so a zb run that became nearly 1F1B says so.
+timed); then ``TIMED_STEPS`` timed steps, each with only every other micro-batch's backward split
+(``adapt.split_by_parity``: the even ones, then the odd ones, in turn), so each of them times F and
+B (unsplit) beside the split's F, I and W, all at the speed the machine has in that step; then every
+rank that steps sums its stages' timings in one all-reduce (each stage's mean over the ranks that
+hold it: its dp replicas, its tp shards), so all of them fit the same schedule
+(``adapt.fit_schedule``), as their message orders and their dp and tp collectives per action need,
+and run it from step ``FIT_STEPS`` on. Timing whole steps fused against whole steps split (pairs of
+steps, in turn) left the comparison to the machine's speed from one step to the next, which swings
+up to 2x on the 2-core bench machine: five fits of the bench's 2-stage zb kept {3}, all four, {2, 3}
+and none of the last stage's splits. The gradients are the same whichever ran (a B is an I and a W
+at once). A schedule without a split is run as built from the start, and so is every schedule with
+``parallel.fit_schedule = false``. What a fit kept is said once on the reporting rank's stderr by
+the train loop (``take_notes``) and in the run's summary (``pipeline_fit``: ``adapt.fit_report``),
+so a zb run that became nearly 1F1B says so.
 
 Timing: ``time.perf_counter`` around each action on the CPU; on a GPU a pair of CUDA events per
-action, read after one synchronisation at the end of the timed step (``2 * TIMED_PAIRS`` in a run).
+action, read after one synchronisation at the end of the timed step (``TIMED_STEPS`` in a run).
 Communication: one all-reduce (sum) of a (stages x 5 x 2) float64 table over the ranks that step,
 once per micro-batch count.
 """
@@ -39,14 +39,15 @@ from shardwise.pipeline.adapt import (
     describe_fit,
     fit_report,
     fit_schedule,
-    fully_fused,
     measured_costs,
+    split_by_parity,
     splits,
 )
 
-BUILT, FUSED, FITTED = "built", "fused", "fitted"
-TIMED_PAIRS = 2  # pairs of timed steps, one fully fused and one as built, in turn: F B, B F, F B, ...
-FIT_STEPS = 1 + 2 * TIMED_PAIRS  # the steps before the fitted schedule runs: a warm-up, then the timed
+BUILT, FITTED = "built", "fitted"
+TIMED = ("split-even", "split-odd")  # the timed steps' schedules, in turn (``adapt.split_by_parity``)
+TIMED_STEPS = 4
+FIT_STEPS = 1 + TIMED_STEPS  # the steps before the fitted schedule runs: a warm-up, then the timed
 
 
 class ScheduleFitter:
@@ -86,22 +87,19 @@ class ScheduleFitter:
         return self.fit and self._splits[microbatches]
 
     def phase(self, microbatches: int) -> str:
-        """What step ``microbatches`` runs now: ``BUILT``, ``FUSED`` or ``FITTED``."""
+        """What step ``microbatches`` runs now: ``BUILT``, one of ``TIMED`` or ``FITTED``."""
         if microbatches in self._fitted:
             return FITTED
-        if not self.splits(microbatches):
-            return BUILT
         done = self._steps.get(microbatches, 0)
-        if done == 0:
-            return BUILT  # the warm-up
-        pair, second = divmod(done - 1, 2)
-        return FUSED if second == pair % 2 else BUILT  # F B, then B F: a steady drift weighs on both alike
+        if done == 0 or not self.splits(microbatches):
+            return BUILT  # the warm-up, or for good
+        return TIMED[(done - 1) % 2]
 
     def schedule(self, microbatches: int, phase: str) -> Schedule:
         if phase == FITTED:
             return self._fitted[microbatches]
         built = self.build(microbatches)
-        return fully_fused(built) if phase == FUSED else built
+        return split_by_parity(built, TIMED.index(phase)) if phase in TIMED else built
 
     def timing(self, microbatches: int) -> bool:
         """Whether this step's actions are timed (steps 1 to ``FIT_STEPS - 1`` of a splitting schedule)."""
