@@ -166,7 +166,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     before anything unwinds, every rank dies quietly (SIGTERM is SIG_DFL in a rank: ``_RankMain``).
     A start under way is let finish first (``_forking_a_rank``), so that its rank is there to end.
     """
-    if _hold(signum, frame):
+    if _hold_signal(signum, frame):
         return
     _held_since.clear()
     signals.restore_defaults()  # a second signal ends the launcher at once
@@ -179,7 +179,7 @@ HOLD_S = 5.0
 _held_since: dict[int, float] = {}
 
 
-def _hold(signum: int, frame: Any) -> bool:
+def _hold_signal(signum: int, frame: Any) -> bool:
     """Hold the signal while the main thread is starting a rank through the forkserver: the start-up
     data may already be written while the rank is not yet forked (the forkserver forks it later, after
     the sweep, and it would start on its own). Sent again in 20 ms, it lands once the start is over."""

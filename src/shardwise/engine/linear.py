@@ -187,12 +187,8 @@ def _hold(x: torch.Tensor) -> _Held:
     """Keep ``x`` as autograd keeps a saved tensor: through the saved-tensor hooks in force, if any
     (activation checkpointing's, so that a checkpointed block's ``X`` is its recomputation's and is
     not held from the forward; an offload's), else the tensor itself."""
-    hooks = _top_hooks()
+    hooks = _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
     return (None, x) if hooks is None else (hooks[1], hooks[0](x))
-
-
-def _top_hooks() -> tuple[Any, Any] | None:
-    return _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
 
 
 # the (pack, unpack) pair in force (torch keeps no public reader of it; without one, X is kept as is)
@@ -218,12 +214,12 @@ def linear(
 
     With ``store`` armed, and ``weight`` a leaf that requires grad (a parameter, a tied weight's copy),
     its gradient waits in the store while an I pass collects; otherwise this is the plain op."""
+    # a layer whose input and bias need no gradient would have no node to run in I: dW there, as in B
+    others = x.requires_grad or (bias is not None and bias.requires_grad)
     if store is None or not (
-        store.armed and weight.requires_grad and weight.is_leaf and torch.is_grad_enabled()
+        store.armed and weight.requires_grad and weight.is_leaf and torch.is_grad_enabled() and others
     ):
         return _plain(x, weight, bias, transposed)
-    if not (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return _plain(x, weight, bias, transposed)  # no node would run in I: dW comes there, as in B
     device = x.device.type
     if torch.is_autocast_enabled(device):  # X kept as autocast casts a linear's input
         x = x.to(torch.get_autocast_dtype(device))
