@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -80,7 +81,7 @@ def test_a_launch_ratio_is_the_median_of_its_pairs() -> None:
     """Step k of each side ran back to back: a slow moment slows both and its pair's ratio holds."""
     ours = [{"step_s": [1.0, 3.0, 1.0]}, {"step_s": [0.9, 2.0, 1.2]}]  # slowest rank: 1.0, 3.0, 1.2
     theirs = [{"step_s": [1.1, 3.3, 1.2]}, {"step_s": [0.5, 0.5, 0.5]}]
-    assert rows._paired_ratio(ours, theirs) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
+    assert rows.paired_ratio(ours, theirs) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
 
 
 def test_when_torch_side_hangs_ours_runs_alone(monkeypatch: Any) -> None:
@@ -234,27 +235,55 @@ def test_rounds_run_interleaved_across_schedules(monkeypatch: Any) -> None:
 
     def fake_launch(worker: Any, nproc: int, args: tuple[Any, ...], timeout_s: float) -> Any:
         order.append(args[0].parallel.schedule)
+        plain = args[2]  # zb's: our 1F1B, a third side of the same launch
+        assert (plain.parallel.schedule if plain else None) == ("1f1b" if order[-1] == "zb" else None)
         ours = {**_launch(0.5, 0.0)[0], "warmup_spans": []}
-        return [{"ours": ours, "torch": ours, "profile": _profiled(r, 1e-3, 1e-4)} for r in (0, 1)], None
+        sides = {"ours": ours, "torch": ours, **({"plain": ours} if plain else {})}
+        return [{**sides, "profile": _profiled(r, 1e-3, 1e-4)} for r in (0, 1)], None
 
     monkeypatch.setattr(bench, "launch", fake_launch)
     result = bench.run_pipeline_bench(steps=8, rounds=2, schedules=["1f1b", "zb"])
     assert order == ["1f1b", "zb", "1f1b", "zb"]
     assert [r["schedule"] for r in result["rows"]] == ["1f1b", "zb"]
-    assert result["zb_over_1f1b"] == {"tokens_per_s": pytest.approx(1.0), "paired": pytest.approx(1.0)}
+    gains = ("rows_tokens_per_s", "tokens_per_s", "paired")
+    assert result["zb_over_1f1b"] == {k: pytest.approx(1.0) for k in gains}
 
 
 def test_zb_over_1f1b_cancels_each_launch_speed() -> None:
-    """tokens/s ratio as measured; the paired one from the speed ratios against the same torch class."""
+    """The same launches' ratio as given; the rows' tokens/s ratio as measured; the paired one from
+    the speed ratios against the same torch class."""
 
     def made(name: str, tokens_per_s: float, ratio: float | None) -> dict[str, Any]:
         return {"schedule": name, "ours": {"tokens_per_s": tokens_per_s}, "speed_ratio": ratio}
 
     # zb's launches ran on a slower machine (torch's 1F1B there 10% slower too): paired, zb is 2% ahead
     rows_ = [made("1f1b", 1000.0, 0.95), made("zb", 920.0, 0.969)]
-    assert rows.zb_over_1f1b(rows_) == {"tokens_per_s": pytest.approx(0.92), "paired": pytest.approx(1.02)}
+    assert rows.zb_over_1f1b(rows_, 1.03) == {
+        "rows_tokens_per_s": pytest.approx(0.92), "tokens_per_s": 1.03, "paired": pytest.approx(1.02)
+    }  # fmt: skip
     assert rows.zb_over_1f1b([made("1f1b", 1000.0, None), made("zb", 900.0, None)]) == {
-        "tokens_per_s": pytest.approx(0.9)
+        "rows_tokens_per_s": pytest.approx(0.9)
     }
     assert rows.zb_over_1f1b(rows_[:1]) is None
     assert rows.zb_over_1f1b([rows_[0], {"schedule": "zb", "ours": "timeout after 5 s"}]) is None
+
+
+def test_zb_s_launches_pair_it_with_our_1f1b_step_by_step(monkeypatch: Any) -> None:
+    """zb's paired launches run our 1F1B as a third side: its tokens/s over 1F1B's is their steps'
+    paired ratio; the launches after torch's side failed (ours alone) have no third side."""
+    results = iter([[{"ours": {"step_s": [1.0, 2.0, 1.0]}, "torch": {}, "plain": {"step_s": [1.1, 2.2, 1.0]},
+                      "profile": _profiled(r, 1e-3, 1e-4)} for r in (0, 1)], None])  # fmt: skip
+
+    def fake_launch(worker: Any, nproc: int, args: tuple[Any, ...], timeout_s: float) -> Any:
+        got = next(results, None)
+        if worker is bench.paired_worker:
+            return (got, None) if got is not None else (None, "timeout after 5 s")
+        return [{"step_s": [0.5]}] * nproc, None
+
+    monkeypatch.setattr(bench, "launch", fake_launch)
+    run = bench.Rounds(None, "Schedule1F1B", plain=SimpleNamespace())  # type: ignore[arg-type]
+    for _ in range(3):
+        run.run_one(2, 5.0)
+    assert len(run.plains) == 1 and isinstance(run.ours, list) and len(run.ours) == 3
+    assert bench.same_launch(run) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
+    assert bench.same_launch(bench.Rounds(None, "Schedule1F1B")) is None  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ from shardwise.pipeline.simulate import Costs, Timeline, simulate
 from shardwise.pipeline.validate import ScheduleError
 
 TORCH_PEER = {"zb": "Schedule1F1B"}  # torch has no ZB-H1: our zb is measured against its 1F1B
+PLAIN_PEER = {"zb": "1f1b"}  # and against our own 1F1B, in the same launches (``zb_over_1f1b``)
 
 
 def virtual_for(name: str) -> int:
@@ -135,7 +136,7 @@ def row(
         steps = [bubble_from_spans(spans) for spans in steps_by_rank(ours)]
         out["bubble_measured"] = statistics.median(steps)
     if not isinstance(ours, str) and not isinstance(torch_side, str) and ours and torch_side:
-        rounds = [_paired_ratio(o, t) for o, t in zip(ours, torch_side, strict=False)]
+        rounds = [paired_ratio(o, t) for o, t in zip(ours, torch_side, strict=False)]
         out["speed_ratio"] = statistics.median(rounds)
         out["speed_ratio_rounds"] = rounds
     return out
@@ -159,7 +160,7 @@ def _launch_steps(launches: Launches) -> list[float]:
     return [max(statistics.median(r["step_s"]) for r in ranks) for ranks in launches]
 
 
-def _paired_ratio(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> float:
+def paired_ratio(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> float:
     """One launch's ratio, torch's step time over ours: the median over its steps of each pair's
     (step k of each side ran back to back; a step's time is its slowest rank's)."""
     ours_k, theirs_k = (
@@ -208,14 +209,19 @@ def steps_by_rank(launches: Launches, key: str = "spans") -> list[dict[int, list
 
 
 
-def zb_over_1f1b(rows: Sequence[dict[str, Any]]) -> dict[str, float] | None:
-    """Our ``zb`` against our ``1f1b``: the ratio of their tokens/s, and of their speed ratios (both
-    against torch's ``Schedule1F1B``: each launch's machine speed cancels); None without both rows."""
+def zb_over_1f1b(rows: Sequence[dict[str, Any]], same_launch: float | None = None) -> dict[str, float] | None:
+    """Our ``zb`` against our ``1f1b``: ``tokens_per_s``, zb's over 1F1B's measured in the same
+    launches, step beside step (``same_launch``, where they ran); ``rows_tokens_per_s``, the ratio of
+    the two rows' tokens/s (launches apart: the machine's speed between them weighs on it); ``paired``,
+    the ratio of their speed ratios (both against torch's ``Schedule1F1B``, so each launch's speed
+    cancels). None without both rows."""
     by_name = {r["schedule"]: r for r in rows}
     zb, plain = by_name.get("zb"), by_name.get("1f1b")
     if zb is None or plain is None or isinstance(zb["ours"], str) or isinstance(plain["ours"], str):
         return None
-    out = {"tokens_per_s": zb["ours"]["tokens_per_s"] / plain["ours"]["tokens_per_s"]}
+    out = {"rows_tokens_per_s": zb["ours"]["tokens_per_s"] / plain["ours"]["tokens_per_s"]}
+    if same_launch is not None:
+        out["tokens_per_s"] = same_launch
     if zb["speed_ratio"] is not None and plain["speed_ratio"] is not None:
         out["paired"] = zb["speed_ratio"] / plain["speed_ratio"]
     return out

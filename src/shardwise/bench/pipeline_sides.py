@@ -6,10 +6,12 @@ schedule class over the default group, with the tied embedding and head's gradie
 exchanged by hand as its users must (``_TiedByHand``). The steps alternate (ours then torch's,
 then torch's then ours, ...), so each of our steps has a torch step beside it in time: whatever the
 machine does to one (another process, a clock change) it does to the other, and the ratio of a pair
-cancels it. After the steps, the same processes run the stage profile the simulator is fed with
-(``pipeline_profile.profile_worker``). A launch where torch's side (or that profile) hangs or fails
-falls back to ours alone (``ours_worker``), so our row still has its figures. Communication:
-whatever each side does; ours point-to-point through ``Comm``; the profile's barriers and relay.
+cancels it. zb's launches run our 1F1B as a third side in the same turns (``plain``), so zb's
+tokens/s is also paired with our 1F1B's, step by step. After the steps, the same processes run the
+stage profile the simulator is fed with (``pipeline_profile.profile_worker``). A launch where torch's
+side (or that profile) hangs or fails falls back to ours alone (``ours_worker``), so our row still
+has its figures. Communication: whatever each side does; ours point-to-point through ``Comm``; the
+profile's barriers and relay.
 """
 
 from __future__ import annotations
@@ -34,16 +36,20 @@ TIE_TAG = 7  # the tied weight's messages on torch's side, apart from its schedu
 Step = Callable[[int], None]
 
 
-def paired_worker(rank: int, world: int, config: TrainConfig, torch_class: str) -> dict[str, Any]:
+def paired_worker(
+    rank: int, world: int, config: TrainConfig, torch_class: str, plain: TrainConfig | None = None
+) -> dict[str, Any]:
     """Both sides on this rank, their steps alternating: ``{"ours": ..., "torch": ...}``, each with
-    its measured step times in the order they ran (step k of one beside step k of the other); then,
-    in the same processes, the stage profile (``"profile"``: ``pipeline_profile.profile_worker``)."""
+    its measured step times in the order they ran (step k of one beside step k of the other); with
+    ``plain`` (zb's: our own 1F1B) a third side ``"plain"`` in the same turns; then, in the same
+    processes, the stage profile (``"profile"``: ``pipeline_profile.profile_worker``)."""
     from shardwise.launcher import threads_per_rank
 
     config = config.validate(world)
-    out = _alternate(
-        config, {"ours": _ours_step(config), "torch": _torch_step(config, world, rank, torch_class)}
-    )
+    sides = {"ours": _ours_step(config), "torch": _torch_step(config, world, rank, torch_class)}
+    if plain is not None:
+        sides["plain"] = _ours_step(plain.validate(world))
+    out = _alternate(config, sides)
     return {**out, "profile": profile_worker(rank, world, config, threads_per_rank(world), PROFILE_REPEATS)}
 
 
@@ -54,7 +60,7 @@ def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
 
 
 def _alternate(config: TrainConfig, sides: dict[str, Step]) -> dict[str, Any]:
-    """``config.steps`` steps of every side, in turn (the order flips every step); per side its step
+    """``config.steps`` steps of every side, in turn (the order reverses every step); per side its step
     times after warm-up, and for ours each measured step's action spans and those of the warm-up
     steps but the first (``warmup_spans``: ``pipeline_handoff`` prices a message from them)."""
     from shardwise.observe.monitor import MONITOR
