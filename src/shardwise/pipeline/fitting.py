@@ -9,12 +9,13 @@ hold it: its dp replicas, its tp shards), so all of them fit the same schedule
 (``adapt.fit_schedule``), as their message orders and their dp and tp collectives per action need,
 and run it from step ``FIT_STEPS`` on. Timing whole steps fused against whole steps split (pairs of
 steps, in turn) left the comparison to the machine's speed from one step to the next, which swings
-up to 2x on the 2-core bench machine: five fits of the bench's 2-stage zb kept {3}, all four, {2, 3}
-and none of the last stage's splits. The gradients are the same whichever ran (a B is an I and a W
-at once). A schedule without a split is run as built from the start, and so is every schedule with
-``parallel.fit_schedule = false``. What a fit kept is said once on the reporting rank's stderr by
-the train loop (``take_notes``) and in the run's summary (``pipeline_fit``: ``adapt.fit_report``),
-so a zb run that became nearly 1F1B says so.
+up to 2x on the 2-core bench machine: five fits of the bench's 2-stage zb kept the last stage's
+splits {3}, {3}, all four, {2, 3} and none; timed this way, {2, 3} in four fits of five (all four in
+the fifth). The gradients are the same whichever ran (a B is an I and a W at once). A schedule
+without a split is run as built from the start, and so is every schedule with
+``parallel.fit_schedule = false``. What a fit kept is said once on the reporting rank's stderr by the
+train loop (``take_notes``) and in the run's summary (``pipeline_fit``: ``adapt.fit_report``), so a
+zb run that became nearly 1F1B says so.
 
 Timing: ``time.perf_counter`` around each action on the CPU; on a GPU a pair of CUDA events per
 action, read after one synchronisation at the end of the timed step (``TIMED_STEPS`` in a run).
