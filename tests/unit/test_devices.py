@@ -149,7 +149,7 @@ def test_verify_on_cuda_without_cuda_exits_2_with_one_line(
 def test_a_receive_posted_early_stands_aside_on_gloo_alone(
     backend: str, device: str, aside: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The pipeline posts every receive at the step's start where it holds up nothing (gloo), and in
+    """The pipeline posts every receive at once, early, where it holds up nothing (gloo), and in
     the one order both ends keep where NCCL's stream would stall behind it (``pipeline/messages.py``)."""
     from shardwise.collectives import api
 

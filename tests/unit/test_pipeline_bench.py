@@ -245,7 +245,7 @@ def test_rounds_run_interleaved_across_schedules(monkeypatch: Any) -> None:
     result = bench.run_pipeline_bench(steps=8, rounds=2, schedules=["1f1b", "zb"])
     assert order == ["1f1b", "zb", "1f1b", "zb"]
     assert [r["schedule"] for r in result["rows"]] == ["1f1b", "zb"]
-    gains = ("rows_tokens_per_s", "tokens_per_s", "paired")
+    gains = ("tokens_per_s", "same_launch_tokens_per_s", "paired")
     assert result["zb_over_1f1b"] == {k: pytest.approx(1.0) for k in gains}
 
 
@@ -259,18 +259,19 @@ def test_zb_over_1f1b_cancels_each_launch_speed() -> None:
     # zb's launches ran on a slower machine (torch's 1F1B there 10% slower too): paired, zb is 2% ahead
     rows_ = [made("1f1b", 1000.0, 0.95), made("zb", 920.0, 0.969)]
     assert rows.zb_over_1f1b(rows_, 1.03) == {
-        "rows_tokens_per_s": pytest.approx(0.92), "tokens_per_s": 1.03, "paired": pytest.approx(1.02)
+        "tokens_per_s": pytest.approx(0.92), "same_launch_tokens_per_s": 1.03, "paired": pytest.approx(1.02)
     }  # fmt: skip
     assert rows.zb_over_1f1b([made("1f1b", 1000.0, None), made("zb", 900.0, None)]) == {
-        "rows_tokens_per_s": pytest.approx(0.9)
+        "tokens_per_s": pytest.approx(0.9)
     }
     assert rows.zb_over_1f1b(rows_[:1]) is None
     assert rows.zb_over_1f1b([rows_[0], {"schedule": "zb", "ours": "timeout after 5 s"}]) is None
 
 
 def test_zb_s_launches_pair_it_with_our_1f1b_step_by_step(monkeypatch: Any) -> None:
-    """zb's paired launches run our 1F1B as a third side: its tokens/s over 1F1B's is their steps'
-    paired ratio; the launches after torch's side failed (ours alone) have no third side."""
+    """zb's paired launches run our 1F1B as a third side: its tokens/s over 1F1B's is their turns'
+    ratio; the launches after torch's side failed (ours alone) have no third side, and the failure
+    names all three sides."""
     results = iter([[{"ours": {"step_s": [1.0, 2.0, 1.0]}, "torch": {}, "plain": {"step_s": [1.1, 2.2, 1.0]},
                       "profile": _profiled(r, 1e-3, 1e-4)} for r in (0, 1)], None])  # fmt: skip
 
@@ -285,5 +286,6 @@ def test_zb_s_launches_pair_it_with_our_1f1b_step_by_step(monkeypatch: Any) -> N
     for _ in range(3):
         run.run_one(2, 5.0)
     assert len(run.plains) == 1 and isinstance(run.ours, list) and len(run.ours) == 3
+    assert run.theirs == "timeout after 5 s (ours, torch's and our 1f1b in one launch)"
     assert bench.same_launch(run) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
     assert bench.same_launch(bench.Rounds(None, "Schedule1F1B")) is None  # type: ignore[arg-type]

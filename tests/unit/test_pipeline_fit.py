@@ -83,7 +83,8 @@ def test_the_fitter_times_steps_split_by_parity_then_runs_the_fit(monkeypatch: p
             with fitter.timed(action, action.microbatch in split, cpu):
                 pass
         fitter.step_done(4, None)
-    assert seen == [(BUILT, False), *[(TIMED[k % 2], True) for k in range(TIMED_STEPS)], (FITTED, False)]
+    in_turn = [TIMED[0], TIMED[1], TIMED[1], TIMED[0]]  # with one micro-batch: split, fused, fused, split
+    assert seen == [(BUILT, False), *[(in_turn[k % 4], True) for k in range(TIMED_STEPS)], (FITTED, False)]
     assert FIT_STEPS == 1 + TIMED_STEPS
     # rank 1's B takes one tick and its I and W one each: the split costs a tick and fills nothing
     # here (rank 0 timed none), so the fit undoes it

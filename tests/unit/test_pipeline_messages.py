@@ -6,12 +6,14 @@ receive before the action that reads it; a plan whose ends disagree is refused n
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 
 from shardwise.pipeline.actions import transfers
 from shardwise.pipeline.messages import check_same_order, message_order, plan, post_plan
 from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
+from shardwise.pipeline.tied import TiedExchange
 from shardwise.pipeline.validate import ScheduleError, validate
 
 VIRTUAL = {"1": [1], ">=2": [2, 3], "2": [2]}
@@ -95,3 +97,33 @@ def test_ends_that_disagree_are_refused_naming_the_pair() -> None:
     plans[2] = post_plan(2, schedule[2], where, swapped)
     with pytest.raises(ScheduleError, match=r"^ranks 1 and 2 post their messages in different orders"):
         check_same_order(plans)
+
+
+def _tied_end(owner: bool, rank: int, peer: int) -> TiedExchange:
+    """A ``TiedExchange`` as the owner's or the copy's rank has it (no process group needed)."""
+    end = object.__new__(TiedExchange)
+    end.owner, end.tied = (object(), None) if owner else (None, object())  # type: ignore[assignment]
+    end.comm, end.peer = SimpleNamespace(rank=rank), peer  # type: ignore[assignment]
+    return end
+
+
+@pytest.mark.parametrize(("name", "pp", "virtual", "m"), grid())
+def test_the_tied_values_follow_the_same_message_at_both_ends(
+    name: str, pp: int, virtual: int, m: int
+) -> None:
+    """Both ends of the tied weight find the same anchor, and it is the first message of their pair at
+    both ends, so posting the values right after it keeps the pair's one order (NCCL's) and each
+    direction's (gloo's); without an anchor both ends post the values first."""
+    schedule, where = build(name, pp, virtual, m), stage_placement(name, pp, virtual)
+    owner, copy = where[0], where[-1]
+    if owner == copy:
+        return  # one rank holds both ends (a V): nothing is sent
+    for early in (False, True):
+        plans = plan(schedule, where, early)
+        anchor = _tied_end(True, owner, copy).values_anchor(plans[owner])
+        assert _tied_end(False, copy, owner).values_anchor(plans[owner]) == anchor
+        if anchor is None:
+            continue
+        for rank, peer in ((owner, copy), (copy, owner)):
+            pair = [t.key for boundary in plans[rank] for t in boundary if t.peer == peer]
+            assert pair[0] == anchor, (rank, early)

@@ -27,13 +27,13 @@ has a torch step beside it in time; a round is one launch. Each row:
   every round's in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's median step time
   over its launches.
 
-``zb_over_1f1b`` compares our zero-bubble and plain 1F1B: ``tokens_per_s`` is zb's tokens/s over
-1F1B's measured in zb's launches, where our 1F1B runs as a third side in the same turns (per launch
-the median over its steps of each pair's ratio, then the median over launches); ``rows_tokens_per_s``
-the ratio of the two rows' tokens/s (launches apart: the machine's speed from one to the other weighs
-on it, 0.93-1.10 on a quiet 2-core machine where the paired figures agreed within 3%); ``paired``
-the ratio of their speed ratios, both against torch's ``Schedule1F1B``, so the machine's speed in
-each launch cancels as it does in a speed ratio.
+``zb_over_1f1b`` compares our zero-bubble and plain 1F1B: ``tokens_per_s`` is the ratio of the two
+rows' tokens/s (launches apart: the machine's speed from one to the other weighs on it, 0.93-1.10
+on a quiet 2-core machine where the paired figures agreed within 3%); ``same_launch_tokens_per_s``
+zb's tokens/s over 1F1B's measured in zb's launches, where our 1F1B runs as a third side in the same
+turns (per launch the median over its turns of each one's ratio, then the median over launches);
+``paired`` the ratio of their speed ratios, both against torch's ``Schedule1F1B``, so the machine's
+speed in each launch cancels as it does in a speed ratio.
 
 Rounds are interleaved across schedules: round k of every schedule runs before round k + 1 of any, so
 a drift of the machine's speed over the bench's minutes weighs on every row alike. ``conditions``
@@ -143,7 +143,8 @@ class Rounds:
             args = (self.config, self.torch_class, self.plain)
             results, problem = launch(paired_worker, nproc, args, timeout_s)
             if results is None:
-                self.theirs = f"{problem} (ours and torch's in one launch)"
+                sides = "ours, torch's and our 1f1b" if self.plain is not None else "ours and torch's"
+                self.theirs = f"{problem} ({sides} in one launch)"
                 results, problem = launch(ours_worker, nproc, (self.config,), timeout_s)
             else:
                 self.theirs.append([r["torch"] for r in results])
@@ -212,7 +213,7 @@ def run_pipeline_bench(
 
 def same_launch(run: Rounds | None) -> float | None:
     """zb's tokens/s over our 1F1B's in the same launches (``plain``): the median over those launches
-    of each one's paired ratio; None where none ran both."""
+    of each one's ratio, turn by turn; None where none ran both."""
     if run is None or isinstance(run.ours, str) or not run.plains:
         return None  # ours alone once torch's side failed: the paired launches come first
     pairs = zip(run.ours, run.plains, strict=False)
@@ -282,9 +283,9 @@ def render_pipeline(result: dict[str, Any]) -> None:
         cells = f"{bubbles[0]:>9s} {bubbles[1]:>9s} {bubbles[2]:>7s} {ours:>11s}"
         print(f"  {r['schedule']:15s} {cells}  {theirs}{ratio}")
     if gain := result.get("zb_over_1f1b"):
-        said = [f"{gain['rows_tokens_per_s']:.3f} in the rows' tokens/s"]
-        if "tokens_per_s" in gain:
-            said.insert(0, f"{gain['tokens_per_s']:.3f} in tokens/s in the same launches")
+        said = [f"{gain['tokens_per_s']:.3f} in the rows' tokens/s"]
+        if "same_launch_tokens_per_s" in gain:
+            said.insert(0, f"{gain['same_launch_tokens_per_s']:.3f} in tokens/s in the same launches")
         if "paired" in gain:
             said.append(f"{gain['paired']:.3f} paired against torch's 1F1B")
         print(f"  zb over 1f1b: {', '.join(said)}")

@@ -210,18 +210,18 @@ def steps_by_rank(launches: Launches, key: str = "spans") -> list[dict[int, list
 
 
 def zb_over_1f1b(rows: Sequence[dict[str, Any]], same_launch: float | None = None) -> dict[str, float] | None:
-    """Our ``zb`` against our ``1f1b``: ``tokens_per_s``, zb's over 1F1B's measured in the same
-    launches, step beside step (``same_launch``, where they ran); ``rows_tokens_per_s``, the ratio of
-    the two rows' tokens/s (launches apart: the machine's speed between them weighs on it); ``paired``,
-    the ratio of their speed ratios (both against torch's ``Schedule1F1B``, so each launch's speed
-    cancels). None without both rows."""
+    """Our ``zb`` against our ``1f1b``: ``tokens_per_s``, the ratio of the two rows' tokens/s
+    (launches apart: the machine's speed between them weighs on it); ``same_launch_tokens_per_s``,
+    zb's over 1F1B's measured in the same launches, turn by turn (``same_launch``, where they ran);
+    ``paired``, the ratio of their speed ratios (both against torch's ``Schedule1F1B``, so each
+    launch's speed cancels). None without both rows."""
     by_name = {r["schedule"]: r for r in rows}
     zb, plain = by_name.get("zb"), by_name.get("1f1b")
     if zb is None or plain is None or isinstance(zb["ours"], str) or isinstance(plain["ours"], str):
         return None
-    out = {"rows_tokens_per_s": zb["ours"]["tokens_per_s"] / plain["ours"]["tokens_per_s"]}
+    out = {"tokens_per_s": zb["ours"]["tokens_per_s"] / plain["ours"]["tokens_per_s"]}
     if same_launch is not None:
-        out["tokens_per_s"] = same_launch
+        out["same_launch_tokens_per_s"] = same_launch
     if zb["speed_ratio"] is not None and plain["speed_ratio"] is not None:
         out["paired"] = zb["speed_ratio"] / plain["speed_ratio"]
     return out

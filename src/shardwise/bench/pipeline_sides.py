@@ -6,12 +6,12 @@ schedule class over the default group, with the tied embedding and head's gradie
 exchanged by hand as its users must (``_TiedByHand``). The steps alternate (ours then torch's,
 then torch's then ours, ...), so each of our steps has a torch step beside it in time: whatever the
 machine does to one (another process, a clock change) it does to the other, and the ratio of a pair
-cancels it. zb's launches run our 1F1B as a third side in the same turns (``plain``), so zb's
-tokens/s is also paired with our 1F1B's, step by step. After the steps, the same processes run the
-stage profile the simulator is fed with (``pipeline_profile.profile_worker``). A launch where torch's
-side (or that profile) hangs or fails falls back to ours alone (``ours_worker``), so our row still
-has its figures. Communication: whatever each side does; ours point-to-point through ``Comm``; the
-profile's barriers and relay.
+cancels it. zb's launches run our 1F1B as a third side in the same turns (``plain``; torch's step
+runs between the two), so zb's tokens/s is also paired with our 1F1B's, turn by turn. After the
+steps, the same processes run the stage profile the simulator is fed with
+(``pipeline_profile.profile_worker``). A launch where torch's side (or that profile) hangs or fails
+falls back to ours alone (``ours_worker``), so our row still has its figures. Communication:
+whatever each side does; ours point-to-point through ``Comm``; the profile's barriers and relay.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 For a schedule that splits backwards, per micro-batch count: step 0 runs as built (warm-up, not
 timed); then ``TIMED_STEPS`` timed steps, each with only every other micro-batch's backward split
-(``adapt.split_by_parity``: the even ones, then the odd ones, in turn), so each of them times F and
-B (unsplit) beside the split's F, I and W, all at the speed the machine has in that step; then every
+(``adapt.split_by_parity``: the even ones, the odd ones, the odd ones, the even ones), so each of
+them times F and B (unsplit) beside the split's F, I and W, all at the speed the machine has in that
+step (with one micro-batch a step is split or fused whole, in that order, so a steady drift of the
+machine weighs on both alike); then every
 rank that steps sums its stages' timings in one all-reduce (each stage's mean over the ranks that
 hold it: its dp replicas, its tp shards), so all of them fit the same schedule
 (``adapt.fit_schedule``), as their message orders and their dp and tp collectives per action need,
@@ -94,7 +96,8 @@ class ScheduleFitter:
         done = self._steps.get(microbatches, 0)
         if done == 0 or not self.splits(microbatches):
             return BUILT  # the warm-up, or for good
-        return TIMED[(done - 1) % 2]
+        timed = done - 1  # even, odd, odd, even: with one micro-batch, whole steps split and fused in turn
+        return TIMED[(timed + timed // 2) % 2]
 
     def schedule(self, microbatches: int, phase: str) -> Schedule:
         if phase == FITTED:

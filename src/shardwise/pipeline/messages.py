@@ -68,8 +68,9 @@ def post_plan(
     """The ops ``rank`` posts at each boundary of its list (``len(actions) + 1`` of them), in order.
 
     ``early`` (only where a posted receive holds up no other op: ``Comm.receives_stand_aside``):
-    every receive at the step's start, still in the one order among themselves, which is all a
-    backend that matches each pair's messages by their order (gloo) needs (module docstring)."""
+    every receive at once (``_first_post``: the step's start, or on a rank whose first action reads
+    nothing right after that action's sends), still in the one order among themselves, which is all
+    a backend that matches each pair's messages by their order (gloo) needs (module docstring)."""
     ops: list[tuple[int, Transfer]] = []  # (the index of the action that sends or reads it, op)
     for index, (_, recvs, sends) in enumerate(transfers(rank, actions, placement)):
         ops.extend((index, t) for t in recvs + sends)
