@@ -181,8 +181,8 @@ def run_pipeline_bench(
         )
     shape = (nproc, microbatches, preset, global_batch, steps, rounds, timeout_s)
     configs = check_bench(names, *shape)
-    load_before = os.getloadavg()[0]
     plain = {name: check_bench([PLAIN_PEER[name]], *shape)[0] for name in names if name in PLAIN_PEER}
+    load_before = os.getloadavg()[0]
     runs = {
         name: Rounds(
             config, TORCH_PEER.get(name) or SCHEDULES[name].torch_class or "Schedule1F1B", plain.get(name)

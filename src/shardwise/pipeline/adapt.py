@@ -46,10 +46,11 @@ def _fuse_where(actions: Sequence[Action], fuse: Callable[[Action], bool]) -> li
     """``actions`` with each split backward for which ``fuse`` holds made one B (at its I's place)."""
     out = []
     for action in actions:
-        if action.kind is Kind.INPUT_GRAD and fuse(action):
-            out.append(Action(action.stage, Kind.BACKWARD, action.microbatch))
-        elif action.kind is not Kind.WEIGHT_GRAD or not fuse(action):
-            out.append(action)
+        if action.kind in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD) and fuse(action):
+            if action.kind is Kind.INPUT_GRAD:
+                out.append(Action(action.stage, Kind.BACKWARD, action.microbatch))
+            continue
+        out.append(action)
     return out
 
 
@@ -89,17 +90,7 @@ def fit_schedule(
 
 def fuse_one(actions: Sequence[Action], weight: Action) -> list[Action]:
     """``actions`` with ``weight`` (a W) removed and its I made a B: one step of ``fit_schedule``."""
-    out = []
-    for action in actions:
-        if action == weight:
-            continue
-        if action.kind is Kind.INPUT_GRAD and (action.stage, action.microbatch) == (
-            weight.stage,
-            weight.microbatch,
-        ):
-            action = Action(action.stage, Kind.BACKWARD, action.microbatch)
-        out.append(action)
-    return out
+    return _fuse_where(actions, lambda a: (a.stage, a.microbatch) == (weight.stage, weight.microbatch))
 
 
 def fit_report(

@@ -2,22 +2,21 @@
 
 For a schedule that splits backwards, per micro-batch count: step 0 runs as built (warm-up, not
 timed); then ``TIMED_STEPS`` timed steps, each with only every other micro-batch's backward split
-(``adapt.split_by_parity``: the even ones, the odd ones, the odd ones, the even ones), so each of
-them times F and B (unsplit) beside the split's F, I and W, all at the speed the machine has in that
-step (with one micro-batch a step is split or fused whole, in that order, so a steady drift of the
-machine weighs on both alike); then every
-rank that steps sums its stages' timings in one all-reduce (each stage's mean over the ranks that
-hold it: its dp replicas, its tp shards), so all of them fit the same schedule
-(``adapt.fit_schedule``), as their message orders and their dp and tp collectives per action need,
-and run it from step ``FIT_STEPS`` on. Timing whole steps fused against whole steps split (pairs of
-steps, in turn) left the comparison to the machine's speed from one step to the next, which swings
-up to 2x on the 2-core bench machine: five fits of the bench's 2-stage zb kept the last stage's
-splits {3}, {3}, all four, {2, 3} and none; timed this way, {2, 3} in four fits of five (all four in
-the fifth). The gradients are the same whichever ran (a B is an I and a W at once). A schedule
-without a split is run as built from the start, and so is every schedule with
-``parallel.fit_schedule = false``. What a fit kept is said once on the reporting rank's stderr by the
-train loop (``take_notes``) and in the run's summary (``pipeline_fit``: ``adapt.fit_report``), so a
-zb run that became nearly 1F1B says so.
+(``adapt.split_by_parity``: the even ones, the odd ones, the odd ones, the even ones), so each of them
+times F and B (unsplit) beside the split's F, I and W, all at the speed the machine has in that step
+(with one micro-batch a step is split or fused whole, in that order, so a steady drift of the machine
+weighs on both alike); then every rank that steps sums its stages' timings in one all-reduce (each
+stage's mean over the ranks that hold it: its dp replicas, its tp shards), so all of them fit the same
+schedule (``adapt.fit_schedule``), as their message orders and their dp and tp collectives per action
+need, and run it from step ``FIT_STEPS`` on. Timing whole steps fused against whole steps split (pairs
+of steps, in turn) left the comparison to the machine's speed from one step to the next, which swings
+up to 2x on the 2-core bench machine: five fits of the bench's 2-stage zb kept the last stage's splits
+{3}, {3}, all four, {2, 3} and none; timed this way, {2, 3} in four fits of five (all four in the
+fifth). The gradients are the same whichever ran (a B is an I and a W at once). A schedule without a
+split is run as built from the start, and so is every schedule with ``parallel.fit_schedule = false``.
+What a fit kept is said once on the reporting rank's stderr by the train loop (``take_notes``) and in
+the run's summary (``pipeline_fit``: ``adapt.fit_report``), so a zb run that became nearly 1F1B says
+so.
 
 Timing: ``time.perf_counter`` around each action on the CPU; on a GPU a pair of CUDA events per
 action, read after one synchronisation at the end of the timed step (``TIMED_STEPS`` in a run).
