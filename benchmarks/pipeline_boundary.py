@@ -37,7 +37,7 @@ ENGINE_PHASES = (
     "global_count", "nonfinite_grad", "grad_norm_sq", "clip_gradients", "run_optimizers", "update",
     "forward_backward",
 )  # fmt: skip
-BOUNDARY_PHASES = ("boundary_sums",)  # engine/nonfinite.py, as engine/base.py calls it
+BOUNDARY_PHASES = ("post_boundary_sums",)  # engine/nonfinite.py, as engine/base.py calls it (the post)
 TIED_PHASES = ("post_values", "wait_values", "add_gradient")  # pipeline/tied.py
 STEPS, WARMUP = 22, 2
 

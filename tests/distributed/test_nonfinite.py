@@ -44,9 +44,11 @@ def _config(strategy: str, policy: str) -> Any:
     )
 
 
-def _state(engine: Any) -> list[torch.Tensor]:
-    """The parameters and this rank's optimizer state (a parameter server's worker: its model copy)."""
-    params = list(engine.full_parameters().values())
+def _state(engine: Any, own: bool = False) -> list[torch.Tensor]:
+    """The parameters and this rank's optimizer state (a parameter server's worker: its model copy);
+    ``own``: the parameters this rank's model holds (``full_parameters`` gathers every stage's)."""
+    held = [p.detach().clone() for p in engine.model.parameters()] if own else None
+    params = held if held is not None else list(engine.full_parameters().values())
     optim = [
         t.detach().clone()
         for optimizer in engine.optimizers
@@ -129,6 +131,53 @@ def test_a_nan_on_one_rank_skips_the_update_on_every_rank(strategy: str, world: 
             assert what == f"the gradient of {expected}", what  # the same name on every rank
     if strategy == "ps":
         assert results[0]["server_skipped"] == 1
+
+
+def _stop_case(rank: int, world_size: int, strategy: str, clip: float, value: float) -> dict[str, Any]:
+    """Step ``BAD_STEP`` with ``value`` in one element of rank 1's gradient, under ``on_nonfinite = "stop"``:
+    what each rank's record says, and whether its parameters and optimizer state changed."""
+    from dataclasses import replace
+
+    from shardwise.train.loop import Trainer
+
+    config = _config(strategy, "stop")
+    trainer = Trainer.build(replace(config, optim=replace(config.optim, clip_grad_norm=clip)))
+    engine, out = trainer.engine, {}
+
+    def poison(step: int) -> None:
+        if step == BAD_STEP:
+            held = [p for n, p in engine.model.named_parameters() if n.startswith("blocks.1")]
+            if rank == 1:
+                held[0].grad.view(-1)[0] = value
+
+    for step in range(BAD_STEP + 1):
+        before = _state(engine, own=True)
+        record = trainer.step(step, after_backward=poison)
+    out["changed"] = not all(map(torch.equal, before, _state(engine, own=True)))
+    out["record"] = (record.nonfinite, record.skipped)
+    out["early"], out["norm"] = engine.updates_early(), engine.last_grad_norm
+    engine.close()
+    return out
+
+
+# under "stop" without clipping a rank whose own gradients are finite updates while the boundary's
+# all-reduce is in flight (Engine.updates_early); the run stops on every rank all the same
+@pytest.mark.parametrize("strategy", ["ddp-pp2", "ddp-tp2"])
+def test_a_stopped_step_is_applied_only_where_the_gradients_were_finite(strategy: str) -> None:
+    for clip in (0.0, 1.0):
+        got = run_on_ranks(_stop_case, 2, strategy, clip, float("nan"), timeout_s=120)
+        assert got[0]["record"] == got[1]["record"] and got[0]["record"][1] is False, got
+        assert got[0]["record"][0].startswith("the gradient of blocks.1"), got
+        assert not got[1]["changed"]  # the rank that found the NaN never applies it
+        assert got[0]["changed"] is (clip == 0.0) is got[0]["early"], (clip, got)  # clipping waits
+
+
+def test_a_norm_that_overflows_on_one_rank_still_updates_every_rank_once() -> None:
+    # finite gradients whose squared norm overflows: the exact check finds nothing, so each rank
+    # updates (rank 0 early, rank 1 after the check) and neither measures the norm again
+    got = run_on_ranks(_stop_case, 2, "ddp-pp2", 0.0, 1e30, timeout_s=120)
+    for rank in got:
+        assert rank["record"] == (None, False) and rank["changed"] and rank["norm"] == math.inf, got
 
 
 def _fp16_case(rank: int, world_size: int) -> dict[str, Any]:

@@ -26,7 +26,9 @@ What an engine owns, and what it does not:
   then one loop over the axes. No method is replaced at run time.
 - Non-finite values: ``nonfinite_grad`` names the first parameter whose gradient, as this rank holds
   it after ``finish_grads``, has a NaN or inf (whole tensors here; ZeRO checks its shards). ``update``
-  agrees on it over the ranks that step and then runs ``optimizer_step`` or ``skip_update``. Where the
+  agrees on it over the ranks that step and then runs ``optimizer_step`` or ``skip_update`` (with
+  further axes, under ``on_nonfinite = "stop"`` without clipping, a rank whose own gradients are
+  finite updates while the agreement is in flight: ``updates_early``). Where the
   optimizer runs on servers, they check the summed gradient themselves and the ranks that step read
   their verdict (``servers_nonfinite``). Under a dynamic loss scale, overflow is the scaler's
   business (``scaler_owns_overflow``).
@@ -62,8 +64,8 @@ from shardwise.engine.nonfinite import (
     NonFinite,
     NonFiniteStop,
     agree_nonfinite,
-    boundary_sums,
     first_nonfinite,
+    post_boundary_sums,
 )
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.engine.step import MicroBatchLoop, StepRunner, take_step
@@ -142,6 +144,9 @@ class Engine(ABC):
     optimizer_runs: Literal["every_rank", "servers"] = "every_rank"
     # whether optimizer_units hands out the model's own parameters (False: ZeRO's flat shards)
     units_are_parameters: bool = True
+    # whether an update issues collectives a skipped one does not (ZeRO's gathers as groups step): then
+    # no rank updates before the step's verdict is in (``updates_early``)
+    update_communicates: bool = False
 
     def __init__(self, model: nn.Module, role: Role | None = None) -> None:
         self.model = model
@@ -351,15 +356,22 @@ class Engine(ABC):
         group whose ranks each hold the whole gradient: its first rank counts it), and the shares are
         summed once over every rank that steps (``trainers``), not once per axis.
         """
-        share, comm = self.held_norm_sq()
+        share, comm, _ = self._norm_shares()
+        return share, comm
+
+    def _norm_shares(self) -> tuple[torch.Tensor, Comm | None, torch.Tensor]:
+        """``grad_norm_sq``'s share and ``Comm``, and this rank's own share of what it holds before any
+        axis discounts it (finite: every gradient this rank will apply is finite)."""
+        held, comm = self.held_norm_sq()
         if not self.axes:
-            return share, comm
+            return held, comm, held
+        share = held
         for axis in self.axes:
             share = axis.norm_share(self, share)
         replica = comm is None and self.comm is not None and self.comm.rank > 0
         if replica or not all(axis.counts_norm for axis in self.axes):
             share = torch.zeros_like(share)  # not 0 x share: a NaN must not spread from a replica
-        return share, self.trainers
+        return share, self.trainers, held
 
     @abstractmethod
     def held_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
@@ -371,33 +383,76 @@ class Engine(ABC):
         """After ``finish_grads``: the step's update (``optimizer_step``), unless a loss or gradient is
         not finite on a rank that steps: then every rank skips it (``skip_update``) and gets the same
         verdict (``engine.nonfinite``; ``on_nonfinite`` says whether the run stops). Where the
-        optimizer runs on servers, they check the summed gradient and send the verdict back."""
+        optimizer runs on servers, they check the summed gradient and send the verdict back. With
+        further axes and unscaled gradients, the verdict is one all-reduce at the step's boundary
+        (``_update_at_boundary``)."""
         if self.optimizer_runs == "servers":
             self.optimizer_step()
             return self.servers_nonfinite()
         self._boundary = None
-        if self.axes and not self.scaler.enabled:  # one all-reduce at the boundary (``boundary_sums``)
-            share, comm = self.grad_norm_sq()
-            found_finite = boundary_sums(comm, share, loss_share, NORM_LABEL)
-            if found_finite is not None:
-                self._boundary = found_finite
-                self.optimizer_step()
-                return None
-        scaled = self.scaler_owns_overflow()
-        bad = None if scaled else self.nonfinite_grad()
-        names = [name for name, _ in trainable(self.model)]
-        loss_ok = scaled or math.isfinite(loss_share)
-        found = agree_nonfinite(self.trainers, names, bad, loss_ok, self.on_nonfinite)
+        if self.axes and not self.scaler.enabled:
+            return self._update_at_boundary(loss_share)
+        found = self._agree_nonfinite(loss_share)
         if found is None:
             self.optimizer_step()
         else:
             self.skip_update()
         return found
 
-    def optimizer_step(self) -> None:
-        """Apply the update and clear gradients for the next step."""
+    def _update_at_boundary(self, loss_share: float) -> NonFinite | None:
+        """The update around one all-reduce of the norm's shares, the loss shares and their finiteness
+        (``post_boundary_sums``). Where ``updates_early``, a rank whose own gradients and loss share are
+        finite updates while that all-reduce is in flight (a pipeline's last stage, done first, no
+        longer waits for the first stage's last backward); should another rank's turn out not finite,
+        the run stops on every rank as before, with those ranks' update of the stopped step applied.
+        Sums not finite send every rank to the exact check; where that finds nothing (only the norm
+        overflowed), the update goes on, once per rank."""
+        share, comm, held = self._norm_shares()
+        read = post_boundary_sums(comm, share, loss_share, NORM_LABEL)
+        may = self.updates_early()  # the same on every rank
+        early = may and math.isfinite(loss_share) and math.isfinite(float(held))
+        if early:
+            self.optimizer_step(measure=False)
+        sums = read()
+        if sums.finite:
+            self._boundary = sums
+            if early:
+                self.last_grad_norm = math.sqrt(sums.norm_sq)
+            else:
+                self.optimizer_step()
+            return None
+        found = self._agree_nonfinite(loss_share)
+        if found is not None:
+            if not early:
+                self.skip_update()
+        elif not may:
+            self.optimizer_step()
+        else:  # nothing clips: no rank measures the norm again (a collective early ranks would miss)
+            if not early:
+                self.optimizer_step(measure=False)
+            self.last_grad_norm = math.sqrt(sums.norm_sq) if sums.norm_sq >= 0 else math.nan
+        return found
+
+    def updates_early(self) -> bool:
+        """Whether a rank may update before the step's verdict is in (``_update_at_boundary``): the run
+        stops on a non-finite value (nothing to undo then), nothing clips (no global norm needed
+        first), and the update communicates nothing a skipped one does not."""
+        clipping = 0 < self.clip_grad_norm < math.inf
+        return self.on_nonfinite == "stop" and not clipping and not self.update_communicates
+
+    def _agree_nonfinite(self, loss_share: float) -> NonFinite | None:
+        """The exact check, on every rank that steps (``agree_nonfinite``): what was not finite, or None."""
+        scaled = self.scaler_owns_overflow()
+        bad = None if scaled else self.nonfinite_grad()
+        names = [name for name, _ in trainable(self.model)]
+        loss_ok = scaled or math.isfinite(loss_share)
+        return agree_nonfinite(self.trainers, names, bad, loss_ok, self.on_nonfinite)
+
+    def optimizer_step(self, measure: bool = True) -> None:
+        """Apply the update and clear gradients for the next step. ``measure=False``: the norm is not
+        taken here (nothing clips; an early update: ``update``)."""
         if self.prepare_update():
-            if self.optimizer_runs == "every_rank":  # a parameter server clips on its servers
+            if measure and self.optimizer_runs == "every_rank":  # a parameter server clips on its servers
                 self.clip_gradients()
             self.run_optimizers()
         self.after_update()

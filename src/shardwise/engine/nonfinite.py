@@ -23,21 +23,26 @@ summed. A gradient that is not finite makes the squared norm not finite, so when
 finite nothing else is asked: the norm is the one clipping uses and the sum is the loss the step
 reports. Otherwise every rank (they all see the same sums) asks the exact question above, which names
 what was not finite, or finds nothing where only the norm overflowed (finite gradients above about
-1e19 in fp32), and the update then goes on as it always did. A pipeline's last stage then
-starts its update as soon as the first stage's last backward is counted, not after two more
-round trips.
+1e19 in fp32), and the update then goes on as it always did. The all-reduce is posted
+(``post_boundary_sums``) and, under ``on_nonfinite = "stop"`` with nothing clipped, a rank whose own
+gradients and loss share are finite updates while it is in flight (``Engine.updates_early``): a
+pipeline's last stage, done first, updates beside the first stage's last backward instead of after
+it. Should another rank's turn out not finite, every rank still stops in the same step with the same
+line; the ranks that updated early keep the stopped step's update (a stopped run resumes from its
+last checkpoint). With ``"skip"`` or clipping, no rank updates before the sums are in.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from shardwise.collectives.api import Comm
+from shardwise.collectives.p2p import Done
 from shardwise.device import HOST
 
 _NONE_FOUND = 2**62  # no (rank << 32 | parameter index) reaches it
@@ -100,26 +105,40 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class BoundarySums:
-    """What ``boundary_sums`` found: every loss share and counted gradient finite."""
+    """What the step's boundary all-reduce summed over the ranks that step (``post_boundary_sums``)."""
 
-    norm_sq: float  # the squared global gradient norm
-    loss: float  # the loss shares summed over the ranks that step
+    norm_sq: float  # the squared global gradient norm (inf or NaN where a share was not finite)
+    loss: float  # the loss shares summed (those that were finite)
+    finite: bool  # every loss share and counted gradient finite
+
+
+def post_boundary_sums(
+    comm: Comm | None, norm_share: torch.Tensor, loss_share: float, label: str
+) -> Callable[[], BoundarySums]:
+    """Post one all-reduce (sum) over the ranks that step of this rank's squared-norm share, a 1 if its
+    loss share is not finite, and the loss share; return what waits for it and reads the sums (once,
+    on the host). While it is in flight a rank may update (``Engine.update``'s early update). Where
+    the sums are not finite, every rank sees that alike and asks ``agree_nonfinite``."""
+    finite = math.isfinite(loss_share)
+    values = [0.0, 0.0 if finite else 1.0, loss_share if finite else 0.0]
+    sums = torch.tensor(values, dtype=torch.float64, device=norm_share.device)
+    sums[0] = norm_share.to(torch.float64)
+    work = comm.all_reduce(sums, label=label, async_op=True) if comm is not None else Done()
+
+    def read() -> BoundarySums:
+        work.wait()
+        norm_sq, bad_losses, loss = sums.tolist()
+        return BoundarySums(norm_sq, loss, math.isfinite(norm_sq) and bad_losses == 0)
+
+    return read
 
 
 def boundary_sums(
     comm: Comm | None, norm_share: torch.Tensor, loss_share: float, label: str
 ) -> BoundarySums | None:
-    """One all-reduce (sum) over the ranks that step of this rank's squared-norm share, a 1 if its loss
-    share is not finite, and the loss share; the sums when all are finite, else None (then ask
-    ``agree_nonfinite``: the same answer on every rank, since every rank sees the same sums)."""
-    finite = math.isfinite(loss_share)
-    values = [0.0, 0.0 if finite else 1.0, loss_share if finite else 0.0]
-    sums = torch.tensor(values, dtype=torch.float64, device=norm_share.device)
-    sums[0] = norm_share.to(torch.float64)
-    if comm is not None:
-        comm.all_reduce(sums, label=label)
-    norm_sq, bad_losses, loss = sums.tolist()  # read once, on the host
-    return BoundarySums(norm_sq, loss) if math.isfinite(norm_sq) and bad_losses == 0 else None
+    """``post_boundary_sums`` waited for at once: the sums when all are finite, else None."""
+    sums = post_boundary_sums(comm, norm_share, loss_share, label)()
+    return sums if sums.finite else None
 
 
 def _name_from(comm: Comm | None, owner: int, name: str) -> str:

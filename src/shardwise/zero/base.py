@@ -50,6 +50,7 @@ class ZeroBase(Engine):
 
     comm: Comm
     units_are_parameters = False  # one optimizer per flat master shard
+    update_communicates = True  # a group's gather starts as it steps (after_group_step)
     stage: int = 0
     reduce_window: int | None = 2  # reduce-scatters in flight at most; None: no limit
 
