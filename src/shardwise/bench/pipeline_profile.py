@@ -1,6 +1,8 @@
 """The pipeline bench's stage profile: the simulator's costs, measured apart from the runs they predict.
 
-On the bench's own processes after their steps (``pipeline_sides.paired_worker``; fresh ones,
+On the bench's own processes, one repeat after each of their measured steps and the rest after them
+(``pipeline_sides.paired_worker``: the costs are timed over the same minutes as the steps, whatever
+this machine's speed, which swings up to 1.5x from minute to minute, did meanwhile; fresh processes,
 ``profile_costs``, where there are none), one per pipeline rank as the run has them (each with a
 run's thread count, competing for the same cores and memory), every rank times the F, B, I and W of the
 stages the schedule places on it, each alone, computed as the runtime computes them: F the stage and,
@@ -18,7 +20,7 @@ for (``benchmarks/pipeline_sim_check.py`` feeds the simulator each step's own ac
 how near it comes to the step's measured bubble). The bench feeds the simulator this ``send`` and a
 ``transfer`` priced from the run's own warm-up steps (``pipeline_handoff``: the relay's median missed
 the hand-offs' tail); this one is reported beside it (``profiled_ms.transfer_relay``). Never timed
-on the runs it is compared with.
+on the steps it is compared with.
 Communication: barriers, the relay and the exchange between ranks 0 and 1, one send of rank 1's
 timings to rank 0, over gloo.
 """
@@ -110,52 +112,80 @@ def split_stage_modules(
 
 
 def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:
-    """This rank's stages' median seconds per kind (``{stage: {"F": s, ...}}``) and, on rank 0, what
-    posting one activation takes its sender and its transfer time (see the module docstring)."""
-    import torch.distributed as dist
+    """This rank's stage profile (``StageProfile``) run alone: ``repeats`` timed repeats after one
+    that warms up, then the messages."""
+    profile = StageProfile(rank, world, config, threads)
+    for _ in range(repeats + 1):
+        profile.repeat()
+    return profile.result()
 
-    from shardwise.engine.linear import WeightGradStore
-    from shardwise.models import build_model
-    from shardwise.pipeline.deferred import defer_weight_grads
-    from shardwise.train.loop import seed_everything
 
-    torch.set_num_threads(threads)
-    config = config.validate(world)
-    seed_everything(config.seed)
-    name = config.parallel.schedule
-    placement = stage_placement(name, world, config.parallel.stages_per_rank)
-    model = build_model(config.model)
-    modules = stage_modules(model, [0] * len(placement), 0)  # every stage here; this rank times its own
-    store = WeightGradStore()
-    split = SCHEDULES[name].splits_backward
-    if split:
-        defer_weight_grads(model, store)
-    sampler, _ = bench_data(config)
-    ids, targets = sampler.local_micro_batches(0, config.data.micro_batches)[0]
-    inputs: list[torch.Tensor] = [ids]
-    with torch.no_grad():  # each stage's input: the micro-batch through the stages before it
-        for index in range(len(placement) - 1):
-            inputs.append(modules[index](inputs[-1]))
-    mine = [s for s, r in enumerate(placement) if r == rank]
-    timing: dict[int, dict[str, list[float]]] = {s: {k: [] for k in ("F", "B", "Fs", "I", "W")} for s in mine}
-    for _ in range(repeats + 1):  # the first round warms up
+class StageProfile:
+    """One rank's stage profile, a repeat at a time: alone (``profile_worker``), or between a bench
+    launch's measured steps (``pipeline_sides.paired_worker``), so that its costs are timed over the
+    same minutes as the steps they are compared with, whatever the machine's speed did meanwhile.
+    Each ``repeat`` (every rank together, after a barrier) times F, B and, for a split schedule, the
+    split F, I and W of each stage the schedule places on this rank; its first repeat warms up."""
+
+    def __init__(self, rank: int, world: int, config: TrainConfig, threads: int) -> None:
+        from shardwise.engine.linear import WeightGradStore
+        from shardwise.models import build_model
+        from shardwise.pipeline.deferred import defer_weight_grads
+        from shardwise.train.loop import seed_everything
+
+        torch.set_num_threads(threads)
+        config = config.validate(world)
+        seed_everything(config.seed)
+        name = config.parallel.schedule
+        placement = stage_placement(name, world, config.parallel.stages_per_rank)
+        model = build_model(config.model)
+        self.modules = stage_modules(
+            model, [0] * len(placement), 0
+        )  # every stage here; this rank times its own
+        self.store, self.split = WeightGradStore(), SCHEDULES[name].splits_backward
+        if self.split:
+            defer_weight_grads(model, self.store)
+        sampler, _ = bench_data(config)
+        ids, self.targets = sampler.local_micro_batches(0, config.data.micro_batches)[0]
+        self.inputs: list[torch.Tensor] = [ids]
+        with torch.no_grad():  # each stage's input: the micro-batch through the stages before it
+            for index in range(len(placement) - 1):
+                self.inputs.append(self.modules[index](self.inputs[-1]))
+        self.rank, self.last = rank, len(placement) - 1
+        self.mine = [s for s, r in enumerate(placement) if r == rank]
+        self.timing: dict[int, dict[str, list[float]]] = {
+            s: {k: [] for k in ("F", "B", "Fs", "I", "W")} for s in self.mine
+        }
+        self.repeats = 0
+
+    def repeat(self) -> None:
+        """One timed repeat of this rank's stages, every rank together."""
+        import torch.distributed as dist
+
         dist.barrier()
-        for s in mine:
-            target = targets if s == len(placement) - 1 else None
-            for kind, seconds in _time_stage(modules[s], inputs[s], target, s > 0, store, split):
-                timing[s][kind].append(seconds)
-    costs = {}
-    for s, kinds in timing.items():
-        median = {k: statistics.median(v[1:]) for k, v in kinds.items() if v}
-        median.setdefault("Fs", median["F"])  # a schedule without a split: nothing reads Fs, I or W
-        costs[s] = {"I": median["B"] / 2, "W": median["B"] / 2, **median}
-    first = mine[0]
+        for s in self.mine:
+            target = self.targets if s == self.last else None
+            for kind, seconds in _time_stage(
+                self.modules[s], self.inputs[s], target, s > 0, self.store, self.split
+            ):
+                self.timing[s][kind].append(seconds)
+        self.repeats += 1
 
-    def work() -> Any:  # this rank's first stage's forward, as in the run
-        return modules[first](inputs[first])
+    def result(self) -> dict[str, Any]:
+        """Per stage the median seconds of each kind over the repeats but the first
+        (``{stage: {"F": s, ...}}``) and, on rank 0, the messages' ``send`` and ``transfer``."""
+        costs = {}
+        for s, kinds in self.timing.items():
+            median = {k: statistics.median(v[1:]) for k, v in kinds.items() if v}
+            median.setdefault("Fs", median["F"])  # a schedule without a split: nothing reads Fs, I or W
+            costs[s] = {"I": median["B"] / 2, "W": median["B"] / 2, **median}
+        first = self.mine[0]
 
-    send, transfer = _messages(rank, inputs[-1], work)
-    return {"costs": costs, "transfer": transfer, "send": send}
+        def work() -> Any:  # this rank's first stage's forward, as in the run
+            return self.modules[first](self.inputs[first])
+
+        send, transfer = _messages(self.rank, self.inputs[-1], work)
+        return {"costs": costs, "transfer": transfer, "send": send}
 
 
 def _time_stage(
@@ -198,6 +228,7 @@ class _Poster:
 
     def __init__(self, rank: int, activation: torch.Tensor, work: Callable[[], Any]) -> None:
         from shardwise.collectives.api import Comm
+
         self.comm = Comm(None)
         self.activation, self.buffer, self.peer = activation, torch.empty_like(activation), 1 - rank
         self.work = work

@@ -7,10 +7,11 @@ exchanged by hand as its users must (``_TiedByHand``). The steps alternate (ours
 then torch's then ours, ...), so each of our steps has a torch step beside it in time: whatever the
 machine does to one (another process, a clock change) it does to the other, and the ratio of a pair
 cancels it. zb's launches run our 1F1B as a third side in the same turns (``plain``; torch's step
-runs between the two), so zb's tokens/s is also paired with our 1F1B's, turn by turn. After the
-steps, the same processes run the stage profile the simulator is fed with
-(``pipeline_profile.profile_worker``). A launch where torch's side (or that profile) hangs or fails
-falls back to ours alone (``ours_worker``), so our row still has its figures. Communication:
+runs between the two), so zb's tokens/s is also paired with our 1F1B's, turn by turn. The same
+processes run the stage profile the simulator is fed with (``pipeline_profile.StageProfile``): one
+repeat after each measured step, the rest after the steps. A launch where torch's side (or that
+profile) hangs or fails falls back to ours alone (``ours_worker``), so our row still has its
+figures. Communication:
 whatever each side does; ours point-to-point through ``Comm``; the profile's barriers and relay.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from shardwise.bench.pipeline_profile import PROFILE_REPEATS, bench_data, profile_worker, split_stage_modules
+from shardwise.bench.pipeline_profile import PROFILE_REPEATS, StageProfile, bench_data, split_stage_modules
 from shardwise.config import TrainConfig
 from shardwise.observe.monitor import Span
 from shardwise.pipeline.fitting import FIT_STEPS
@@ -42,15 +43,19 @@ def paired_worker(
     """Both sides on this rank, their steps alternating: ``{"ours": ..., "torch": ...}``, each with
     its measured step times in the order they ran (step k of one beside step k of the other); with
     ``plain`` (zb's: our own 1F1B) a third side ``"plain"`` in the same turns; then, in the same
-    processes, the stage profile (``"profile"``: ``pipeline_profile.profile_worker``)."""
+    processes, the stage profile (``"profile"``: ``pipeline_profile.StageProfile``, a repeat after each
+    measured step)."""
     from shardwise.launcher import threads_per_rank
 
     config = config.validate(world)
+    profile = StageProfile(rank, world, config, threads_per_rank(world))
     sides = {"ours": _ours_step(config), "torch": _torch_step(config, world, rank, torch_class)}
     if plain is not None:
         sides["plain"] = _ours_step(plain.validate(world))
-    out = _alternate(config, sides)
-    return {**out, "profile": profile_worker(rank, world, config, threads_per_rank(world), PROFILE_REPEATS)}
+    out = _alternate(config, sides, between=profile.repeat)
+    while profile.repeats <= PROFILE_REPEATS:  # the first warms up
+        profile.repeat()
+    return {**out, "profile": profile.result()}
 
 
 def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
@@ -59,10 +64,13 @@ def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
     return _alternate(config, {"ours": _ours_step(config)})["ours"]
 
 
-def _alternate(config: TrainConfig, sides: dict[str, Step]) -> dict[str, Any]:
+def _alternate(
+    config: TrainConfig, sides: dict[str, Step], between: Callable[[], None] | None = None
+) -> dict[str, Any]:
     """``config.steps`` steps of every side, in turn (the order reverses every step); per side its step
     times after warm-up, and for ours each measured step's action spans and those of the warm-up
-    steps but the first (``warmup_spans``: ``pipeline_handoff`` prices a message from them)."""
+    steps but the first (``warmup_spans``: ``pipeline_handoff`` prices a message from them).
+    ``between``: called after every side's measured step (the stage profile's repeat)."""
     from shardwise.observe.monitor import MONITOR
 
     names = list(sides)
@@ -77,6 +85,8 @@ def _alternate(config: TrainConfig, sides: dict[str, Step]) -> dict[str, Any]:
             out[name]["step_s"].append(time.perf_counter() - started)
             if name == "ours":
                 out[name]["spans"].append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
+        if between is not None and step >= WARMUP_STEPS:
+            between()
     MONITOR.tracing = False
     measured = {name: {k: values[WARMUP_STEPS:] for k, values in got.items()} for name, got in out.items()}
     measured["ours"]["warmup_spans"] = out["ours"]["spans"][1:WARMUP_STEPS]  # the hand-offs' price
