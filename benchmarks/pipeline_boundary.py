@@ -7,7 +7,9 @@ under our runtime with the action spans recorded, and times the step spine's pha
 engine's and the runner's methods with a clock (no code of ours changed). Per rank, medians over the
 measured steps: the step; the actions' busy time; the time before the first action and after the last;
 and each phase (the global count, the tied weight's values and gradient, the finite check, the
-agreement, the norm's share, the boundary's one all-reduce, the optimizer). Writes
+agreement, the norm's share, the post of the boundary's one all-reduce (its wait is inside
+``update``; a pipeline's rank updates early, before that wait, and measures no norm in
+``clip_gradients``: ``Engine.updates_early``), the optimizer). Writes
 ``benchmarks/results/pipeline-boundary.json``.
 
 What it showed (see that file): on a quiet machine the last stage's actions run back to back (gaps under

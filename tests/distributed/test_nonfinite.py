@@ -109,7 +109,7 @@ def _skip_case(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
     return out
 
 
-# ddp-tp2: the step's boundary is one all-reduce (engine.nonfinite.boundary_sums); a NaN
+# ddp-tp2: the step's boundary is one all-reduce (engine.nonfinite.post_boundary_sums); a NaN
 # there sends every rank to the exact check, which names it
 @pytest.mark.parametrize(
     ("strategy", "world"),
@@ -133,9 +133,12 @@ def test_a_nan_on_one_rank_skips_the_update_on_every_rank(strategy: str, world: 
         assert results[0]["server_skipped"] == 1
 
 
-def _stop_case(rank: int, world_size: int, strategy: str, clip: float, value: float) -> dict[str, Any]:
-    """Step ``BAD_STEP`` with ``value`` in one element of rank 1's gradient, under ``on_nonfinite = "stop"``:
-    what each rank's record says, and whether its parameters and optimizer state changed."""
+def _stop_case(
+    rank: int, world_size: int, strategy: str, clip: float, value: float | None, target: int
+) -> dict[str, Any]:
+    """Step ``BAD_STEP`` with ``value`` (None: nothing) in one element of rank ``target``'s gradient,
+    under ``on_nonfinite = "stop"``: each rank's record, whether its own parameters and optimizer
+    state changed in that step, and that state after it."""
     from dataclasses import replace
 
     from shardwise.train.loop import Trainer
@@ -145,39 +148,56 @@ def _stop_case(rank: int, world_size: int, strategy: str, clip: float, value: fl
     engine, out = trainer.engine, {}
 
     def poison(step: int) -> None:
-        if step == BAD_STEP:
-            held = [p for n, p in engine.model.named_parameters() if n.startswith("blocks.1")]
-            if rank == 1:
-                held[0].grad.view(-1)[0] = value
+        if step != BAD_STEP or rank != target or value is None:
+            return
+        if hasattr(engine, "groups"):  # ZeRO: this rank's gradient shard
+            engine.groups[0].grad_shard[0] = value
+        else:
+            next(p for p in engine.model.parameters() if p.grad is not None).grad.view(-1)[0] = value
 
     for step in range(BAD_STEP + 1):
         before = _state(engine, own=True)
         record = trainer.step(step, after_backward=poison)
-    out["changed"] = not all(map(torch.equal, before, _state(engine, own=True)))
-    out["record"] = (record.nonfinite, record.skipped)
-    out["early"], out["norm"] = engine.updates_early(), engine.last_grad_norm
+    out["after"] = _state(engine, own=True)
+    out["changed"] = not all(map(torch.equal, before, out["after"]))
+    out["record"], out["norm"] = (record.nonfinite, record.skipped), engine.last_grad_norm
     engine.close()
     return out
 
 
-# under "stop" without clipping a rank whose own gradients are finite updates while the boundary's
-# all-reduce is in flight (Engine.updates_early); the run stops on every rank all the same
-@pytest.mark.parametrize("strategy", ["ddp-pp2", "ddp-tp2"])
-def test_a_stopped_step_is_applied_only_where_the_gradients_were_finite(strategy: str) -> None:
-    for clip in (0.0, 1.0):
-        got = run_on_ranks(_stop_case, 2, strategy, clip, float("nan"), timeout_s=120)
-        assert got[0]["record"] == got[1]["record"] and got[0]["record"][1] is False, got
-        assert got[0]["record"][0].startswith("the gradient of blocks.1"), got
-        assert not got[1]["changed"]  # the rank that found the NaN never applies it
-        assert got[0]["changed"] is (clip == 0.0) is got[0]["early"], (clip, got)  # clipping waits
+def _stopped(strategy: str, clip: float, value: float, target: int) -> list[dict[str, Any]]:
+    got = run_on_ranks(_stop_case, 2, strategy, clip, value, target, timeout_s=120)
+    assert got[0]["record"] == got[1]["record"] and got[0]["record"][1] is False, got  # a stop, alike
+    assert got[0]["record"][0].startswith("the gradient of "), got
+    assert not got[target]["changed"]  # the rank that found the NaN never applies it
+    return got
+
+
+# under "stop" on a pipeline without clipping (Engine.updates_early) a rank whose own gradients are
+# finite updates while the boundary's all-reduce is in flight, exactly as in a step with no NaN; the
+# run stops on every rank all the same. With clipping, ZeRO or tensor parallelism alone no rank does.
+@pytest.mark.parametrize("target", [0, 1])  # 0: the last stage (rank 1) updates early
+def test_a_stopped_step_is_applied_only_by_pipeline_stages_whose_gradients_were_finite(target: int) -> None:
+    clean = run_on_ranks(_stop_case, 2, "ddp-pp2", 0.0, None, target, timeout_s=120)
+    other = 1 - target
+    got = _stopped("ddp-pp2", 0.0, math.nan, target)
+    assert got[other]["changed"] and all(map(torch.equal, got[other]["after"], clean[other]["after"]))
+    assert not _stopped("ddp-pp2", 1.0, math.nan, target)[other]["changed"]  # clipping waits
+
+
+@pytest.mark.parametrize("strategy", ["ddp-tp2", "zero1-pp2"])
+def test_no_rank_updates_before_the_verdict_without_a_pipeline_or_with_zero(strategy: str) -> None:
+    assert not any(rank["changed"] for rank in _stopped(strategy, 0.0, math.nan, 1))
 
 
 def test_a_norm_that_overflows_on_one_rank_still_updates_every_rank_once() -> None:
     # finite gradients whose squared norm overflows: the exact check finds nothing, so each rank
-    # updates (rank 0 early, rank 1 after the check) and neither measures the norm again
-    got = run_on_ranks(_stop_case, 2, "ddp-pp2", 0.0, 1e30, timeout_s=120)
+    # updates (rank 0 early, rank 1 after the check), as in the same step unpoisoned on rank 0
+    clean = run_on_ranks(_stop_case, 2, "ddp-pp2", 0.0, None, 1, timeout_s=120)
+    got = run_on_ranks(_stop_case, 2, "ddp-pp2", 0.0, 1e30, 1, timeout_s=120)
     for rank in got:
         assert rank["record"] == (None, False) and rank["changed"] and rank["norm"] == math.inf, got
+    assert all(map(torch.equal, got[0]["after"], clean[0]["after"]))
 
 
 def _fp16_case(rank: int, world_size: int) -> dict[str, Any]:

@@ -61,6 +61,8 @@ class DiLoCoEngine(Engine):
     """DiLoCo over ``comm`` (the dp axis); ``share`` is this rank's fraction of each global batch (rows),
     used only to report its share of the global mean loss without communicating."""
 
+    update_communicates = True  # every H steps its after_update averages over the replicas
+
     name = "diloco"
     comm: Comm
 

@@ -26,8 +26,8 @@ What an engine owns, and what it does not:
   then one loop over the axes. No method is replaced at run time.
 - Non-finite values: ``nonfinite_grad`` names the first parameter whose gradient, as this rank holds
   it after ``finish_grads``, has a NaN or inf (whole tensors here; ZeRO checks its shards). ``update``
-  agrees on it over the ranks that step and then runs ``optimizer_step`` or ``skip_update`` (with
-  further axes, under ``on_nonfinite = "stop"`` without clipping, a rank whose own gradients are
+  agrees on it over the ranks that step and then runs ``optimizer_step`` or ``skip_update`` (under a
+  pipeline with ``on_nonfinite = "stop"``, no clipping and no ZeRO, a rank whose own gradients are
   finite updates while the agreement is in flight: ``updates_early``). Where the
   optimizer runs on servers, they check the summed gradient themselves and the ranks that step read
   their verdict (``servers_nonfinite``). Under a dynamic loss scale, overflow is the scaler's
@@ -381,8 +381,9 @@ class Engine(ABC):
 
     def update(self, loss_share: float) -> NonFinite | None:
         """After ``finish_grads``: the step's update (``optimizer_step``), unless a loss or gradient is
-        not finite on a rank that steps: then every rank skips it (``skip_update``) and gets the same
-        verdict (``engine.nonfinite``; ``on_nonfinite`` says whether the run stops). Where the
+        not finite on a rank that steps: then every rank skips it (``skip_update``; under "stop" a
+        pipeline's ranks whose own gradients were finite may have applied it: ``updates_early``) and
+        gets the same verdict (``engine.nonfinite``; ``on_nonfinite`` says whether the run stops). Where the
         optimizer runs on servers, they check the summed gradient and send the verdict back. With
         further axes and unscaled gradients, the verdict is one all-reduce at the step's boundary
         (``_update_at_boundary``)."""
@@ -408,7 +409,7 @@ class Engine(ABC):
         Sums not finite send every rank to the exact check; where that finds nothing (only the norm
         overflowed), the update goes on, once per rank."""
         share, comm, held = self._norm_shares()
-        read = post_boundary_sums(comm, share, loss_share, NORM_LABEL)
+        read = post_boundary_sums(comm, share, loss_share, NORM_LABEL, held)
         may = self.updates_early()  # the same on every rank
         early = may and math.isfinite(loss_share) and math.isfinite(float(held))
         if early:
@@ -434,11 +435,15 @@ class Engine(ABC):
         return found
 
     def updates_early(self) -> bool:
-        """Whether a rank may update before the step's verdict is in (``_update_at_boundary``): the run
-        stops on a non-finite value (nothing to undo then), nothing clips (no global norm needed
-        first), and the update communicates nothing a skipped one does not."""
+        """Whether a rank may update before the step's verdict is in (``_update_at_boundary``): a
+        pipeline runs the step (its stages finish their backward at different times; elsewhere the
+        ranks finish together and there is nothing to win), the run stops on a non-finite value
+        (nothing to undo then), nothing clips (no global norm needed first), and the update
+        communicates nothing a skipped one does not (ours; an optimizer from the user's factory that
+        communicates in ``step()`` must not be given a pipeline under ``on_nonfinite = "stop"``)."""
         clipping = 0 < self.clip_grad_norm < math.inf
-        return self.on_nonfinite == "stop" and not clipping and not self.update_communicates
+        pipelined = any(axis.step_runner is not None for axis in self.axes)
+        return pipelined and self.on_nonfinite == "stop" and not clipping and not self.update_communicates
 
     def _agree_nonfinite(self, loss_share: float) -> NonFinite | None:
         """The exact check, on every rank that steps (``agree_nonfinite``): what was not finite, or None."""
@@ -483,7 +488,8 @@ class Engine(ABC):
     def skip_update(self) -> None:
         """Leave parameters and optimizer state as they are (a non-finite step) and clear gradients.
 
-        Every rank that steps calls it in the same step, instead of ``optimizer_step``.
+        Every rank that steps calls it in the same step, instead of ``optimizer_step``, but those
+        that updated early in a stopped step (``updates_early``).
         """
         self.after_update()
 

@@ -18,18 +18,19 @@ until its scale reaches its floor.
 
 With further axes (pipeline, tensor parallelism, hybrid replicas: the norm's shares are summed over the
 same ranks that step) and unscaled gradients, the step's boundary is one all-reduce instead
-(``boundary_sums``): the norm's share, whether the loss share is finite, and the loss share itself,
-summed. A gradient that is not finite makes the squared norm not finite, so when both come back
-finite nothing else is asked: the norm is the one clipping uses and the sum is the loss the step
-reports. Otherwise every rank (they all see the same sums) asks the exact question above, which names
-what was not finite, or finds nothing where only the norm overflowed (finite gradients above about
-1e19 in fp32), and the update then goes on as it always did. The all-reduce is posted
-(``post_boundary_sums``) and, under ``on_nonfinite = "stop"`` with nothing clipped, a rank whose own
-gradients and loss share are finite updates while it is in flight (``Engine.updates_early``): a
-pipeline's last stage, done first, updates beside the first stage's last backward instead of after
-it. Should another rank's turn out not finite, every rank still stops in the same step with the same
-line; the ranks that updated early keep the stopped step's update (a stopped run resumes from its
-last checkpoint). With ``"skip"`` or clipping, no rank updates before the sums are in.
+(``post_boundary_sums``): the norm's share, whether the loss share and the rank's own gradients are
+finite, and the loss share, summed. A gradient that is not finite makes the squared norm not finite, so
+when both come back finite nothing else is asked: the norm is the one clipping uses and the sum is the
+loss the step reports. Otherwise every rank (they all see the same sums) asks the exact question above,
+which names what was not finite, or finds nothing where only the norm overflowed (finite gradients above
+about 1e19 in fp32), and the update then goes on as it always did. The all-reduce is posted
+(``post_boundary_sums``) and, under a pipeline with ``on_nonfinite = "stop"``, nothing clipped and no
+ZeRO, a rank whose own gradients and loss share are finite updates while it is in flight
+(``Engine.updates_early``): a pipeline's last stage, done first, updates beside the first stage's last
+backward instead of after it. Should another rank's turn out not finite, every rank still stops in the
+same step with the same line; the ranks that updated early keep the stopped step's update (a stopped run
+resumes from its last checkpoint, not from the model in memory). With ``"skip"``, clipping, ZeRO or no
+pipeline, no rank updates before the sums are in.
 """
 
 from __future__ import annotations
@@ -113,16 +114,23 @@ class BoundarySums:
 
 
 def post_boundary_sums(
-    comm: Comm | None, norm_share: torch.Tensor, loss_share: float, label: str
+    comm: Comm | None,
+    norm_share: torch.Tensor,
+    loss_share: float,
+    label: str,
+    held: torch.Tensor | None = None,
 ) -> Callable[[], BoundarySums]:
     """Post one all-reduce (sum) over the ranks that step of this rank's squared-norm share, a 1 if its
-    loss share is not finite, and the loss share; return what waits for it and reads the sums (once,
-    on the host). While it is in flight a rank may update (``Engine.update``'s early update). Where
-    the sums are not finite, every rank sees that alike and asks ``agree_nonfinite``."""
+    loss share (or ``held``: its own share before the axes discount it, a replica's too) is not
+    finite, and the loss share; return what waits for it and reads the sums (once, on the host).
+    While it is in flight a rank may update (``Engine.updates_early``). Where the sums are not
+    finite, every rank sees that alike and asks ``agree_nonfinite``."""
     finite = math.isfinite(loss_share)
     values = [0.0, 0.0 if finite else 1.0, loss_share if finite else 0.0]
     sums = torch.tensor(values, dtype=torch.float64, device=norm_share.device)
     sums[0] = norm_share.to(torch.float64)
+    if held is not None:  # on the device: no read here
+        sums[1] += (~torch.isfinite(held)).to(torch.float64)
     work = comm.all_reduce(sums, label=label, async_op=True) if comm is not None else Done()
 
     def read() -> BoundarySums:
@@ -131,14 +139,6 @@ def post_boundary_sums(
         return BoundarySums(norm_sq, loss, math.isfinite(norm_sq) and bad_losses == 0)
 
     return read
-
-
-def boundary_sums(
-    comm: Comm | None, norm_share: torch.Tensor, loss_share: float, label: str
-) -> BoundarySums | None:
-    """``post_boundary_sums`` waited for at once: the sums when all are finite, else None."""
-    sums = post_boundary_sums(comm, norm_share, loss_share, label)()
-    return sums if sums.finite else None
 
 
 def _name_from(comm: Comm | None, owner: int, name: str) -> str:

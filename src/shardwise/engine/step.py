@@ -102,7 +102,9 @@ def take_step(
 ) -> StepResult:
     """One step of ``engine`` on this rank's micro-batches: the global item count, forward, backward and
     the gradient exchange (``Engine.forward_backward``); ``before_update()`` (it sees the global
-    gradients); then the update, skipped on every rank where any found a non-finite value."""
+    gradients); then the update, skipped on every rank where any found a non-finite value (under
+    "stop", a pipeline's ranks whose own gradients were finite may have applied it:
+    ``Engine.updates_early``)."""
     count = engine.global_count(micro_batches)
     share = engine.forward_backward(micro_batches, max(count, 1.0))
     if before_update is not None:
