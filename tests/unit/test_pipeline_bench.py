@@ -289,3 +289,23 @@ def test_zb_s_launches_pair_it_with_our_1f1b_step_by_step(monkeypatch: Any) -> N
     assert run.theirs == "timeout after 5 s (ours, torch's and our 1f1b in one launch)"
     assert bench.same_launch(run) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
     assert bench.same_launch(bench.Rounds(None, "Schedule1F1B")) is None  # type: ignore[arg-type]
+
+
+def test_the_sides_take_turns_of_back_to_back_steps() -> None:
+    from shardwise.bench import pipeline_sides as sides_module
+
+    ran: list[tuple[str, int]] = []
+    sides = {name: (lambda k, name=name: ran.append((name, k))) for name in ("ours", "torch", "plain")}
+    between: list[int] = []
+    steps = sides_module.WARMUP_STEPS + 6  # 11: turns of 4, 4 and 3 steps
+    got = sides_module._alternate(SimpleNamespace(steps=steps), sides, lambda: between.append(len(ran)))
+    block = sides_module.BLOCK
+    turns = [ran[i : i + block] for i in range(0, 3 * 2 * block, block)]  # the two full rounds of turns
+    assert [t[0][0] for t in turns] == ["ours", "torch", "plain", "plain", "torch", "ours"]
+    assert all(
+        len({n for n, _ in t}) == 1 and [k for _, k in t] == list(range(t[0][1], t[0][1] + block))
+        for t in turns
+    )
+    assert len(between) == steps - sides_module.WARMUP_STEPS  # one profile repeat per measured step
+    assert between[0] == 3 * 2 * block and between[-1] == 3 * steps  # after every side's turn
+    assert all(len(got[n]["step_s"]) == steps - sides_module.WARMUP_STEPS for n in sides)

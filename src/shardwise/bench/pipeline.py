@@ -4,8 +4,8 @@ For each schedule (``pipeline.schedules.SCHEDULES``) at ``pp = nproc``: the buil
 our ``pipeline.split`` into the schedule's stages, and the same stage modules run under our runtime
 and under torch's ``PipelineStage`` + the schedule class torch 2.13 names for it (``zb`` has none in
 torch and is compared with torch's ``Schedule1F1B``). Same model, seed, micro-batches, optimizer.
-Both sides run in the same launch, their steps alternating (``pipeline_sides``), so each of our steps
-has a torch step beside it in time; a round is one launch. Each row:
+Both sides run in the same launch, in turns of ``pipeline_sides.BLOCK`` steps (``pipeline_sides``),
+so each of our steps has a torch step near it in time; a round is one launch. Each row:
 
 - ``bubble_measured``: from our ranks' recorded action spans (the runtime's ``MONITOR.span`` per
   action): idle over total, ``1 - sum(busy) / (p * window)``, the window from the step's first action
@@ -13,17 +13,19 @@ has a torch step beside it in time; a round is one launch. Each row:
   machine); the median over the measured steps;
 - ``bubble_simulated``: ``pipeline.simulate`` of the schedule our side ran (a split schedule is fitted
   to the run first, ``pipeline/fitting.py``; read off the last measured step's spans), fed with a
-  profile's costs (``pipeline_profile``: each rank's stages' F, B, I and W alone, all ranks at once,
-  and what posting one activation takes its sender), measured in each paired launch after its steps,
-  in the same processes, the median over the launches; a message's transfer priced from the run's
-  own warm-up steps (``pipeline_handoff``: the mean wait for one; the relay's median, kept as
+  profile's costs (``pipeline_profile``: each rank's stages' F, B, I and W alone, all ranks at once, and
+  what posting one activation takes its sender), measured in each paired launch between its steps and
+  after them, in the same processes, the median over the launches; a message's transfer priced from the
+  run's own warm-up steps (``pipeline_handoff``: the mean wait for one; the relay's median, kept as
   ``profiled_ms.transfer_relay``, missed their tail). Never from the steps it is compared with;
 - ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
   al. 2023); else null;
 - ``speed_ratio``: tokens/s ours / torch's: per round the median over its steps of each pair's ratio
-  (the two steps ran back to back, a step's time its slowest rank's), then the median over rounds,
+  (step k of each side, a step's time its slowest rank's, within a turn of back-to-back steps: a
+  rank's tail after its last action, which a loop of steps overlaps with the next step, weighs on a
+  turn's last step only), then the median over rounds,
   every round's in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's median step time
   over its launches.
 
@@ -96,7 +98,6 @@ def bench_config(
             "steps": steps,
         },
     )
-
 
 
 def check_bench(

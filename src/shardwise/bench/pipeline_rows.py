@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardwise.bench.pipeline_sides import ACTION_LANE
+from shardwise.bench.pipeline_sides import ACTION_LANE, BLOCK
 from shardwise.observe.monitor import Span
 from shardwise.observe.trace import idle_fraction
 from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
@@ -29,7 +29,6 @@ PLAIN_PEER = {"zb": "1f1b"}  # and against our own 1F1B, in the same launches (`
 def virtual_for(name: str) -> int:
     """Stages per rank each schedule runs with here: 1, or 2 for interleaved and V schedules."""
     return 1 if SCHEDULES[name].virtual == "1" else 2
-
 
 
 # ------------------------------------------------------------------------------- bubble arithmetic
@@ -189,8 +188,10 @@ def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: f
         "load_average_after": load_after,
         "cpus": os.cpu_count(),
         "ratio_spread": max(spreads, default=None),
-        "note": "medians of interleaved rounds; ratio_spread: the largest (max - min) / median of a row's "
-        "per-round speed ratios",
+        "turn_steps": BLOCK,
+        "note": "medians of interleaved rounds; in a launch each side runs turn_steps steps back to back, "
+        "then the next side; ratio_spread: the largest (max - min) / median of a row's per-round speed "
+        "ratios",
     }
 
 
@@ -206,7 +207,6 @@ def steps_by_rank(launches: Launches, key: str = "spans") -> list[dict[int, list
                 }
             )
     return out
-
 
 
 def zb_over_1f1b(rows: Sequence[dict[str, Any]], same_launch: float | None = None) -> dict[str, float] | None:

@@ -3,11 +3,15 @@
 One launch builds both sides on every rank from the same seed (two copies of the same stage modules):
 ours through ``parallelize`` (its own groups on the pp axis), torch's as ``PipelineStage`` + the
 schedule class over the default group, with the tied embedding and head's gradient and values
-exchanged by hand as its users must (``_TiedByHand``). The steps alternate (ours then torch's,
-then torch's then ours, ...), so each of our steps has a torch step beside it in time: whatever the
-machine does to one (another process, a clock change) it does to the other, and the ratio of a pair
-cancels it. zb's launches run our 1F1B as a third side in the same turns (``plain``; torch's step
-runs between the two), so zb's tokens/s is also paired with our 1F1B's, turn by turn. The same
+exchanged by hand as its users must (``_TiedByHand``). The sides take turns of ``BLOCK`` steps
+back to back (ours then torch's, then torch's then ours, ...), so each of our steps has a torch
+step near it in time: whatever the machine does to one (another process, a clock change) it does to
+the other, and the ratio of a pair cancels it. A turn of several steps is a loop's steady state: a
+rank whose step ends later than the others' (the last stage's deferred W's and update, say) overlaps
+that tail with the next step's start there, and only a turn's last step carries it, where one step
+a turn would charge it to every step. zb's launches run our 1F1B as a third side in the same rounds
+of turns (``plain``; torch's turn runs between the two), so zb's tokens/s is also paired with our
+1F1B's, step k with step k. The same
 processes run the stage profile the simulator is fed with (``pipeline_profile.StageProfile``): one
 repeat after each measured step, the rest after the steps. A launch where torch's side (or that
 profile) hangs or fails falls back to ours alone (``ours_worker``), so our row still has its
@@ -33,6 +37,7 @@ from shardwise.pipeline.split import Split
 WARMUP_STEPS = FIT_STEPS  # a split schedule runs its fit's timed steps first (pipeline/fitting.py)
 ACTION_LANE = "actions"  # the lane the runtime records each action's span in
 TIE_TAG = 7  # the tied weight's messages on torch's side, apart from its schedule's
+BLOCK = 4  # steps a side runs back to back before the next side's turn (see the module docstring)
 
 Step = Callable[[int], None]
 
@@ -67,26 +72,30 @@ def ours_worker(rank: int, world: int, config: TrainConfig) -> dict[str, Any]:
 def _alternate(
     config: TrainConfig, sides: dict[str, Step], between: Callable[[], None] | None = None
 ) -> dict[str, Any]:
-    """``config.steps`` steps of every side, in turn (the order reverses every step); per side its step
-    times after warm-up, and for ours each measured step's action spans and those of the warm-up
-    steps but the first (``warmup_spans``: ``pipeline_handoff`` prices a message from them).
-    ``between``: called after every side's measured step (the stage profile's repeat)."""
+    """``config.steps`` steps of every side, in turns of ``BLOCK`` steps (the order of the sides
+    reverses every turn); per side its step times after warm-up, and for ours each measured step's
+    action spans and those of the warm-up steps but the first (``warmup_spans``: ``pipeline_handoff``
+    prices a message from them). ``between``: called once per measured step index, after every side
+    has run its turn (the stage profile's repeat)."""
     from shardwise.observe.monitor import MONITOR
 
     names = list(sides)
     out: dict[str, dict[str, list[Any]]] = {name: {"step_s": []} for name in names}
     out["ours"]["spans"] = []
     MONITOR.tracing = True
-    for step in range(config.steps):
-        for name in names if step % 2 == 0 else names[::-1]:
-            MONITOR.spans.clear()
-            started = time.perf_counter()
-            sides[name](step)
-            out[name]["step_s"].append(time.perf_counter() - started)
-            if name == "ours":
-                out[name]["spans"].append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
-        if between is not None and step >= WARMUP_STEPS:
-            between()
+    for first in range(0, config.steps, BLOCK):
+        block = range(first, min(first + BLOCK, config.steps))
+        for name in names if first // BLOCK % 2 == 0 else names[::-1]:
+            for step in block:
+                MONITOR.spans.clear()
+                started = time.perf_counter()
+                sides[name](step)
+                out[name]["step_s"].append(time.perf_counter() - started)
+                if name == "ours":
+                    out[name]["spans"].append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
+        if between is not None:
+            for _ in range(sum(step >= WARMUP_STEPS for step in block)):
+                between()
     MONITOR.tracing = False
     measured = {name: {k: values[WARMUP_STEPS:] for k, values in got.items()} for name, got in out.items()}
     measured["ours"]["warmup_spans"] = out["ours"]["spans"][1:WARMUP_STEPS]  # the hand-offs' price
