@@ -122,6 +122,8 @@ def _rank_main(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
+        if backend == "gloo":  # every pair connected at both ends before a rank whose function does no
+            dist.barrier()  # communication can finish and close its end under a peer still connecting
         try:
             value = fn(rank, world_size, *args)
         finally:
