@@ -102,6 +102,15 @@ def _drain_failure(results: mp.Queue) -> None:
         raise RankFailure(rank, f"rank {rank} failed:\n{value}")
 
 
+def _all_returned(store: dist.Store, world_size: int) -> None:
+    """Wait, on the store, until every rank's function has returned. A rank that closes its process
+    groups while a peer is still connecting one (gloo's full-mesh connect, at the start or in a
+    ``new_group``) fails that peer with "Connection closed by peer"; a store outlives a broken group."""
+    if store.add("shardwise/returned", 1) == world_size:
+        store.set("shardwise/all-returned", "1")
+    store.wait(["shardwise/all-returned"])
+
+
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
@@ -119,13 +128,13 @@ def _rank_main(
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
+        store.set_timeout(timedelta(seconds=timeout_s))
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
-        if backend == "gloo":  # every pair connected at both ends before a rank whose function does no
-            dist.barrier()  # communication can finish and close its end under a peer still connecting
         try:
             value = fn(rank, world_size, *args)
+            _all_returned(store, world_size)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
