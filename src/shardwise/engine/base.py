@@ -431,7 +431,7 @@ class Engine(ABC):
         else:  # nothing clips: no rank measures the norm again (a collective early ranks would miss)
             if not early:
                 self.optimizer_step(measure=False)
-            self.last_grad_norm = math.sqrt(sums.norm_sq) if sums.norm_sq >= 0 else math.nan
+            self.last_grad_norm = math.sqrt(sums.norm_sq)  # inf, or NaN
         return found
 
     def updates_early(self) -> bool:
