@@ -16,6 +16,7 @@ job spans hosts, since the other hosts reach it by another address).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -84,6 +85,14 @@ def threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
 
 
+def _launch_config(kind: Any, **options: Any) -> Any:
+    """``kind(**options)`` with the options this torch's ``LaunchConfig`` knows: ``shutdown_timeout``
+    is newer than torch 2.11 (a GPU image's torch); without it the agent waits its own default (30 s)
+    between SIGTERM and SIGKILL when it stops the ranks."""
+    known = {f.name for f in dataclasses.fields(kind)}
+    return kind(**{name: value for name, value in options.items() if name in known})
+
+
 def launch_local(
     fn: Callable[..., Any], args: tuple[Any, ...], nproc: int, max_restarts: int = 0
 ) -> dict[int, Any]:
@@ -105,7 +114,8 @@ def launch_local(
     # local ranks talk over loopback only: gloo's pairs, and NCCL's bootstrap (its data goes GPU to GPU)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    config = LaunchConfig(
+    config = _launch_config(
+        LaunchConfig,
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,

@@ -47,6 +47,10 @@ from shardwise.observe.monitor import MONITOR, Call
 
 __all__ = ["Comm", "CommSettings", "CommStats", "Work", "check_algorithm", "load_profile", "next_tag_slot"]
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn there); a GPU image's 2.11 has
+# the old names only
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
@@ -303,7 +307,7 @@ class Comm:
             return self._explicit(lambda: explicit.all_gather(output, shard, self._p2p, name), async_op, call)
         self._count((n - 1) * size, (n - 1) * size)
         into, back = self._via_host(output, output, fill=False)
-        work = dist.all_gather_single(into, self._via_host(shard)[0], group=self.group, async_op=True)
+        work = _ALL_GATHER_FLAT(into, self._via_host(shard)[0], group=self.group, async_op=True)
         return self._finish(work, async_op, back, call, output)
 
     def reduce_scatter(
@@ -330,7 +334,7 @@ class Comm:
         self._count((n - 1) * size, (n - 1) * size)
         into, back = self._via_host(shard, shard, fill=False)
         source = self._via_host(full)[0]
-        work = dist.reduce_scatter_single(into, source, op=_OPS[op], group=self.group, async_op=True)
+        work = _REDUCE_SCATTER_FLAT(into, source, op=_OPS[op], group=self.group, async_op=True)
         average = (lambda: divide(shard, n)) if op == "avg" else None
         return self._finish(work, async_op, _then(back, average), call, shard)
 
