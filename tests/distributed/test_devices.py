@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from shardwise.config import TrainConfig, load_config
 from shardwise.testing import run_on_ranks
@@ -133,7 +134,10 @@ def test_the_cases_cover_what_the_issue_lists() -> None:
     assert any(v.get("sync_batchnorm") == "true" for v in values)
 
 
-# -- the command line on this machine: --device cpu and --device auto train as before -------------------
+# -- the command line on a machine without GPUs: --device cpu and --device auto train as before ---------
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="this machine has CUDA: --device auto picks the GPU here, not the CPU"
+)
 @pytest.mark.parametrize("extra", [[], ["--strategy", "zero2"]], ids=["ddp", "zero2"])
 def test_train_device_cpu_and_auto_are_the_same_run(extra: list[str], tmp_path: Path) -> None:
     digests = {}
