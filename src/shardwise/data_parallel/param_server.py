@@ -76,7 +76,7 @@ from shardwise.data_parallel.ps_messages import (
 from shardwise.data_parallel.ps_state import load_ps_state, ps_state_pieces
 from shardwise.device import HOST
 from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, grad_sq_sum
-from shardwise.engine.nonfinite import NonFinite, NonFiniteStop, describe_nonfinite
+from shardwise.engine.nonfinite import NonFinite, NonFiniteStop, describe_nonfinite, first_nonfinite
 from shardwise.engine.step import run_passes
 
 
@@ -433,12 +433,13 @@ class ParamServerEngine(Engine):
     def check_push(self, flat: torch.Tensor, loss: float) -> tuple[bool, int]:
         """Whether ``loss`` is finite, and the index (trainable order) of the first served parameter
         whose gradient in ``flat`` is not (``len(trainable_names)``: none)."""
-        offset = 0
+        views, offset = [], 0
         for p in self.own:
-            if not bool(torch.isfinite(flat[offset : offset + p.numel()]).all()):
-                return math.isfinite(loss), self.trainable_names.index(self._names[id(p)])
+            views.append((self._names[id(p)], flat[offset : offset + p.numel()]))
             offset += p.numel()
-        return math.isfinite(loss), len(self.trainable_names)
+        bad = first_nonfinite(views)  # read once, not once per parameter
+        first = len(self.trainable_names) if bad is None else self.trainable_names.index(bad)
+        return math.isfinite(loss), first
 
     def _status(self, loss_ok: bool, first: int) -> int:
         if loss_ok and first == len(self.trainable_names):

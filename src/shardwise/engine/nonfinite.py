@@ -89,19 +89,36 @@ def describe_nonfinite(loss_ok: bool, grad_name: str | None) -> str:
     return " and ".join(parts) or "the loss"
 
 
-def first_nonfinite(named: Sequence[tuple[str, torch.Tensor | None]]) -> str | None:
-    """The first name whose tensor has a NaN or inf (a missing tensor counts finite). One flag per
-    tensor, stacked where the tensors are and read once (no host synchronisation per tensor)."""
+def _peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's largest magnitude, stacked on their device: finite exactly when every element is
+    (a NaN or an inf is its own tensor's peak; no sum, so nothing overflows). One multi-tensor kernel per
+    device and dtype, not several small ones per tensor: on a GPU a step's launches are its time."""
+    return torch.stack(torch._foreach_norm(list(tensors), math.inf))
+
+
+def nonfinite_names(named: Sequence[tuple[str, torch.Tensor | None]]) -> list[str]:
+    """Every name whose tensor has a NaN or inf, in the order given (a missing or empty tensor counts
+    finite). The peaks are taken together on the tensors' device and read once (no synchronisation
+    per tensor)."""
     present = [(name, t) for name, t in named if t is not None and t.numel()]
     if not present:
-        return None
-    finite = torch.stack([torch.isfinite(t).all() for _, t in present]).tolist()
-    return next((name for (name, _), ok in zip(present, finite, strict=True) if not ok), None)
+        return []
+    finite = torch.isfinite(_peaks([t for _, t in present])).tolist()
+    return [name for (name, _), ok in zip(present, finite, strict=True) if not ok]
+
+
+def first_nonfinite(named: Sequence[tuple[str, torch.Tensor | None]]) -> str | None:
+    """The first name whose tensor has a NaN or inf (``nonfinite_names``), or None."""
+    return next(iter(nonfinite_names(named)), None)
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool tensor on the tensors' device: every element of every one of ``tensors`` is finite."""
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    """A 0-d bool tensor on the tensors' device: every element of every one of ``tensors`` is finite
+    (not read here: the caller reads it, or sends it, once)."""
+    present = [t for t in tensors if t.numel()]
+    if not present:
+        return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else "cpu")
+    return torch.isfinite(_peaks(present)).all()
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
 from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
-from shardwise.engine.nonfinite import all_finite
+from shardwise.engine.nonfinite import all_finite, nonfinite_names
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
@@ -177,11 +177,7 @@ class ZeroBase(Engine):
             if group.grad_shard is not None
             for overlap in group.layout.overlaps(self.comm.rank)
         ]
-        if not parts:
-            return None
-        # one flag per part, stacked on the device and read once
-        finite = torch.stack([torch.isfinite(t).all() for _, t in parts]).tolist()
-        bad = {name for (name, _), ok in zip(parts, finite, strict=True) if not ok}
+        bad = set(nonfinite_names(parts))
         return next((name for name, _ in self.trainable if name in bad), None)
 
 
