@@ -194,6 +194,24 @@ def test_memory_on_the_cpu_is_the_resident_set() -> None:
     assert "max_memory_allocated_mb" not in memory
 
 
+def test_memory_on_a_gpu_reads_the_allocators_peaks_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[Any] = []
+
+    def stats(device: Any) -> dict[str, Any]:
+        reads.append(device)
+        return {
+            "allocated_bytes": {"all": {"current": 1, "peak": 3 * 2**20}, "large_pool": {"peak": 7}},
+            "reserved_bytes": {"all": {"current": 2, "peak": 5 * 2**20}},
+        }
+
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", stats)
+    memory = devices.memory_mb(torch.device("cuda", 0))
+    assert memory["max_memory_allocated_mb"] == memory["peak_mb"] == 3.0
+    assert memory["max_memory_reserved_mb"] == 5.0 and len(reads) == 1
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: {})  # not initialised
+    assert devices.memory_mb(torch.device("cuda", 0))["max_memory_allocated_mb"] == 0.0
+
+
 # -- the watchdog still sees a GPU collective that wait() let go -------------------------------------
 class _Work:
     def __init__(self) -> None:

@@ -449,7 +449,7 @@ class Engine(ABC):
         """The exact check, on every rank that steps (``agree_nonfinite``): what was not finite, or None."""
         scaled = self.scaler_owns_overflow()
         bad = None if scaled else self.nonfinite_grad()
-        names = [name for name, _ in trainable(self.model)]
+        names = [name for name, _ in trainable(self.model)] if bad else []  # read only to name ``bad``
         loss_ok = scaled or math.isfinite(loss_share)
         return agree_nonfinite(self.trainers, names, bad, loss_ok, self.on_nonfinite)
 
