@@ -20,7 +20,7 @@ from shardwise.pipeline.adapt import (
 )
 from shardwise.pipeline.fitting import BUILT, FIT_STEPS, FITTED, TIMED, TIMED_STEPS, ScheduleFitter
 from shardwise.pipeline.schedules import build, stage_placement
-from shardwise.pipeline.simulate import Costs, simulate
+from shardwise.pipeline.simulate import Costs, simulate, step_time
 
 # the small GPT's two stages on this machine, in ms: the split costs the last stage about 1.7 ms a
 # micro-batch over its B (bench pipeline's profile under load)
@@ -58,6 +58,42 @@ def test_a_free_split_keeps_the_zero_bubble_schedule_s_step() -> None:
     )
 
 
+# the bench's small GPT (zb, 2 stages) as its profile timed it, in ms
+BENCH = {"forward": (3.41, 4.62), "backward": (4.85, 6.23), "input_grad": (3.12, 4.75)}
+BENCH_W, BENCH_LINK = (1.56, 2.27), {"transfer": 0.487, "send": 0.1}
+
+
+def test_a_step_ends_with_each_rank_s_update_after_its_own_last_action() -> None:
+    placement = stage_placement("1f1b", 2, 1)
+    schedule = build("1f1b", 2, 1, 4)
+    plain = simulate(schedule, placement, Costs.uniform())
+    ends = {rank: slots[-1].end for rank, slots in plain.slots.items()}
+    assert step_time(plain, placement, Costs.uniform()) == plain.makespan == max(ends.values())
+    costs = Costs(1.0, 2.0, 1.0, 1.0, update=(0.5, 3.0))
+    timeline = simulate(schedule, placement, costs)
+    assert step_time(timeline, placement, costs) == max(ends[0] + 0.5, ends[1] + 3.0)
+    # two stages on one rank (zbv's V): the rank's update is both stages'
+    v_placement = stage_placement("zbv", 2, 2)
+    v = simulate(build("zbv", 2, 2, 4), v_placement, Costs.uniform())
+    stage_updates = (1.0, 2.0, 4.0, 8.0)
+    v_costs = Costs(1.0, 2.0, 1.0, 1.0, update=stage_updates)
+    v_ends = {rank: slots[-1].end for rank, slots in v.slots.items()}
+    held = {r: sum(u for s, u in enumerate(stage_updates) if v_placement[s] == r) for r in v_ends}
+    assert step_time(v, v_placement, v_costs) == max(v_ends[r] + held[r] for r in v_ends)
+
+
+@pytest.mark.parametrize(
+    ("update", "kept"), [((0.0, 0.0), [(1, 2), (1, 3)]), ((0.0, 4.0), [(1, 3)]), ((0.0, 6.0), [])]
+)
+def test_a_rank_s_update_weighs_in_the_fit(update: tuple[float, float], kept: list[tuple[int, int]]) -> None:
+    """The last stage's deferred Ws fill its bubble while the first stage does its last backwards, and
+    end just before it (0.8 ms here); the longer the last stage's update, the fewer of them pay."""
+    placement = stage_placement("zb", 2, 1)
+    costs = Costs(**BENCH, weight_grad=BENCH_W, **BENCH_LINK, update=update)
+    fitted, _ = fit_schedule(fuse_schedule(build("zb", 2, 1, 4)), placement, costs)
+    assert sorted((a.stage, a.microbatch) for a in fitted[1] if a.kind is Kind.INPUT_GRAD) == kept
+
+
 def test_fully_fused_undoes_every_split() -> None:
     schedule = fully_fused(build("zbv", 2, 2, 4))
     assert not splits(schedule)
@@ -71,7 +107,7 @@ def test_the_fitter_times_steps_split_by_parity_then_runs_the_fit(monkeypatch: p
     ticks = iter(range(10_000))  # every timed action takes exactly one tick: B costs what I does
     clock = SimpleNamespace(perf_counter=lambda: float(next(ticks)))
     monkeypatch.setattr("shardwise.pipeline.fitting.time", clock)
-    seen = []
+    seen, updates = [], []
     for _ in range(FIT_STEPS + 1):
         phase = fitter.phase(4)
         seen.append((phase, fitter.timing(4)))
@@ -83,13 +119,19 @@ def test_the_fitter_times_steps_split_by_parity_then_runs_the_fit(monkeypatch: p
             with fitter.timed(action, action.microbatch in split, cpu):
                 pass
         fitter.step_done(4, None)
+        updates.append(fitter.timing_update(4))
+        if updates[-1]:  # the rank's update, as the engine runs it (``Engine.updates_early``)
+            with fitter.timed_update((1,), cpu):
+                pass
+    # timed: the updates of the timed steps but the last (the fit came first); never the warm-up's
+    assert updates == [False, True, True, True, False, False]
     in_turn = [TIMED[0], TIMED[1], TIMED[1], TIMED[0]]  # with one micro-batch: split, fused, fused, split
     assert seen == [(BUILT, False), *[(in_turn[k % 4], True) for k in range(TIMED_STEPS)], (FITTED, False)]
     assert FIT_STEPS == 1 + TIMED_STEPS
     # rank 1's B takes one tick and its I and W one each: the split costs a tick and fills nothing
     # here (rank 0 timed none), so the fit undoes it
     assert fitter.schedule(4, FITTED) == fully_fused(built) and fitter.reports[4]["splits_kept"] == 0
-    assert fitter.reports[4]["measured_ms"][1] == {k: 1000.0 for k in ("F", "B", "Fs", "I", "W")}
+    assert fitter.reports[4]["measured_ms"][1] == {k: 1000.0 for k in ("F", "B", "Fs", "I", "W", "U")}
 
 
 def test_split_by_parity_keeps_every_other_split_in_place() -> None:

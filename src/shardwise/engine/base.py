@@ -413,7 +413,8 @@ class Engine(ABC):
         may = self.updates_early()  # the same on every rank
         early = may and math.isfinite(loss_share) and math.isfinite(float(held))
         if early:
-            self.optimizer_step(measure=False)
+            with self.runner.early_update(self):  # a pipeline's fit weighs it (``adapt.fit_schedule``)
+                self.optimizer_step(measure=False)
         sums = read()
         if sums.finite:
             self._boundary = sums

@@ -25,7 +25,7 @@ The loss is accumulated as a tensor and read once per step (no host synchronisat
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
@@ -54,6 +54,11 @@ class StepRunner(Protocol):
 
     def take_notes(self) -> list[str]:
         """What a user should hear of how the steps run, once each (a pipeline's fit, in words)."""
+        ...
+
+    def early_update(self, engine: Engine) -> AbstractContextManager[object]:
+        """Around the update a rank runs before the step's verdict (``Engine.updates_early``): a
+        pipeline's fit times it, as part of the step's end on that rank."""
         ...
 
 
@@ -87,6 +92,9 @@ class MicroBatchLoop:
 
     def take_notes(self) -> list[str]:
         return []
+
+    def early_update(self, engine: Engine) -> AbstractContextManager[object]:
+        return nullcontext()
 
 
 class StepResult(NamedTuple):

@@ -6,8 +6,12 @@ out of cache and every deferred layer pays a hook, so I + W costs more than B (b
 micro-batch for the small layers of the CPU bench, its F 7% more). Where a W fills no bubble, running it
 right after its I, as one B, is then faster. ``fit_schedule`` decides it W by W on the simulator
 (``simulate.simulate``) with costs measured on the run itself: each W, in order, is moved next to its
-I and the pair made one B wherever that does not lengthen the simulated step. Every rank given the
-same costs makes the same choices, so their plans (and message orders) agree.
+I and the pair made one B wherever that does not lengthen the simulated step. The step a rank
+takes ends with its update, which a pipeline's rank starts right after its own last action
+(``Engine.updates_early``): so the step is each rank's last action plus its measured update, the
+latest of them (``simulate.step_time``), and a W deferred into a rank's tail pays for delaying that
+rank's update. Every rank given the same costs makes the same choices, so their plans (and message
+orders) agree.
 
 ``fully_fused`` is the schedule with every split undone, ``split_by_parity`` the one with every
 other micro-batch's split undone, ``measured_costs`` turns a run's per-stage timings into the
@@ -23,9 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardwise.pipeline.actions import Action, Kind, Schedule
-from shardwise.pipeline.simulate import Costs, simulate
+from shardwise.pipeline.simulate import Costs, simulate, step_time
 
-KINDS = ("F", "B", "Fs", "I", "W")  # what is timed per stage: F and B unsplit, F/I/W of a split one
+# what is timed per stage: F and B unsplit, F/I/W of a split one, and U, its share of the rank's update
+# where the rank updates before the step's verdict (``Engine.updates_early``; else none is timed)
+KINDS = ("F", "B", "Fs", "I", "W", "U")
 
 
 def fully_fused(schedule: Mapping[int, Sequence[Action]]) -> Schedule:
@@ -66,7 +72,8 @@ def measured_costs(per_stage: Sequence[Mapping[str, float]]) -> Costs:
     backward = tuple(s["B"] for s in per_stage)
     input_grad = tuple(s["I"] + max(0.0, s["Fs"] - s["F"]) for s in per_stage)
     weight_grad = tuple(s["W"] for s in per_stage)
-    return Costs(forward, backward, input_grad, weight_grad)
+    update = tuple(s.get("U", 0.0) for s in per_stage)
+    return Costs(forward, backward, input_grad, weight_grad, update=update)
 
 
 def fit_schedule(
@@ -75,17 +82,22 @@ def fit_schedule(
     """``schedule`` with each W that fills no bubble run next to its I as one B (module docstring);
     returns it and how many splits it kept."""
     current: Schedule = {rank: list(actions) for rank, actions in schedule.items()}
-    best = simulate(current, placement, costs).makespan
+    best = _step(current, placement, costs)
     candidates = [
         (rank, a) for rank, actions in current.items() for a in actions if a.kind is Kind.WEIGHT_GRAD
     ]
     for rank, weight in candidates:
         trial = {**current, rank: fuse_one(current[rank], weight)}
-        makespan = simulate(trial, placement, costs).makespan
-        if makespan <= best:
-            current, best = trial, makespan
+        length = _step(trial, placement, costs)
+        if length <= best:
+            current, best = trial, length
     kept = sum(a.kind is Kind.INPUT_GRAD for actions in current.values() for a in actions)
     return current, kept
+
+
+def _step(schedule: Schedule, placement: Sequence[int], costs: Costs) -> float:
+    """The simulated step a fit compares: each rank's update after its own last action (``step_time``)."""
+    return step_time(simulate(schedule, placement, costs), placement, costs)
 
 
 def fuse_one(actions: Sequence[Action], weight: Action) -> list[Action]:

@@ -5,7 +5,8 @@ timed); then ``TIMED_STEPS`` timed steps, each with only every other micro-batch
 (``adapt.split_by_parity``: the even ones, the odd ones, the odd ones, the even ones), so each of them
 times F and B (unsplit) beside the split's F, I and W, all at the speed the machine has in that step
 (with one micro-batch a step is split or fused whole, in that order, so a steady drift of the machine
-weighs on both alike); then every rank that steps sums its stages' timings in one all-reduce (each
+weighs on both alike), and, where ranks update before the step's verdict (``Engine.updates_early``),
+the update after each timed step but the last, U, shared equally by the rank's stages; then every rank that steps sums its stages' timings in one all-reduce (each
 stage's mean over the ranks that hold it: its dp replicas, its tp shards), so all of them fit the same
 schedule (``adapt.fit_schedule``), as their message orders and their dp and tp collectives per action
 need, and run it from step ``FIT_STEPS`` on. Timing whole steps fused against whole steps split (pairs
@@ -18,9 +19,9 @@ What a fit kept is said once on the reporting rank's stderr by the train loop (`
 the run's summary (``pipeline_fit``: ``adapt.fit_report``), so a zb run that became nearly 1F1B says
 so.
 
-Timing: ``time.perf_counter`` around each action on the CPU; on a GPU a pair of CUDA events per
-action, read after one synchronisation at the end of the timed step (``TIMED_STEPS`` in a run).
-Communication: one all-reduce (sum) of a (stages x 5 x 2) float64 table over the ranks that step,
+Timing: ``time.perf_counter`` around each action (and update) on the CPU; on a GPU a pair of CUDA
+events for each, read after the timed step's last action (``TIMED_STEPS`` reads in a run).
+Communication: one all-reduce (sum) of a (stages x 6 x 2) float64 table over the ranks that step,
 once per micro-batch count.
 """
 
@@ -67,6 +68,7 @@ class ScheduleFitter:
         self._steps: dict[int, int] = {}  # micro-batch count -> steps run with it
         self._fitted: dict[int, Schedule] = {}
         self._timed: list[tuple[int, str, Any, Any]] = []  # (stage, kind, start, end) this step
+        self._updates: list[tuple[tuple[int, ...], Any, Any]] = []  # (the rank's stages, start, end)
         self._sums = torch.zeros(stages, len(KINDS), 2, dtype=torch.float64, device=HOST)  # seconds, count
 
     def build(self, microbatches: int) -> Schedule:
@@ -116,37 +118,46 @@ class ScheduleFitter:
     def timed(self, action: Action, split: bool, device: torch.device) -> Iterator[None]:
         """Time ``action`` (``split``: its micro-batch's backward is an I and a W)."""
         kind = {Kind.FORWARD: "Fs" if split else "F", Kind.BACKWARD: "B"}.get(action.kind, action.kind.value)
-        start: Any
-        end: Any
-        if device.type == "cuda":
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
+        with _clock(device) as span:
             yield
-            end.record()
-        else:
-            start = time.perf_counter()
+        self._timed.append((action.stage, kind, *span))
+
+    def timing_update(self, microbatches: int) -> bool:
+        """Whether the update after this step is timed: those of the timed steps but the last (its
+        fit comes first) and never the warm-up's (the optimizer makes its state then)."""
+        return (
+            microbatches not in self._fitted
+            and 2 <= self._steps.get(microbatches, 0) < FIT_STEPS
+            and self.splits(microbatches)
+        )
+
+    @contextmanager
+    def timed_update(self, stages: tuple[int, ...], device: torch.device) -> Iterator[None]:
+        """Time the update of the rank holding ``stages`` (each stage is given its equal share, U)."""
+        with _clock(device) as span:
             yield
-            end = time.perf_counter()
-        self._timed.append((action.stage, kind, start, end))
+        self._updates.append((stages, *span))
 
     def step_done(self, microbatches: int, trainers: Comm | None) -> None:
         """After a step: its timings added; after the last timed one, the fit (all ranks at once)."""
         if self.phase(microbatches) == FITTED:
             return
-        if self._timed:
+        if self._timed or self._updates:
             self._add_timings()
         done = self._steps[microbatches] = self._steps.get(microbatches, 0) + 1
         if done == FIT_STEPS and self.splits(microbatches):
             self._fit(microbatches, trainers)
 
     def _add_timings(self) -> None:
-        if isinstance(self._timed[-1][3], torch.cuda.Event):
-            self._timed[-1][3].synchronize()  # once per timed step
-        for stage, kind, start, end in self._timed:
-            seconds = start.elapsed_time(end) / 1e3 if isinstance(end, torch.cuda.Event) else end - start
+        """This step's actions and the last step's update (``timed_update``), one wait for the device."""
+        timed = [(stage, kind, _seconds(start, end)) for stage, kind, start, end in self._timed]
+        for stages, start, end in self._updates:
+            timed += [(stage, "U", _seconds(start, end) / len(stages)) for stage in stages]
+        for stage, kind, seconds in timed:
             self._sums[stage, KINDS.index(kind), 0] += seconds
             self._sums[stage, KINDS.index(kind), 1] += 1.0
         self._timed.clear()
+        self._updates.clear()
 
     def _fit(self, microbatches: int, trainers: Comm | None) -> None:
         sums = self._sums.clone()
@@ -167,7 +178,30 @@ class ScheduleFitter:
 
 def _stage_costs(got: dict[str, float]) -> dict[str, float]:
     """One stage's costs for ``adapt.measured_costs`` from what was timed of it (a stage that ran no
-    split gets I and W of half its B, which nothing reads)."""
+    split gets I and W of half its B, which nothing reads; no update timed: none before the verdict)."""
     b = got.get("B", got.get("I", 0.0) + got.get("W", 0.0))
     f = got.get("F", got.get("Fs", 0.0))
-    return {"F": f, "B": b, "Fs": got.get("Fs", f), "I": got.get("I", b / 2), "W": got.get("W", b / 2)}
+    i, w = got.get("I", b / 2), got.get("W", b / 2)
+    return {"F": f, "B": b, "Fs": got.get("Fs", f), "I": i, "W": w, "U": got.get("U", 0.0)}
+
+
+@contextmanager
+def _clock(device: torch.device) -> Iterator[list[Any]]:
+    """The span of the work inside: a pair of CUDA events on a GPU (read later), else host seconds."""
+    span: list[Any] = []
+    if device.type == "cuda":
+        span += [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+        span[0].record()
+        yield span
+        span[1].record()
+    else:
+        span.append(time.perf_counter())
+        yield span
+        span.append(time.perf_counter())
+
+
+def _seconds(start: Any, end: Any) -> float:
+    if isinstance(end, torch.cuda.Event):
+        end.synchronize()  # returns at once for all but the first of a step's events
+        return float(start.elapsed_time(end)) / 1e3
+    return float(end - start)

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -89,6 +89,7 @@ class PipelineRunner:
         if self.weight_grads is not None:  # the I passes keep each linear layer's dW for the W pass
             defer_weight_grads(next(iter(split.stages.values())).adapter.model, self.weight_grads)
         self._plans: dict[tuple[int, str], _Plan] = {}
+        self._microbatches = 0  # the last step's count (``early_update``)
         self.tied = TiedExchange(split, comm, self.placement)
         # the first stage's I followed by its W is one B; a split schedule is then fitted to the run
         self.fitter = ScheduleFitter(
@@ -120,6 +121,7 @@ class PipelineRunner:
         given = [self.split.inputs(batch) for batch in micro_batches]
         divisor = engine.begin_step(micro_batches, global_count)
         actions, posts, anchor = self.step_plan(len(micro_batches))
+        self._microbatches = len(micro_batches)  # the update after it is timed by this count's fit
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
         state = _StepState(given, _dtype(engine), self.split.hidden_size, engine.device)
         state.split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.INPUT_GRAD}
@@ -158,6 +160,14 @@ class PipelineRunner:
     def take_notes(self) -> list[str]:
         """What each fit since the last call kept, in words (the train loop prints them once)."""
         return self.fitter.take_notes()
+
+    def early_update(self, engine: Engine) -> AbstractContextManager[object]:
+        """Around this rank's update before the step's verdict: timed while the fitter times (the
+        rank's share of the step's end, which ``adapt.fit_schedule`` weighs)."""
+        if not self.fitter.timing_update(self._microbatches):
+            return nullcontext()
+        stages = tuple(s for s, rank in enumerate(self.placement) if rank == self.comm.rank)
+        return self.fitter.timed_update(stages, engine.device)
 
     def _post(self, engine: Engine, boundary: list[Transfer], empty: set[int], state: _StepState) -> None:
         """This boundary's sends and receives, in the step's one order (``pipeline/messages.py``),

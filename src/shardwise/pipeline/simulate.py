@@ -38,8 +38,9 @@ PerStage = float | tuple[float, ...]  # one cost for every stage, or one per sta
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds (or any unit) per action kind, per stage; ``transfer`` per message, and ``send``: what
-    posting one occupies its sender (module docstring; 0 unless given).
+    """Seconds (or any unit) per action kind, per stage; ``transfer`` per message, ``send``: what
+    posting one occupies its sender (module docstring; 0 unless given), and ``update``: what each
+    stage's update adds to its rank's step after its last action (``step_time``; 0 unless given).
 
     Convention: ``backward`` is a full B; a split backward costs ``input_grad`` (I) and
     ``weight_grad`` (W), which ``uniform`` sets to half of B each unless given.
@@ -51,6 +52,7 @@ class Costs:
     weight_grad: PerStage = 1.0
     transfer: float = 0.0
     send: float = 0.0
+    update: PerStage = 0.0  # the optimizer's update of the stage's parameters (``step_time``)
 
     @classmethod
     def uniform(
@@ -152,6 +154,19 @@ def simulate(schedule: Mapping[int, Sequence[Action]], placement: Sequence[int],
                 moved = True
     busy = {rank: sum(s.end - s.start for s in rank_slots) for rank, rank_slots in slots.items()}
     return Timeline(slots, max(end.values(), default=0.0), busy)
+
+
+def step_time(timeline: Timeline, placement: Sequence[int], costs: Costs) -> float:
+    """The step's length where each rank updates right after its own last action, not waiting for
+    the others (a pipeline under ``Engine.updates_early``): the latest of the ranks' last action's end
+    plus the update of every stage the rank holds. The makespan when ``costs.update`` is 0."""
+    updates = costs.update
+    ends = []
+    for rank, rank_slots in timeline.slots.items():
+        stages = [s for s, r in enumerate(placement) if r == rank]
+        held = updates * len(stages) if isinstance(updates, float | int) else sum(updates[s] for s in stages)
+        ends.append(max((slot.end for slot in rank_slots), default=0.0) + held)
+    return max(ends, default=0.0)
 
 
 def _posts(
