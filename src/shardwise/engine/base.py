@@ -131,8 +131,9 @@ def sq_sum(tensors: Sequence[torch.Tensor], device: torch.device = HOST) -> torc
     """
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm([t.detach() for t in tensors])
-    return torch.stack(norms).double().pow(2).sum()  # on the tensors' device: read once, by the caller
+    with torch.no_grad():  # not a detach per tensor: on a GPU at world size 1 a step's ops are its time
+        norms = torch._foreach_norm(list(tensors))
+        return torch.stack(norms).double().pow(2).sum()  # on the tensors' device: read once, by the caller
 
 
 class Engine(ABC):

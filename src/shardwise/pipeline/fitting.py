@@ -6,8 +6,9 @@ timed); then ``TIMED_STEPS`` timed steps, each with only every other micro-batch
 times F and B (unsplit) beside the split's F, I and W, all at the speed the machine has in that step
 (with one micro-batch a step is split or fused whole, in that order, so a steady drift of the machine
 weighs on both alike), and, where ranks update before the step's verdict (``Engine.updates_early``),
-the update after each timed step but the last, U, shared equally by the rank's stages; then every rank that steps sums its stages' timings in one all-reduce (each
-stage's mean over the ranks that hold it: its dp replicas, its tp shards), so all of them fit the same
+the update after each timed step but the last, U, shared equally by the rank's stages; then every
+rank that steps sums its stages' timings in one all-reduce (each stage's mean over the ranks that
+hold it: its dp replicas, its tp shards), so all of them fit the same
 schedule (``adapt.fit_schedule``), as their message orders and their dp and tp collectives per action
 need, and run it from step ``FIT_STEPS`` on. Timing whole steps fused against whole steps split (pairs
 of steps, in turn) left the comparison to the machine's speed from one step to the next, which swings
