@@ -69,3 +69,21 @@ def test_bench_gpu_without_cuda_skips_in_one_line(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardwise bench gpu: skipped: this machine has no CUDA")
     assert not list(tmp_path.iterdir())
+
+
+def test_the_overhead_worker_times_each_side_s_host_phases_here_too() -> None:
+    """The overhead's per-phase host times (what says where our extra time goes on a GPU) come from
+    the same worker on the CPU: each side's step, its forward and backward, its update, the rest."""
+    from shardwise.bench.gpu_overhead import WARMUP_STEPS, overhead_worker
+    from shardwise.config import load_config
+    from shardwise.launcher import launch_local
+
+    overrides = {"device": "cpu", "model.preset": "tiny", "steps": str(WARMUP_STEPS + 3)}
+    config = load_config(None, {**overrides, "data.global_batch": "4", "model.seq_len": "16"})
+    for side in ("shardwise", "torch"):
+        row = launch_local(overhead_worker, (side, config), 1)[0]
+        host = row["host_ms"]
+        assert set(host) == {"step", "forward_backward", "update", "rest"}, (side, host)
+        assert 0 < host["forward_backward"] <= host["step"] and 0 < host["update"] <= host["step"], host
+        assert host["rest"] >= 0, host
+        assert row["tokens_per_s"] > 0

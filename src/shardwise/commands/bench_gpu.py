@@ -165,7 +165,7 @@ def overhead(preset: str, steps: int, rounds: int) -> dict[str, Any]:
             "hang_timeout_s": "0",
         },
     )
-    runs: dict[str, list[dict[str, float]]] = {"shardwise": [], "torch": []}
+    runs: dict[str, list[dict[str, Any]]] = {"shardwise": [], "torch": []}
     for r in range(rounds):
         for side in ("shardwise", "torch") if r % 2 == 0 else ("torch", "shardwise"):
             runs[side].append(launch_local(overhead_worker, (side, config), 1)[0])
@@ -175,6 +175,7 @@ def overhead(preset: str, steps: int, rounds: int) -> dict[str, Any]:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
             "max_memory_allocated_mb": statistics.median(r["max_memory_allocated_mb"] for r in rows),
             "max_memory_reserved_mb": statistics.median(r["max_memory_reserved_mb"] for r in rows),
+            "host_ms": {p: statistics.median(r["host_ms"][p] for r in rows) for p in rows[0]["host_ms"]},
             "runs": rows,
         }
     out["speed_ratio"] = out["shardwise"]["tokens_per_s"] / out["torch"]["tokens_per_s"]
@@ -191,6 +192,9 @@ def _render(results: dict[str, Any]) -> None:
                 f"overhead on {result['device']}: shardwise / torch tokens/s {result['speed_ratio']:.3f} "
                 f"(goal >= 0.97), peak allocated {result['memory_ratio']:.3f} (goal <= 1.05)"
             )
+            ours, theirs = result["shardwise"]["host_ms"], result["torch"]["host_ms"]
+            phases = ", ".join(f"{p} {ours[p]:.2f} / {theirs[p]:.2f}" for p in ours if p in theirs)
+            print(f"  host ms per step, shardwise / torch: {phases}")
             continue
         print(f"{part} on {result['device']}: {'OK' if result['ok'] else 'FAILED'}")
         for name, row in result["rows"].items():
