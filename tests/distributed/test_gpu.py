@@ -15,7 +15,7 @@ import torch
 from shardwise.commands.bench_gpu import _verify_config
 from shardwise.device import CUDA_BACKEND_ENV
 
-from .cli_helpers import shardwise
+from .cli_helpers import in_process, shardwise
 
 NO_CUDA = "no CUDA on this machine: the GPU checks need a GPU (run `shardwise bench gpu` on one)"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
@@ -68,6 +68,23 @@ def test_bench_gpu_without_cuda_skips_in_one_line(tmp_path: Path) -> None:
     assert result.returncode == 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardwise bench gpu: skipped: this machine has no CUDA")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--parts", "nonsense"], "--parts: unknown nonsense; choose from world1, shared, overhead"),
+        (["--parts", ","], "--parts: none given"),
+        (["--rounds", "0"], "--steps and --rounds must be at least 1"),
+    ],
+)
+def test_bench_gpu_refuses_bad_arguments_with_or_without_cuda(
+    argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = in_process(["bench", "gpu", *argv, "--out-dir", str(tmp_path)], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and says in lines[0], err
     assert not list(tmp_path.iterdir())
 
 

@@ -75,3 +75,10 @@ def test_names_come_in_the_order_given_across_dtypes_missing_and_empty_tensors(d
     flag = all_finite([t(torch.float32), t(torch.float16, float("inf"))])
     assert flag.device.type == torch.device(device).type and flag.dim() == 0  # left on the device
     assert not bool(flag)
+
+
+def test_integer_and_bool_tensors_count_finite_and_no_tensors_at_all_is_finite() -> None:
+    ints, flags = torch.tensor([1, 2, 3]), torch.tensor([True, False])
+    assert bool(all_finite([ints, flags])) and bool(all_finite([]))
+    named = [("ints", ints), ("nan", torch.tensor([float("nan")])), ("flags", flags)]
+    assert nonfinite_names(named) == ["nan"]

@@ -80,6 +80,9 @@ def test_a_step_ends_with_each_rank_s_update_after_its_own_last_action() -> None
     v_ends = {rank: slots[-1].end for rank, slots in v.slots.items()}
     held = {r: sum(u for s, u in enumerate(stage_updates) if v_placement[s] == r) for r in v_ends}
     assert step_time(v, v_placement, v_costs) == max(v_ends[r] + held[r] for r in v_ends)
+    # a rank the timeline has no slots for still updates
+    only_rank_0 = type(plain)({0: plain.slots[0]}, plain.makespan)
+    assert step_time(only_rank_0, placement, costs) == max(ends[0] + 0.5, 3.0)
 
 
 @pytest.mark.parametrize(

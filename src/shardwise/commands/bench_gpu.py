@@ -82,6 +82,13 @@ def bench_gpu_command(args: argparse.Namespace) -> int:
     from shardwise.commands.output import emit, write_json
     from shardwise.config import ConfigError
 
+    parts = [p for p in args.parts.split(",") if p]  # checked first: a typo is found before a GPU is
+    if unknown := sorted(set(parts) - set(PARTS)):
+        raise ConfigError(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    if not parts:
+        raise ConfigError(f"--parts: none given; choose from {', '.join(PARTS)}")
+    if args.steps < 1 or args.rounds < 1:
+        raise ConfigError(f"--steps and --rounds must be at least 1 (got {args.steps}, {args.rounds})")
     if not cuda_count():
         print(
             "shardwise bench gpu: skipped: this machine has no CUDA device (torch.cuda.is_available() "
@@ -89,9 +96,6 @@ def bench_gpu_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
-    parts = [p for p in args.parts.split(",") if p]
-    if unknown := sorted(set(parts) - set(PARTS)):
-        raise ConfigError(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     results: dict[str, Any] = {}
     for part in parts:
         if part == "world1":

@@ -159,6 +159,7 @@ class Engine(ABC):
         # every rank that steps: the norm's and the loss's shares are summed over it (None: this rank alone)
         self.trainers: Comm | None = None
         self._boundary: BoundarySums | None = None  # this step's one all-reduce at its boundary, if made
+        self._measured: tuple[torch.Tensor, Comm | None] | None = None  # this step's norm share, if taken
         # the further axes the model is cut over, innermost first (engine/axis.py)
         self.axes: list[Axis] = []
         self.clip_grad_norm = 0.0  # 0 or inf: measure the global norm, never clip
@@ -391,10 +392,15 @@ class Engine(ABC):
         if self.optimizer_runs == "servers":
             self.optimizer_step()
             return self.servers_nonfinite()
-        self._boundary = None
+        self._boundary = self._measured = None
         if self.axes and not self.scaler.enabled:
             return self._update_at_boundary(loss_share)
-        found = self._agree_nonfinite(loss_share)
+        finite = False
+        if not self.scaler.enabled:  # the norm's share first: the update's clipping reuses it
+            share, comm, held = self._norm_shares()
+            self._measured = (share, comm)
+            finite = math.isfinite(float(held))  # then every gradient this rank holds is (one read)
+        found = self._agree_nonfinite(loss_share, grads_finite=finite)
         if found is None:
             self.optimizer_step()
         else:
@@ -447,10 +453,12 @@ class Engine(ABC):
         pipelined = any(axis.step_runner is not None for axis in self.axes)
         return pipelined and self.on_nonfinite == "stop" and not clipping and not self.update_communicates
 
-    def _agree_nonfinite(self, loss_share: float) -> NonFinite | None:
-        """The exact check, on every rank that steps (``agree_nonfinite``): what was not finite, or None."""
+    def _agree_nonfinite(self, loss_share: float, grads_finite: bool = False) -> NonFinite | None:
+        """The exact check, on every rank that steps (``agree_nonfinite``): what was not finite, or None.
+        ``grads_finite``: this rank's held gradients are known finite (a finite norm share: a NaN or
+        inf would make it not finite), so none of them is looked at one by one."""
         scaled = self.scaler_owns_overflow()
-        bad = None if scaled else self.nonfinite_grad()
+        bad = None if scaled or grads_finite else self.nonfinite_grad()
         names = [name for name, _ in trainable(self.model)] if bad else []  # read only to name ``bad``
         loss_ok = scaled or math.isfinite(loss_share)
         return agree_nonfinite(self.trainers, names, bad, loss_ok, self.on_nonfinite)
@@ -471,7 +479,8 @@ class Engine(ABC):
         if self._boundary is not None:  # summed at the step's boundary already
             norm = math.sqrt(self._boundary.norm_sq)
         else:
-            share, comm = self.grad_norm_sq()
+            share, comm = self._measured or self.grad_norm_sq()  # taken by ``update`` this step
+            self._measured = None
             if comm is not None:
                 comm.all_reduce(share, label=NORM_LABEL)
             norm = float(share.sqrt())

@@ -2,19 +2,20 @@
 step, to go on, skip the update or stop.
 
 Communication: one all-reduce (min) of two integers over the ranks that step, between the gradient
-exchange and the update, and only for engines whose optimizer runs on those ranks; where a gradient
-was not finite, one broadcast of its parameter's name from the lowest rank that found one (ranks
-that hold different parameters, a pipeline's stages, could not name it otherwise). The flags are read
-on the host first (each engine stacks its per-tensor checks on the device and reads them once), so the
-all-reduce is host bookkeeping, over gloo. (The per-step
+exchange and the update, and only for engines whose optimizer runs on those ranks; where a gradient was
+not finite, one broadcast of its parameter's name from the lowest rank that found one (ranks that hold
+different parameters, a pipeline's stages, could not name it otherwise). The flags are read on the host
+first, so the all-reduce is host bookkeeping, over gloo: a rank whose share of the squared norm is
+finite (taken first, and reused by the update's clipping) holds only finite gradients and looks at none
+of them; otherwise each engine takes its tensors' peaks on the device and reads them once. (The per-step
 metrics all-gather cannot carry it: it runs after the update so that it times the whole step, and the
-verdict is needed before.) Each rank contributes whether its loss share is finite and the index of
-the first parameter whose gradient, as it holds it, is not (``Engine.nonfinite_grad``); the minimum
-over ranks is the same verdict everywhere. ``Engine.update`` asks for it in every step spine (the
-Trainer's and ``Engine.train_step``'s). A parameter server's servers check the summed gradient
-themselves and send their verdict with the weights (``Engine.servers_nonfinite``): no message more.
-Under fp16 dynamic loss scaling the scaler owns overflows (it skips the step and lowers the scale),
-until its scale reaches its floor.
+verdict is needed before.) Each rank contributes whether its loss share is finite and the index of the
+first parameter whose gradient, as it holds it, is not (``Engine.nonfinite_grad``); the minimum over
+ranks is the same verdict everywhere. ``Engine.update`` asks for it in every step spine (the Trainer's
+and ``Engine.train_step``'s). A parameter server's servers check the summed gradient themselves and send
+their verdict with the weights (``Engine.servers_nonfinite``): no message more. Under fp16 dynamic loss
+scaling the scaler owns overflows (it skips the step and lowers the scale), until its scale reaches its
+floor.
 
 With further axes (pipeline, tensor parallelism, hybrid replicas: the norm's shares are summed over the
 same ranks that step) and unscaled gradients, the step's boundary is one all-reduce instead
@@ -90,20 +91,26 @@ def describe_nonfinite(loss_ok: bool, grad_name: str | None) -> str:
 
 
 def _peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's largest magnitude, stacked on their device: finite exactly when every element is
-    (a NaN or an inf is its own tensor's peak; no sum, so nothing overflows). One multi-tensor kernel per
-    device and dtype, not several small ones per tensor: on a GPU a step's launches are its time."""
+    """Each tensor's largest magnitude, stacked on their device (one device: a rank's gradients):
+    finite exactly when every element is (a NaN or an inf is its own tensor's peak; no sum, so nothing
+    overflows). One multi-tensor kernel per dtype, not several small ones per tensor: on a GPU a
+    step's launches are its time."""
     return torch.stack(torch._foreach_norm(list(tensors), math.inf))
 
 
+def _checked(tensor: torch.Tensor | None) -> bool:
+    """Whether ``tensor`` can hold a NaN or inf at all: a floating (or complex) one with elements."""
+    return tensor is not None and bool(tensor.numel()) and (tensor.is_floating_point() or tensor.is_complex())
+
+
 def nonfinite_names(named: Sequence[tuple[str, torch.Tensor | None]]) -> list[str]:
-    """Every name whose tensor has a NaN or inf, in the order given (a missing or empty tensor counts
-    finite). The peaks are taken together on the tensors' device and read once (no synchronisation
-    per tensor)."""
-    present = [(name, t) for name, t in named if t is not None and t.numel()]
+    """Every name whose tensor has a NaN or inf, in the order given (a missing, empty or integer
+    tensor counts finite). The peaks are taken together on the tensors' device and read once (no
+    synchronisation per tensor)."""
+    present = [(name, t) for name, t in named if _checked(t)]
     if not present:
         return []
-    finite = torch.isfinite(_peaks([t for _, t in present])).tolist()
+    finite = torch.isfinite(_peaks([t for _, t in present if t is not None])).tolist()
     return [name for (name, _), ok in zip(present, finite, strict=True) if not ok]
 
 
@@ -114,10 +121,11 @@ def first_nonfinite(named: Sequence[tuple[str, torch.Tensor | None]]) -> str | N
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """A 0-d bool tensor on the tensors' device: every element of every one of ``tensors`` is finite
-    (not read here: the caller reads it, or sends it, once)."""
-    present = [t for t in tensors if t.numel()]
+    (True for none, or only empty or integer ones). Not read here: the caller reads it, or sends it,
+    once."""
+    present = [t for t in tensors if _checked(t)]
     if not present:
-        return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else "cpu")
+        return torch.ones((), dtype=torch.bool, device=tensors[0].device if len(tensors) else HOST)
     return torch.isfinite(_peaks(present)).all()
 
 

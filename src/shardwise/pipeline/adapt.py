@@ -110,8 +110,9 @@ def fit_report(
     per_stage: Sequence[Mapping[str, float]],
 ) -> dict[str, Any]:  # fmt: skip
     """What a fit chose: how many backwards the schedule splits as built and how many it kept split,
-    which (``[stage, micro-batch]``), and the costs it chose from as timed (ms per micro-batch; a
-    stage that never splits has no I or W)."""
+    which (``[stage, micro-batch]``, from 0), and the costs it chose from as timed (ms per
+    micro-batch; U, the stage's share of its rank's update, ms per step; a stage that never splits
+    has no Fs, I or W)."""
     kept = sorted(
         (a.stage, a.microbatch) for acts in fitted.values() for a in acts if a.kind is Kind.INPUT_GRAD
     )

@@ -158,14 +158,14 @@ def simulate(schedule: Mapping[int, Sequence[Action]], placement: Sequence[int],
 
 def step_time(timeline: Timeline, placement: Sequence[int], costs: Costs) -> float:
     """The step's length where each rank updates right after its own last action, not waiting for
-    the others (a pipeline under ``Engine.updates_early``): the latest of the ranks' last action's end
-    plus the update of every stage the rank holds. The makespan when ``costs.update`` is 0."""
+    the others (a pipeline under ``Engine.updates_early``): over the ranks, the latest of (the rank's
+    last action's end + the updates of every stage it holds). The makespan when ``costs.update`` is 0."""
     updates = costs.update
     ends = []
-    for rank, rank_slots in timeline.slots.items():
+    for rank in sorted(set(placement)):
         stages = [s for s, r in enumerate(placement) if r == rank]
         held = updates * len(stages) if isinstance(updates, float | int) else sum(updates[s] for s in stages)
-        ends.append(max((slot.end for slot in rank_slots), default=0.0) + held)
+        ends.append(max((slot.end for slot in timeline.slots.get(rank, [])), default=0.0) + held)
     return max(ends, default=0.0)
 
 

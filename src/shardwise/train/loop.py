@@ -350,9 +350,7 @@ def _loop(
     try:
         for step in range(start, config.steps):
             record = trainer.step(step)
-            for note in trainer.engine.runner.take_notes():  # a pipeline's fit, in words, once
-                if role.reports:
-                    log(note)
+            notes = trainer.engine.runner.take_notes()  # a pipeline's fit, in words, once
             last = step == config.steps - 1
             if record.nonfinite and not record.skipped:  # every rank, this same step
                 writer.write(record)
@@ -365,6 +363,8 @@ def _loop(
                 eval_losses.append((step, record.eval_loss))
             writer.write(record)
             progress.update(record)
+            for note in notes if role.reports else []:  # after this step's line: it is about the next
+                log(note)
             if ckpt:
                 MONITOR.set_phase("checkpoint", step)
                 ckpt.after_step(record, eval_losses, skipped)
