@@ -206,6 +206,8 @@ def _expected(hint: Any) -> str:
     if typing.get_origin(hint) is tuple:
         items = [a for a in typing.get_args(hint) if a is not Ellipsis]
         return f"a comma-separated list of {_expected(items[0])}"
+    if hint is bool:  # what a command line may say; a TOML file says true or false
+        return "bool (true/false, yes/no or 1/0)"
     return str(getattr(hint, "__name__", hint))
 
 

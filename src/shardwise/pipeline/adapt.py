@@ -132,7 +132,8 @@ def describe_fit(microbatches: int, report: Mapping[str, Any]) -> str:
         by_stage.setdefault(stage, []).append(str(mb))
     where = "; ".join(f"stage {s}: micro-batch {', '.join(mbs)}" for s, mbs in sorted(by_stage.items()))
     if kept == built:
-        split = f"all {built} backwards stay split into I and a later W ({where})"
+        every = f"all {built} backwards stay" if built > 1 else "its one split backward stays"
+        split = f"{every} split into I and a later W ({where})"
     elif kept:
         split = (
             f"{kept} of {built} backwards stay split into I and a later W ({where}); the other "
@@ -141,7 +142,8 @@ def describe_fit(microbatches: int, report: Mapping[str, Any]) -> str:
     else:
         split = f"none of its {built} split backwards pays here: all {built} run as one B"
     return (
-        f"the zero-bubble schedule, fitted to this run's timings ({microbatches} micro-batches), from the "
+        f"the zero-bubble schedule, fitted to this run's timings ({microbatches} "
+        f"micro-batch{'es' if microbatches != 1 else ''}), from the "
         f"next step on: {split} "
         "(--set parallel.fit_schedule=false keeps every split as built)"
     )
