@@ -2,7 +2,7 @@
 # The GPU checks in one call, for a machine with a GPU and a torch of its own (a lent one, a cloud box):
 # shardwise is installed without its dependencies where it is not importable (the machine's torch
 # stays), then the parity parts and the GPU tests run side by side (timing nothing), then the overhead
-# against plain PyTorch alone (timings). About 4 minutes on one H200.
+# against plain PyTorch alone (timings). Not yet run whole on a GPU; its parts took about 4 minutes on an H200.
 #
 #   bash scripts/gpu_check.sh OUT_DIR      # logs and benchmarks' gpu-*.json land in OUT_DIR (8 files)
 #

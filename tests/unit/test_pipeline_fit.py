@@ -109,7 +109,7 @@ def test_the_fitter_times_steps_split_by_parity_then_runs_the_fit(monkeypatch: p
     cpu = torch.device("cpu")
     ticks = iter(range(10_000))  # every timed action takes exactly one tick: B costs what I does
     clock = SimpleNamespace(perf_counter=lambda: float(next(ticks)))
-    monkeypatch.setattr("shardwise.pipeline.fitting.time", clock)
+    monkeypatch.setattr("shardwise.device.time", clock)  # the fitter times with device.Clock
     seen, updates = [], []
     for _ in range(FIT_STEPS + 1):
         phase = fitter.phase(4)

@@ -52,7 +52,7 @@ from shardwise.device import HOST
 from shardwise.engine.base import Engine, NamedTensors, Role, StateReader, sq_sum
 from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import full_state_tensors, load_full_state, replicated_pieces
-from shardwise.engine.nonfinite import all_finite, first_nonfinite
+from shardwise.engine.nonfinite import all_finite
 from shardwise.engine.precision import LOSS_SCALE
 
 
@@ -234,10 +234,6 @@ class DDPEngine(Engine):
         if self.bucketed:
             return [bucket.buffer for bucket in self.buckets]
         return [p.grad for p in self.params if p.grad is not None]
-
-    def nonfinite_grad(self) -> str | None:
-        """As the base class's, over the trainable parameters listed at construction (no module walk)."""
-        return first_nonfinite([(self._names[id(p)], p.grad) for p in self.params])
 
     def held_norm_sq(self) -> tuple[torch.Tensor, Comm | None]:
         return sq_sum(self._grad_tensors(), self.device), None  # every rank holds the whole, reduced gradient

@@ -28,7 +28,6 @@ once per micro-batch count.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 
 from shardwise.collectives.api import Comm
-from shardwise.device import HOST
+from shardwise.device import HOST, Clock
 from shardwise.pipeline.actions import Action, Kind, Schedule
 from shardwise.pipeline.adapt import (
     KINDS,
@@ -68,8 +67,8 @@ class ScheduleFitter:
         self._splits: dict[int, bool] = {}  # micro-batch count -> whether it splits any backward
         self._steps: dict[int, int] = {}  # micro-batch count -> steps run with it
         self._fitted: dict[int, Schedule] = {}
-        self._timed: list[tuple[int, str, Any, Any]] = []  # (stage, kind, start, end) this step
-        self._updates: list[tuple[tuple[int, ...], Any, Any]] = []  # (the rank's stages, start, end)
+        self._timed: list[tuple[int, str, Clock]] = []  # (stage, kind, its clock) this step
+        self._updates: list[tuple[tuple[int, ...], Clock]] = []  # (the rank's stages, its clock)
         self._sums = torch.zeros(stages, len(KINDS), 2, dtype=torch.float64, device=HOST)  # seconds, count
 
     def build(self, microbatches: int) -> Schedule:
@@ -119,9 +118,10 @@ class ScheduleFitter:
     def timed(self, action: Action, split: bool, device: torch.device) -> Iterator[None]:
         """Time ``action`` (``split``: its micro-batch's backward is an I and a W)."""
         kind = {Kind.FORWARD: "Fs" if split else "F", Kind.BACKWARD: "B"}.get(action.kind, action.kind.value)
-        with _clock(device) as span:
-            yield
-        self._timed.append((action.stage, kind, *span))
+        clock = Clock(device).start()
+        yield
+        clock.stop()
+        self._timed.append((action.stage, kind, clock))
 
     def timing_update(self, microbatches: int) -> bool:
         """Whether the update after this step is timed: those of the timed steps but the last (its
@@ -135,9 +135,10 @@ class ScheduleFitter:
     @contextmanager
     def timed_update(self, stages: tuple[int, ...], device: torch.device) -> Iterator[None]:
         """Time the update of the rank holding ``stages`` (each stage is given its equal share, U)."""
-        with _clock(device) as span:
-            yield
-        self._updates.append((stages, *span))
+        clock = Clock(device).start()
+        yield
+        clock.stop()
+        self._updates.append((stages, clock))
 
     def step_done(self, microbatches: int, trainers: Comm | None) -> None:
         """After a step: its timings added; after the last timed one, the fit (all ranks at once)."""
@@ -151,9 +152,9 @@ class ScheduleFitter:
 
     def _add_timings(self) -> None:
         """This step's actions and the last step's update (``timed_update``), one wait for the device."""
-        timed = [(stage, kind, _seconds(start, end)) for stage, kind, start, end in self._timed]
-        for stages, start, end in self._updates:
-            timed += [(stage, "U", _seconds(start, end) / len(stages)) for stage in stages]
+        timed = [(stage, kind, clock.seconds()) for stage, kind, clock in self._timed]
+        for stages, clock in self._updates:
+            timed += [(stage, "U", clock.seconds() / len(stages)) for stage in stages]
         for stage, kind, seconds in timed:
             self._sums[stage, KINDS.index(kind), 0] += seconds
             self._sums[stage, KINDS.index(kind), 1] += 1.0
@@ -185,24 +186,3 @@ def _stage_costs(got: dict[str, float]) -> dict[str, float]:
     i, w = got.get("I", b / 2), got.get("W", b / 2)
     return {"F": f, "B": b, "Fs": got.get("Fs", f), "I": i, "W": w, "U": got.get("U", 0.0)}
 
-
-@contextmanager
-def _clock(device: torch.device) -> Iterator[list[Any]]:
-    """The span of the work inside: a pair of CUDA events on a GPU (read later), else host seconds."""
-    span: list[Any] = []
-    if device.type == "cuda":
-        span += [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
-        span[0].record()
-        yield span
-        span[1].record()
-    else:
-        span.append(time.perf_counter())
-        yield span
-        span.append(time.perf_counter())
-
-
-def _seconds(start: Any, end: Any) -> float:
-    if isinstance(end, torch.cuda.Event):
-        end.synchronize()  # returns at once for all but the first of a step's events
-        return float(start.elapsed_time(end)) / 1e3
-    return float(end - start)
