@@ -9,6 +9,7 @@ import itertools
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from shardwise.pipeline.actions import transfers
 from shardwise.pipeline.messages import check_same_order, message_order, plan, post_plan
@@ -127,3 +128,64 @@ def test_the_tied_values_follow_the_same_message_at_both_ends(
         for rank, peer in ((owner, copy), (copy, owner)):
             pair = [t.key for boundary in plans[rank] for t in boundary if t.peer == peer]
             assert pair[0] == anchor, (rank, early)
+
+
+def _copy_end(rank: int, peer: int) -> TiedExchange:
+    """The copy's end of a tied weight that trains."""
+    end = _tied_end(False, rank, peer)
+    end.tied = SimpleNamespace(copy=SimpleNamespace(requires_grad=True))  # type: ignore[assignment]
+    return end
+
+
+@pytest.mark.parametrize(("name", "pp", "virtual", "m"), grid())
+def test_the_tied_gradient_leaves_once_whole_and_last_in_its_pair(
+    name: str, pp: int, virtual: int, m: int
+) -> None:
+    """The copy's rank sends the tied gradient at the first boundary past both its last backward (B
+    or I) of the last stage, which makes the gradient whole, and its last other message with the
+    owner's rank, so it is the last message of their pair at both ends (the owner receives it after
+    its last other message with that rank)."""
+    schedule, where = build(name, pp, virtual, m), stage_placement(name, pp, virtual)
+    owner, copy, last = where[0], where[-1], len(where) - 1
+    if owner == copy:
+        return
+    for early in (False, True):
+        plans = plan(schedule, where, early)
+        at = _copy_end(copy, owner).send_boundary(schedule[copy], plans[copy], last)
+        assert at is not None
+        made = max(i + 1 for i, a in enumerate(schedule[copy]) if a.stage == last and a.kind.value in "BI")
+        with_owner = [i for i, b in enumerate(plans[copy]) for t in b if t.peer == owner]
+        assert at == max([made, *with_owner])
+        assert all(t.peer != owner for b in plans[copy][at + 1 :] for t in b)
+
+
+def test_zb_s_tied_gradient_leaves_before_the_w_passes_left_at_the_step_s_end() -> None:
+    """On zb over 2 ranks the last stage runs its last I, then W passes: the gradient leaves between
+    them, not after the last W (the first stage's update waits for it)."""
+    schedule, where = build("zb", 2, 1, 4), stage_placement("zb", 2, 1)
+    actions = schedule[1]
+    at = _copy_end(1, 0).send_boundary(actions, plan(schedule, where, True)[1], 1)
+    assert [str(a) for a in actions[at:]] == ["1W2", "1W3"]
+    assert str(actions[at - 1]) == "1I3"
+
+
+def test_the_copy_s_head_waits_for_the_values_when_it_starts() -> None:
+    """The copy's end waits for the owner's values where the head that reads them starts its forward
+    (a pre-hook), so the last stage's first F starts on its activation alone."""
+    from torch import nn
+
+    from shardwise.pipeline.split import Tied
+
+    head = nn.Linear(3, 2, bias=False)
+    copy = head.weight.detach().clone().requires_grad_(True)
+    split = SimpleNamespace(tied_owner=None, tied=Tied("wte.weight", copy, head))
+    waited: list[str] = []
+    posted = SimpleNamespace(wait=lambda: waited.append("values"))
+    comm = SimpleNamespace(rank=1, irecv=lambda *_: posted)
+    end = TiedExchange(split, comm, [0, 1])  # type: ignore[arg-type]
+    assert end.waits_in_head
+    end.post_values(SimpleNamespace(), torch.float32)  # type: ignore[arg-type]
+    assert waited == []
+    head(torch.ones(1, 3))
+    head(torch.ones(1, 3))
+    assert waited == ["values"]  # once, at the first forward after the post

@@ -6,7 +6,7 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    the blocks use, a key no stage honours refused before any message is sent); ``engine.begin_step``
    (the loss divisor); the tied weight's values sent from the first stage to the last stage's copy
    (``pipeline/tied.py``: posted right after the step's first activation where that goes to the
-   copy's rank, else first; waited for by the last stage's first F);
+   copy's rank, else first; waited for where the last stage's first F reaches its head);
 2. the actions in order, all under ``engine.no_sync()``, with this rank's messages posted at the
    boundaries between them in the step's one order (``pipeline/messages.py``: the same order on both
    ends of every pair, one tag for all, as NCCL needs): a send as soon as its action produced it, a
@@ -33,9 +33,12 @@ A step (``PipelineRunner.forward_backward``), on every rank of a pipeline:
    releases them after (a W uses none: the weight gradient needs no weight), and keeps the gradients
    local until ``finish_grads``. Each action is one span in the trace (``--trace``: lane "pipeline",
    named as printed, ``0F1``);
-3. the tied weight's copy sends its gradient to the first stage, which posted its receive early and
-   adds it to the parameter's (``pipeline/tied.py``; every backward ran under ``no_sync``, so the
-   gradient is still local); then ``finish_grads``: the
+3. the tied weight's copy sends its gradient to the first stage as soon as the last stage's last B
+   or I has made it whole (its head keeps its dW in I) and the messages with that rank before it are
+   posted; the first stage posted its receive early and adds it to the parameter's
+   (``pipeline/tied.py``; every backward ran under ``no_sync``, so the gradient is still local), so
+   the first stage's update never waits for the last stage's deferred W passes; then
+   ``finish_grads``: the
    data-parallel exchange, once per step, each stage over its own dp group.
 
 Empty micro-batches (a dp rank's share smaller than the micro-batch count) are skipped by every stage
@@ -63,7 +66,7 @@ from shardwise.engine.linear import DeferredWeightGrad, WeightGradStore, apply_w
 from shardwise.engine.loss import rows
 from shardwise.observe.monitor import MONITOR
 from shardwise.pipeline.actions import Action, Kind, Transfer, fuse_schedule
-from shardwise.pipeline.deferred import defer_weight_grads
+from shardwise.pipeline.deferred import defer_stage_weight_grads
 from shardwise.pipeline.fitting import ScheduleFitter
 from shardwise.pipeline.messages import MessageKey, plan
 from shardwise.pipeline.split import Split, StageInputs
@@ -87,7 +90,8 @@ class PipelineRunner:
         self.last_stage = len(self.placement) - 1
         self.weight_grads = WeightGradStore() if split_backward else None
         if self.weight_grads is not None:  # the I passes keep each linear layer's dW for the W pass
-            defer_weight_grads(next(iter(split.stages.values())).adapter.model, self.weight_grads)
+            # but the tied copy's head's: the copy's gradient leaves after the last I (``TiedExchange``)
+            defer_stage_weight_grads(split, self.weight_grads)
         self._plans: dict[tuple[int, str], _Plan] = {}
         self._microbatches = 0  # the last step's count (``early_update``)
         self.tied = TiedExchange(split, comm, self.placement)
@@ -112,7 +116,8 @@ class PipelineRunner:
             early = self.comm.receives_stand_aside  # gloo: every receive at once, as soon as useful
             plans = plan(every, self.placement, early)
             anchor = self.tied.values_anchor(plans.get(self.placement[0]))
-            self._plans[key] = _Plan(actions, plans[self.comm.rank], anchor)
+            gradient = self.tied.send_boundary(actions, plans[self.comm.rank], self.last_stage)
+            self._plans[key] = _Plan(actions, plans[self.comm.rank], anchor, gradient)
         return self._plans[key]
 
     # -- the step -------------------------------------------------------------------------------
@@ -120,7 +125,7 @@ class PipelineRunner:
         # read (and checked) before any message: every pp rank refuses the same batch at the same place
         given = [self.split.inputs(batch) for batch in micro_batches]
         divisor = engine.begin_step(micro_batches, global_count)
-        actions, posts, anchor = self.step_plan(len(micro_batches))
+        actions, posts, anchor, tied_send = self.step_plan(len(micro_batches))
         self._microbatches = len(micro_batches)  # the update after it is timed by this count's fit
         empty = {i for i, batch in enumerate(micro_batches) if rows(batch) == 0}
         state = _StepState(given, _dtype(engine), self.split.hidden_size, engine.device)
@@ -135,14 +140,16 @@ class PipelineRunner:
                 self._post(engine, boundary, empty, state)
                 if index == tied_receive:
                     self.tied.post_receive()
+                if index == tied_send:
+                    self._post_gradient(state)
                 if action.microbatch not in empty:
                     self._receive(action, state)  # before its span: the span is its compute alone
                     self._run(engine, action, micro_batches[action.microbatch], divisor, state)
         self._post(engine, posts[-1], empty, state)
         if tied_receive == len(actions):
             self.tied.post_receive()
-        if (sent := self.tied.post_gradient()) is not None:
-            state.sends.append(sent)
+        if tied_send == len(actions):
+            self._post_gradient(state)
         for work in state.sends:
             work.wait()
         self.tied.wait_values()  # every micro-batch empty: no F waited for them
@@ -183,6 +190,10 @@ class PipelineRunner:
             if t.key == state.anchor:  # the tied weight's values follow this message at both ends
                 self._post_values(engine, state)
 
+    def _post_gradient(self, state: _StepState) -> None:
+        if (sent := self.tied.post_gradient()) is not None:
+            state.sends.append(sent)
+
     def _post_values(self, engine: Engine, state: _StepState) -> None:
         if (sent := self.tied.post_values(engine, state.dtype)) is not None:
             state.sends.append(sent)
@@ -220,7 +231,7 @@ class PipelineRunner:
             return
         else:
             key = ("gradient", action.stage + 1, action.microbatch)
-        if action.kind is Kind.FORWARD and action.stage == self.last_stage:
+        if action.kind is Kind.FORWARD and action.stage == self.last_stage and not self.tied.waits_in_head:
             self.tied.wait_values()  # the tied weight's values, before the head uses them
         if key in state.pending:
             buffer, work = state.pending.pop(key)
@@ -326,11 +337,13 @@ class PipelineRunner:
 
 
 class _Plan(NamedTuple):
-    """This rank's step: its actions, its posts at each boundary, the tied values' anchor."""
+    """This rank's step: its actions, its posts at each boundary, the tied values' anchor and the
+    boundary after whose posts the tied copy's gradient leaves (``TiedExchange.send_boundary``)."""
 
     actions: list[Action]
     posts: list[list[Transfer]]
     anchor: MessageKey | None
+    tied_send: int | None
 
 
 class _StepState:

@@ -3,16 +3,23 @@
 The first stage's rank owns the parameter; the last stage's rank computes with a copy
 (``split.Tied``). Each step, when the two ends are on different ranks:
 
-1. the owner's values go to the copy (they changed at the last update), waited for only by the last
-   stage's first F, so neither end stalls on it (``post_values``, ``wait_values``). Both ends post
+1. the owner's values go to the copy (they changed at the last update), waited for only where the
+   last stage's first F reaches its head (a forward pre-hook on the module that reads the copy; the
+   F itself starts on its activation alone, the values arriving while its blocks run), so neither
+   end stalls on it (``post_values``, ``wait_values``). Both ends post
    them right after the step's first message where the owner's first action sends it to the copy's
    rank (``values_anchor``: with two ranks, the first activation; the next stage waits on that one,
    not on these), else before any other message of the step;
 2. the copy's gradient goes to the owner, which adds it to the parameter's before the data-parallel
-   exchange. Both ends see it as the last message between them: the copy's rank sends it after its
-   last action; the owner posts its receive right after its last other message with that rank in
-   the step's order (``pipeline/messages.py``), well before its own last backward, so the gradient
-   arrives while that backward runs (``receive_boundary``, ``post_gradient``, ``add_gradient``).
+   exchange. Both ends see it as the last message between them: the copy's rank sends it once the
+   last stage's last B or I has made it whole (the head that reads the copy keeps its dW in I, never
+   deferred to a W: ``pipeline/deferred.py``) and its last other message with the owner's rank is
+   posted (``send_boundary``), so a zero-bubble schedule's W passes left at the step's end delay
+   neither it nor the owner's update (on the small GPT's zb bench the first stage waited 2.8 ms a
+   step for it after the last W); the owner posts its receive right after its last other message
+   with that rank in the step's order (``pipeline/messages.py``), well before its own last backward,
+   so the gradient arrives while that backward runs (``receive_boundary``, ``post_gradient``,
+   ``add_gradient``).
 
 Every message is posted by the compute thread, in the order the step's other messages keep, as NCCL
 needs. ``values_now`` is step 1 waited for at once (evaluation).
@@ -28,7 +35,7 @@ import torch
 
 from shardwise.collectives.api import Comm
 from shardwise.collectives.p2p import Work
-from shardwise.pipeline.actions import Transfer
+from shardwise.pipeline.actions import Action, Kind, Transfer
 from shardwise.pipeline.messages import MessageKey
 from shardwise.pipeline.split import Split
 
@@ -47,6 +54,11 @@ class TiedExchange:
         self.peer = placement[-1] if self.owner is not None else placement[0]
         self._values: Work | None = None  # the copy's end: the owner's values on their way
         self._gradient: tuple[torch.Tensor, Work] | None = None  # the owner's end: the copy's gradient
+        user = self.tied.user if self.tied is not None else None
+        # the copy's end: its head waits for the values as it starts (``waits_in_head``)
+        self.waits_in_head = user is not None
+        if user is not None:
+            user.register_forward_pre_hook(lambda *_: self.wait_values())
 
     # -- 1. the values --------------------------------------------------------------------------
     def post_values(self, engine: Engine, dtype: torch.dtype) -> Work | None:
@@ -71,7 +83,8 @@ class TiedExchange:
         return first[0] if first else None
 
     def wait_values(self) -> None:
-        """The copy's values are here (the last stage's first F calls this; the step's end too)."""
+        """The copy's values are here (the head's forward pre-hook calls this, or the last stage's first
+        F where no module reads the copy; the step's end too)."""
         if self._values is not None:
             self._values.wait()
             self._values = None
@@ -99,8 +112,23 @@ class TiedExchange:
         incoming = torch.empty_like(self.owner)
         self._gradient = (incoming, self.comm.irecv(incoming, self.peer, TAG))
 
+    def send_boundary(
+        self, actions: Sequence[Action], posts: Sequence[Sequence[Transfer]], last: int
+    ) -> int | None:
+        """The copy's end: the boundary of its post plan (``posts[i]`` goes before ``actions[i]``)
+        after whose messages it sends the gradient: past its last backward (B or I) of stage ``last``,
+        which makes the gradient whole, and past its last other message with the owner's rank, so
+        that this is the last message between them at both ends; None elsewhere, or where the weight
+        is frozen."""
+        if self.tied is None or not self.tied.copy.requires_grad:
+            return None
+        backwards = (Kind.BACKWARD, Kind.INPUT_GRAD)
+        made = [i + 1 for i, a in enumerate(actions) if a.stage == last and a.kind in backwards]
+        with_peer = [i for i, boundary in enumerate(posts) for t in boundary if t.peer == self.peer]
+        return max([*made, *with_peer], default=len(actions))
+
     def post_gradient(self) -> Work | None:
-        """The copy's end, after its last action: its gradient sent (wait for it with the step's sends)."""
+        """The copy's end, at ``send_boundary``: its gradient sent (wait for it with the step's sends)."""
         tied = self.tied
         if tied is None or not tied.copy.requires_grad:
             return None

@@ -443,7 +443,7 @@ def _activations(
     blocks = share.blocks / share.stages
     saved = acts.checkpointed if layout.activation_checkpointing else acts.full
     kept = blocks * tokens * kept_per_token(model, cb, layout.tp, layout.sequence_parallel)
-    if share.last:
+    if share.last and not share.tied_copy:  # a head reading a tied copy gets its dW in I (pipeline/deferred)
         kept += tokens * head_kept_per_token(model, cb, layout.tp)
     pairs = pair_peak(share, layout.pp, layout.schedule, layout.micro_batches, blocks * saved, kept)
     out: Parts = {}
