@@ -309,3 +309,15 @@ def test_the_sides_take_turns_of_back_to_back_steps() -> None:
     assert len(between) == steps - sides_module.WARMUP_STEPS  # one profile repeat per measured step
     assert between[0] == 3 * 2 * block and between[-1] == 3 * steps  # after every side's turn
     assert all(len(got[n]["step_s"]) == steps - sides_module.WARMUP_STEPS for n in sides)
+
+
+def test_the_profile_keeps_the_tied_copy_s_head_plain_where_the_runtime_does() -> None:
+    """The profile defers as the runtime does: the head that reads the tied embedding's copy keeps its
+    dW in I where the two ends are on two ranks (zb's placement), and defers it where one rank holds
+    both (a V), so its I and W are the runtime's."""
+    from shardwise.bench.pipeline_profile import _copy_head
+    from shardwise.models import build_model
+
+    model = build_model(bench.bench_config("zb", 2, 4, "tiny", 4, 6).model)
+    assert _copy_head(model, stage_placement("zb", 2, 1)) == [model.head]
+    assert _copy_head(model, stage_placement("zbv", 2, 2)) == []

@@ -111,6 +111,19 @@ def split_stage_modules(
     return modules, split
 
 
+def _copy_head(model: nn.Module, placement: Sequence[int]) -> list[nn.Module]:
+    """The head that reads the tied weight's copy where the runtime has one (the pipeline's two ends
+    on two ranks), whose dW the runtime keeps in I; none elsewhere."""
+    from shardwise.models.adapters import pipeline_adapter
+    from shardwise.pipeline.split import _get
+
+    pair = pipeline_adapter(model).tied_pair()
+    if pair is None or placement[0] == placement[-1]:
+        return []
+    head = _get(model, pair[1].rpartition(".")[0])
+    return [head] if head is not None else []
+
+
 def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:
     """This rank's stage profile (``StageProfile``) run alone: ``repeats`` timed repeats after one
     that warms up, then the messages."""
@@ -143,8 +156,8 @@ class StageProfile:
             model, [0] * len(placement), 0
         )  # every stage here; this rank times its own
         self.store, self.split = WeightGradStore(), SCHEDULES[name].splits_backward
-        if self.split:
-            defer_weight_grads(model, self.store)
+        if self.split:  # as the runtime defers (``defer_stage_weight_grads``), here on one rank
+            defer_weight_grads(model, self.store, _copy_head(model, placement))
         sampler, _ = bench_data(config)
         ids, self.targets = sampler.local_micro_batches(0, config.data.micro_batches)[0]
         self.inputs: list[torch.Tensor] = [ids]

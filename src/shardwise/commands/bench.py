@@ -114,7 +114,7 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
         "--steps", type=int, default=40, help="steps per launch, the first 5 warm up" + SHOW_DEFAULT
     )
     pipe.add_argument(
-        "--rounds", type=int, default=3, help="launches, the sides' steps alternating" + SHOW_DEFAULT
+        "--rounds", type=int, default=5, help="launches, the sides' steps alternating" + SHOW_DEFAULT
     )
     pipe.add_argument("--preset", default="small", help="the gpt preset" + SHOW_DEFAULT)
     pipe.add_argument("--global-batch", type=int, default=8, help="sequences per step" + SHOW_DEFAULT)
