@@ -154,9 +154,14 @@ def _zero3_stage_traffic(rank: int, world_size: int, root: str) -> dict[str, Any
         at_end["after"].append(sum(g.materialized for g in units))
 
     engine.pipeline_stage = watched  # type: ignore[method-assign]
+    runner, order = engine.runner, []  # the tied copy's gradient among the actions (copy's rank)
+    run, post_gradient = runner._run, runner.tied.post_gradient
+    runner._run = lambda engine, action, *rest: (order.append(str(action)), run(engine, action, *rest))[1]
+    runner.tied.post_gradient = lambda: (order.append("gradient"), post_gradient())[1]
     for step in range(2):
         trainer.step(step)
-    return {"groups": len(engine.groups), "units": len(units), "reduced": len(reduced), **at_end}
+    counts = {"groups": len(engine.groups), "units": len(units), "reduced": len(reduced)}
+    return {**counts, **at_end, "order": order}
 
 
 @pytest.mark.slow
@@ -165,12 +170,18 @@ def test_zero3_on_a_stage_releases_its_units_after_every_action_and_reduces_once
 ) -> None:
     """What parity cannot show: a stage's units are gathered only while an action uses them (an I
     pass, which gives no gradient to free them by, releases each as backward leaves it) and each
-    group's gradients, summed over four micro-batches, are reduce-scattered once per step."""
+    group's gradients, summed over four micro-batches, are reduce-scattered once per step; and the
+    tied embedding's copy sends its gradient before the last stage's trailing W passes."""
     for rank, out in enumerate(run_on_ranks(_zero3_stage_traffic, 2, str(tmp_path), timeout_s=300)):
         assert out["units"] >= 2, out
         assert out["reduced"] == 2 * out["groups"], (rank, out)  # two steps, each group once
         assert not any(out["after"]), (rank, out)  # nothing of the stage left gathered
         assert max(out["before release"]) <= 1, (rank, out)  # never the whole stage at once
+    # the last stage's rank sends the tied copy's gradient once its last I made it whole, before the
+    # W passes left at the step's end (as built: ... 1I3 1W2 1W3), not after them
+    order = out["order"]  # rank 1's
+    first = order[: order.index("gradient") + 1]
+    assert first[-2:] == ["1I3", "gradient"] and order[len(first) : len(first) + 2] == ["1W2", "1W3"], order
 
 
 @pytest.mark.slow

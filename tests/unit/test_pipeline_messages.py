@@ -189,3 +189,21 @@ def test_the_copy_s_head_waits_for_the_values_when_it_starts() -> None:
     head(torch.ones(1, 3))
     head(torch.ones(1, 3))
     assert waited == ["values"]  # once, at the first forward after the post
+
+
+def test_a_head_that_never_runs_its_module_is_named() -> None:
+    """An adapter whose head reads the copy without calling the module would read values still on
+    their way: the last stage's F says so in one line instead."""
+    from torch import nn
+
+    from shardwise.pipeline.split import SplitError, Tied
+
+    head = nn.Linear(3, 2, bias=False)
+    split = SimpleNamespace(tied_owner=None, tied=Tied("wte.weight", head.weight.detach().clone(), head))
+    comm = SimpleNamespace(rank=1, irecv=lambda *_: SimpleNamespace(wait=lambda: None))
+    end = TiedExchange(split, comm, [0, 1])  # type: ignore[arg-type]
+    end.post_values(SimpleNamespace(), torch.float32)  # type: ignore[arg-type]
+    with pytest.raises(SplitError, match=r"^the last stage's forward ran without calling Linear"):
+        end.check_values_read()
+    head(torch.ones(1, 3))
+    end.check_values_read()  # waited for at the head: nothing to say

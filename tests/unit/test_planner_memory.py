@@ -249,6 +249,22 @@ def test_each_pipeline_rank_is_charged_its_own_share() -> None:
     assert zb["activations"] > ranks[1].device["activations"]  # a W's inputs wait beside a forward
 
 
+def test_a_head_reading_a_tied_copy_keeps_nothing_from_i_to_w() -> None:
+    """Under zb the last stage's head keeps its input and the logits' gradient from I to W, but not
+    where it reads the tied embedding's copy: that head's dW comes in I (``pipeline/deferred``); under
+    1F1B there is no W, so tying changes nothing there."""
+    from shardwise.planner.memory import estimate_ranks
+
+    train = Training(8, 64)
+
+    def last(tie: bool, schedule: str) -> float:
+        layout = Layout("ddp", pp=2, micro_batches=4, schedule=schedule)
+        return estimate_ranks(preset_shape("small", 64, tie), train, layout)[1].device["activations"]
+
+    assert last(False, "zb") > last(True, "zb")
+    assert last(False, "1f1b") == last(True, "1f1b")
+
+
 def test_gradients_held_between_micro_batches_by_stage() -> None:
     """Measured with ``plan --check``'s machinery (base preset, global batch 16, seq 64, 2 ranks;
     predicted / measured peak): zero2 dp2 at 4 micro-batches 1.08, zero3 dp2 at 4 1.00, zero2 on a

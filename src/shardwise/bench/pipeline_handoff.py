@@ -11,8 +11,8 @@ heuristic for a cost with a long tail: on this bench's 2-rank runs most hand-off
 and a third of those in the ramps 1-6 ms, which lengthen the steps they fall in (the median would
 price them at nothing). It is a calibration: the simulated bubble agrees with the measured one in
 part because the transfer was fitted to the same launches' warm-up waits (README, "Pipeline
-speed"). Included as they come: the last stage's first F also waits for the tied weight's values
-(not a message the simulator models), and a split schedule's warm-up steps run the fit's fused and
+speed"). The tied weight's values are not a hand-off here: the last stage's first F waits for them at
+its head, inside its span. Included as they come: a split schedule's warm-up steps run the fit's fused and
 built schedules (``pipeline/fitting.py``), not the fitted one measured after them. A step whose
 spans do not make a whole schedule (a rank that recorded none) is left out.
 Pure: no torch, no processes. Communication: none (it reads spans).

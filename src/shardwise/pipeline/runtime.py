@@ -143,7 +143,9 @@ class PipelineRunner:
                 if index == tied_send:
                     self._post_gradient(state)
                 if action.microbatch not in empty:
-                    self._receive(action, state)  # before its span: the span is its compute alone
+                    # before its span: the span is its compute (and, in the last stage's first F,
+                    # any wait for the tied values, at its head: none where they came during its blocks)
+                    self._receive(action, state)
                     self._run(engine, action, micro_batches[action.microbatch], divisor, state)
         self._post(engine, posts[-1], empty, state)
         if tied_receive == len(actions):
@@ -268,6 +270,7 @@ class PipelineRunner:
             out = stage(x, given)
         state.inputs[key] = x
         if stage.last:
+            self.tied.check_values_read()
             loss = engine.loss(out, batch) / divisor
             state.share += loss.detach().to(torch.float64)
             state.outputs[key] = loss

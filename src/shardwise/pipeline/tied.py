@@ -28,6 +28,7 @@ Communication: point-to-point between the first and the last stage's ranks over 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,7 @@ from shardwise.collectives.api import Comm
 from shardwise.collectives.p2p import Work
 from shardwise.pipeline.actions import Action, Kind, Transfer
 from shardwise.pipeline.messages import MessageKey
-from shardwise.pipeline.split import Split
+from shardwise.pipeline.split import Split, SplitError
 
 if TYPE_CHECKING:
     from shardwise.engine.base import Engine
@@ -55,10 +56,14 @@ class TiedExchange:
         self._values: Work | None = None  # the copy's end: the owner's values on their way
         self._gradient: tuple[torch.Tensor, Work] | None = None  # the owner's end: the copy's gradient
         user = self.tied.user if self.tied is not None else None
-        # the copy's end: its head waits for the values as it starts (``waits_in_head``)
+        # the copy's end: its head waits for the values as it starts (``waits_in_head``); the hook
+        # holds this exchange weakly and is removed with it
         self.waits_in_head = user is not None
+        self._hook = None
         if user is not None:
-            user.register_forward_pre_hook(lambda *_: self.wait_values())
+            mine = weakref.ref(self)
+            self._hook = user.register_forward_pre_hook(lambda *_: _wait_values(mine))
+            weakref.finalize(self, self._hook.remove)
 
     # -- 1. the values --------------------------------------------------------------------------
     def post_values(self, engine: Engine, dtype: torch.dtype) -> Work | None:
@@ -88,6 +93,17 @@ class TiedExchange:
         if self._values is not None:
             self._values.wait()
             self._values = None
+
+    def check_values_read(self) -> None:
+        """After the last stage's F: where the head waits for the values (``waits_in_head``), it did
+        (one line otherwise: an adapter's head that reads the copy without calling its module)."""
+        if self.waits_in_head and self._values is not None:
+            assert self.tied is not None
+            raise SplitError(
+                f"the last stage's forward ran without calling {type(self.tied.user).__name__}, the module "
+                f"that reads the tied weight {self.tied.owner_name!r}'s copy: a family adapter's head() must "
+                "call it as a module (models/adapters/)"
+            )
 
     def values_now(self, engine: Engine, dtype: torch.dtype) -> None:
         """Step 1, waited for at once."""
@@ -147,3 +163,9 @@ class TiedExchange:
             self.owner.grad = incoming
         else:
             self.owner.grad.add_(incoming)
+
+
+def _wait_values(exchange: weakref.ref[TiedExchange]) -> None:
+    """The head's forward pre-hook: the copy's values waited for, while its exchange lives."""
+    if (alive := exchange()) is not None:
+        alive.wait_values()
