@@ -16,8 +16,8 @@ import torch
 from shardwise.checkpoint import CheckpointWarning
 from shardwise.compression import CompressedComm, build_codec, segments_of
 from shardwise.config import CommConfig
-from shardwise.engine.base import Span
 from shardwise.engine.codec_state import codec_layout, codec_pieces, read_codec_states, restore_codec_states
+from shardwise.engine.state import Span
 
 SHAPES = [(12, 8), (8,), (6, 10)]
 

@@ -21,9 +21,9 @@ import torch
 from shardwise.checkpoint.manager import Piece
 from shardwise.compression import CodecState
 from shardwise.device import HOST
-from shardwise.engine.base import StateReader
 from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import load_named_state
+from shardwise.engine.state import StateReader
 
 if TYPE_CHECKING:
     from shardwise.data_parallel.param_server import ParamServerEngine

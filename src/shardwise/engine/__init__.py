@@ -1,6 +1,7 @@
 """The data-parallel layer: its interface (``base``), whole-tensor state, optimizers (``optim``)."""
 
-from shardwise.engine.base import Batch, Engine, NamedTensors, Role, StateReader
+from shardwise.engine.base import Batch, Engine, NamedTensors, Role
 from shardwise.engine.loss import loss_sum
+from shardwise.engine.state import StateReader
 
 __all__ = ["Batch", "Engine", "NamedTensors", "Role", "StateReader", "loss_sum"]

@@ -43,7 +43,8 @@ from shardwise.collectives.api import Comm
 from shardwise.errors import NotBuiltError
 
 if TYPE_CHECKING:
-    from shardwise.engine.base import Engine, StateReader
+    from shardwise.engine.base import Engine
+    from shardwise.engine.state import StateReader
     from shardwise.engine.step import StepRunner
 
 

@@ -23,7 +23,8 @@ What an engine owns, and what it does not:
   ``held_parameters``, ``held_pieces``, ``load_held``, ``loss_share``), and each axis in
   ``engine.axes`` widens that answer. The public answers (``finish_grads``, ``grad_norm_sq``,
   ``full_parameters``, ``state_pieces``, ``load_state``, ``step_loss``) are final: the strategy's,
-  then one loop over the axes. No method is replaced at run time.
+  then one loop over the axes (the views and the checkpoint state: ``engine/state.py``, which
+  ``Engine`` inherits). No method is replaced at run time.
 - Non-finite values: ``nonfinite_grad`` names the first parameter whose gradient, as this rank holds
   it after ``finish_grads``, has a NaN or inf (whole tensors here; ZeRO checks its shards). ``update``
   agrees on it over the ranks that step and then runs ``optimizer_step`` or ``skip_update`` (under a
@@ -43,18 +44,16 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, final
+from typing import Any, Literal, final
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from shardwise.checkpoint.boxes import Box
-from shardwise.checkpoint.manager import Piece
 from shardwise.collectives.api import Comm
 from shardwise.device import HOST, to_device
 from shardwise.engine.axis import Axis
@@ -68,12 +67,10 @@ from shardwise.engine.nonfinite import (
     post_boundary_sums,
 )
 from shardwise.engine.precision import LossScaler, resolve_precision
+from shardwise.engine.state import EngineState
 from shardwise.engine.step import MicroBatchLoop, StepRunner, take_step
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (batch, seq) long, targets (batch, seq) long
-# what a rank asks a checkpoint for: a flat range [start, stop) of a global tensor, an n-d Box of it,
-# or None for the whole tensor
-Span = tuple[int, int] | Box | None
 NamedTensors = list[tuple[str, torch.Tensor]]  # what one optimizer updates, by name
 NORM_LABEL = "grad norm"  # the one all-reduce a step's gradient norm costs (counted by its Comm's stats)
 
@@ -93,22 +90,6 @@ class Role:
     @staticmethod
     def trainer(rank: int, reporter: int = 0) -> Role:
         return Role(steps=True, serves=False, reports=rank == reporter, reporter=reporter)
-
-
-class StateReader(Protocol):
-    """What an engine reads its state through when a checkpoint is loaded (see ``Engine.load_state``).
-
-    ``shapes`` lists every saved tensor with its global shape; calling the reader with
-    ``{name: span}`` returns, per name, the whole tensor at its global shape (span None), a flat range
-    as a 1-D tensor, or a ``Box`` at the box's shape, whichever layout wrote it. It raises
-    ``CheckpointError`` when a file is damaged; the caller then falls back to an older checkpoint and
-    calls ``load_state`` again.
-    """
-
-    @property
-    def shapes(self) -> Mapping[str, tuple[int, ...]]: ...
-
-    def __call__(self, requests: Mapping[str, Span]) -> dict[str, torch.Tensor]: ...
 
 
 def trainable(model: nn.Module) -> NamedTensors:
@@ -136,7 +117,7 @@ def sq_sum(tensors: Sequence[torch.Tensor], device: torch.device = HOST) -> torc
         return torch.stack(norms).double().pow(2).sum()  # on the tensors' device: read once, by the caller
 
 
-class Engine(ABC):
+class Engine(EngineState, ABC):
     """A model with a data-parallel strategy applied; see the module docstring for the contract."""
 
     name: str = "engine"
@@ -578,109 +559,9 @@ class Engine(ABC):
         """After the last step: anything owed to other ranks (final weights, say). Idempotent."""
         return None
 
-    # -- inspection (verify, checkpoints, digests) ----------------------------------------------------
-    @final
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter at its global shape, by name, on every rank (a copy): the strategy's
-        (``held_parameters``), widened over every axis (``Axis.assemble``)."""
-        return self._assembled(self.held_parameters())
-
-    @final
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Every trainable parameter's global gradient, by name, between ``finish_grads`` and the step."""
-        return self._assembled(self.held_gradients())
-
-    def _assembled(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        for axis in self.axes:
-            tensors = axis.assemble(tensors)
-        return tensors
-
-    @abstractmethod
-    def held_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter this rank's model holds, as the strategy makes it whole (gathered over its
-        data-parallel group), by name (a copy)."""
-
-    @abstractmethod
-    def held_gradients(self) -> dict[str, torch.Tensor]:
-        """The gradient of every trainable parameter this rank's model holds, as ``held_parameters``."""
-
     def metrics(self) -> dict[str, float]:
         """Strategy-specific figures for this rank's metrics (staleness, versions, ...)."""
         return {}
-
-    # -- checkpoints -------------------------------------------------------------------------------
-    @final
-    def state_pieces(self, rank: int, world_size: int) -> list[Piece]:
-        """What this rank writes into a checkpoint, as rank ``rank`` of ``world_size`` writers: the
-        strategy's pieces (``held_pieces``), made pieces of the global tensors by every axis
-        (``Axis.pieces``), then each axis's own state (``Axis.own_pieces``). Under further axes, the
-        ranks that write what this rank holds are its data-parallel group (the others hold other
-        stages or shards): the strategy is asked at its place there."""
-        if self.axes and self.comm is not None:
-            rank, world_size = self.comm.rank, self.comm.world_size
-        pieces = self.held_pieces(rank, world_size)
-        for axis in self.axes:
-            pieces = axis.pieces(pieces)
-        for axis in self.axes:
-            pieces += axis.own_pieces()
-        return pieces
-
-    @final
-    def load_state(self, read: StateReader) -> None:
-        """Replace parameters, buffers and optimizer state with a checkpoint's, read through ``read``:
-        each axis's own state read first, then the strategy's (``load_held``) through every axis's
-        reader (``Axis.reader``), then the axes' state put in place."""
-        reader = read
-        for axis in self.axes:
-            reader = axis.reader(reader)
-        put = [axis.read_own(read) for axis in self.axes]
-        self.load_held(reader)
-        for done in put:
-            done()
-
-    def held_pieces(self, rank: int, world_size: int) -> list[Piece]:
-        """What this rank writes of what it holds, as rank ``rank`` of the ``world_size`` ranks that
-        hold the same (``state_pieces``): flat ranges of global tensors (``Piece``).
-
-        Names and global shapes are the same for every strategy, so any layout loads any other:
-
-        - ``model/<name>``: each parameter by its ``model.named_parameters()`` name at its global
-          shape (tied weights once), and each floating-point or integer buffer by its
-          ``named_buffers()`` name.
-        - ``optim/<key>/<name>``: each per-parameter optimizer tensor (``exp_avg``, ``exp_avg_sq``,
-          ``momentum_buffer``, ...) at the parameter's global shape, in the optimizer's dtype.
-        - ``optim/step/<name>``: the parameter's step count, a scalar (shape ``()``).
-        - State only one strategy has goes under its own prefix, and other layouts ignore it:
-          ``ps/version`` (each server's version), ``precision/loss_scale`` (fp16's loss scaler).
-        - ``codec/<layout>/rank<r>/...``: with ``comm.compress``, each rank's own error-feedback state
-          (``engine.codec_state``), loaded back only by a run of the same layout.
-        - ``rng/<state>/rank<r>``: with tensor parallelism, each rank's private dropout stream
-          (``tensor_parallel.axis``), beside the ``rng/torch/rank<r>`` the checkpoint writer adds for
-          every rank.
-
-        Every element of every tensor must be written by exactly one rank. Replicated engines (DDP)
-        spread whole tensors over ranks (``checkpoint.spread_replicated``), so no rank writes it all.
-        A sharded engine writes what it owns, as flat ranges of the global tensors: ZeRO, whose shard
-        is a range of the concatenation of flattened parameters, emits for each parameter overlapping
-        its shard the piece ``Piece("model/<name>", shape, a, b, shard_view)`` where ``[a, b)`` is the
-        overlap in the parameter's own flat numbering (padding is never written), and the same ranges
-        for each optimizer state; the scalar ``optim/step/<name>`` goes to the one rank holding the
-        parameter's first element. A parameter server writes the ranges its shards hold; workers
-        write nothing of the model. Optimizer state a parameter has not got yet (never stepped) is
-        simply absent.
-        """
-        raise NotImplementedError(f"the {self.name} engine cannot save checkpoints yet")
-
-    def load_held(self, read: StateReader) -> None:
-        """Replace what this rank holds (parameters, buffers, optimizer state) with a checkpoint's.
-
-        The engine asks for exactly the ranges it holds (DDP: whole tensors; ZeRO: its flat shard's
-        overlap with each parameter, as ``(a, b)`` spans; a parameter server: its shards), so a
-        checkpoint written by any strategy and world size loads. Read everything first and only then
-        change the engine, so that a damaged file (``read`` raises) leaves it as it was. Optimizer
-        state absent from the checkpoint is cleared (as for a never-stepped parameter).
-        """
-        raise NotImplementedError(f"the {self.name} engine cannot load checkpoints yet")
 
     def close(self) -> None:
         """Release hooks, threads and files (nothing to release by default)."""

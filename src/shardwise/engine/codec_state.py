@@ -32,7 +32,7 @@ from shardwise.checkpoint.reader import CheckpointWarning
 from shardwise.collectives.api import Comm
 from shardwise.compression import CodecState, CompressedComm
 from shardwise.device import HOST
-from shardwise.engine.base import StateReader
+from shardwise.engine.state import StateReader
 
 PREFIX = "codec/"
 Saved = list[dict[str, torch.Tensor]]  # per bucket: field -> tensor (residual, reductions, extra/<key>)

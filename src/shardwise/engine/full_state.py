@@ -18,7 +18,7 @@ from torch import nn
 from shardwise.checkpoint.format import Manifest
 from shardwise.checkpoint.manager import Piece, spread_replicated
 from shardwise.checkpoint.reader import load, resolve, verify_checkpoint
-from shardwise.engine.base import Span, StateReader
+from shardwise.engine.state import Span, StateReader
 
 
 class StateMismatchError(ValueError):

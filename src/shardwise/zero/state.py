@@ -34,7 +34,6 @@ import torch
 
 from shardwise.checkpoint.manager import Piece
 from shardwise.compression import CodecState
-from shardwise.engine.base import Span, StateReader
 from shardwise.engine.codec_state import (
     codec_layout,
     codec_pieces,
@@ -43,6 +42,7 @@ from shardwise.engine.codec_state import (
 )
 from shardwise.engine.full_state import StateMismatchError, replicated_pieces
 from shardwise.engine.precision import LOSS_SCALE
+from shardwise.engine.state import Span, StateReader
 from shardwise.zero.flat_param import FlatLayout
 from shardwise.zero.group import FlatGroup
 from shardwise.zero.unused import restore
