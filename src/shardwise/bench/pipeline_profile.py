@@ -115,13 +115,10 @@ def _copy_head(model: nn.Module, placement: Sequence[int]) -> list[nn.Module]:
     """The head that reads the tied weight's copy where the runtime has one (the pipeline's two ends
     on two ranks), whose dW the runtime keeps in I; none elsewhere."""
     from shardwise.models.adapters import pipeline_adapter
-    from shardwise.pipeline.split import _get
+    from shardwise.pipeline.split import tied_user
 
     pair = pipeline_adapter(model).tied_pair()
-    if pair is None or placement[0] == placement[-1]:
-        return []
-    head = _get(model, pair[1].rpartition(".")[0])
-    return [head] if head is not None else []
+    return [] if pair is None or placement[0] == placement[-1] else [tied_user(model, pair)]
 
 
 def profile_worker(rank: int, world: int, config: TrainConfig, threads: int, repeats: int) -> dict[str, Any]:

@@ -159,6 +159,11 @@ class Split:
         return next(iter(self.stages.values())).adapter.inputs(batch)
 
 
+def tied_user(model: nn.Module, pair: tuple[str, str]) -> nn.Module:
+    """The module that reads the weight of ``pair`` (``ModelAdapter.tied_pair``): the head."""
+    return _get(model, pair[1].rpartition(".")[0])
+
+
 def split_model(
     model: nn.Module, placement: Sequence[int], rank: int, boundaries: Sequence[str] = ()
 ) -> Split:
@@ -178,7 +183,7 @@ def split_model(
         if holds_first:
             owner = owner_param
         else:
-            head = _get(model, pair[1].rpartition(".")[0])
+            head = tied_user(model, pair)
             copy = owner_param.detach().clone().requires_grad_(owner_param.requires_grad)
             del head._parameters["weight"]
             object.__setattr__(head, "weight", copy)  # a plain tensor: not this rank's parameter
