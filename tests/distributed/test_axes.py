@@ -17,7 +17,7 @@ from functools import partial
 import pytest
 
 from shardwise.config import load_config
-from shardwise.engine.base import NORM_LABEL
+from shardwise.engine.update import NORM_LABEL
 from shardwise.testing import run_on_ranks
 from shardwise.train.loop import Trainer
 

@@ -15,9 +15,9 @@ from shardwise.collectives.cost import CostProfile
 from shardwise.config import CommConfig, ConfigError, ParallelConfig, ParallelDims, TrainConfig, load_config
 from shardwise.data.corpus import load_corpus
 from shardwise.data.sampler import DataSampler
-from shardwise.engine.base import trainable
 from shardwise.engine.loss import loss_sum
 from shardwise.engine.optim import build_optimizer
+from shardwise.engine.update import trainable
 from shardwise.mesh import build_mesh
 from shardwise.models import build_model, predicted_tokens
 from shardwise.parallelism import NotBuiltError, check

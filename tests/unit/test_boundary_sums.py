@@ -40,7 +40,7 @@ def test_a_replicas_own_gradient_not_finite_asks_the_exact_check(held: float) ->
 
 
 def test_a_norm_that_overflowed_on_finite_gradients_asks_the_exact_check_too() -> None:
-    from shardwise.engine.base import sq_sum
+    from shardwise.engine.update import sq_sum
 
     big = torch.full((4,), 1e30, dtype=torch.float32)  # finite; its fp32 norm is not
     assert torch.isfinite(big).all() and not sums(sq_sum([big]), 1.0).finite

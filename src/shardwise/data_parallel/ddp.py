@@ -49,12 +49,13 @@ from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.compression import CodecState, CompressedComm, Segment
 from shardwise.config import DDPConfig
 from shardwise.device import HOST
-from shardwise.engine.base import Engine, NamedTensors, Role, sq_sum
+from shardwise.engine.base import Engine, Role
 from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import full_state_tensors, load_full_state, replicated_pieces
 from shardwise.engine.nonfinite import all_finite
 from shardwise.engine.precision import LOSS_SCALE
 from shardwise.engine.state import StateReader
+from shardwise.engine.update import NamedTensors, sq_sum
 
 
 @dataclass

@@ -50,10 +50,11 @@ from shardwise.collectives.coalesced import broadcast_coalesced
 from shardwise.compression import CodecState, CompressedComm, segments_of
 from shardwise.config import DiLoCoConfig
 from shardwise.device import HOST
-from shardwise.engine.base import Engine, NamedTensors, Role, grad_sq_sum
+from shardwise.engine.base import Engine, Role
 from shardwise.engine.codec_state import codec_pieces, layout_of, read_codec_states, restore_codec_states
 from shardwise.engine.full_state import full_state_tensors, load_named_state, replicated_pieces
 from shardwise.engine.state import Span, StateReader
+from shardwise.engine.update import NamedTensors, grad_sq_sum
 
 OUTER = "outer/"  # checkpoint names of the outer optimizer's state: outer/<key>/<name>
 

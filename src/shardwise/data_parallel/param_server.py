@@ -75,10 +75,11 @@ from shardwise.data_parallel.ps_messages import (
 )
 from shardwise.data_parallel.ps_state import load_ps_state, ps_state_pieces
 from shardwise.device import HOST
-from shardwise.engine.base import Engine, NamedTensors, Role, grad_sq_sum
+from shardwise.engine.base import Engine, Role
 from shardwise.engine.nonfinite import NonFinite, NonFiniteStop, describe_nonfinite, first_nonfinite
 from shardwise.engine.state import StateReader
 from shardwise.engine.step import run_passes
+from shardwise.engine.update import NamedTensors, grad_sq_sum
 
 
 def assign_to_servers(sizes: Mapping[str, int], servers: int) -> list[list[str]]:

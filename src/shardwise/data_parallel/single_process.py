@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from shardwise.collectives.api import Comm
-from shardwise.engine.base import Batch, Engine, NamedTensors, grad_sq_sum, trainable
+from shardwise.engine.base import Batch, Engine
 from shardwise.engine.loss import logits_of, loss_sum
+from shardwise.engine.update import NamedTensors, grad_sq_sum, trainable
 
 
 class SingleProcessDPEngine(Engine):

@@ -43,9 +43,10 @@ from shardwise.checkpoint.rng import torch_rng_name
 from shardwise.collectives.api import Comm
 from shardwise.config import TrainConfig
 from shardwise.engine.axis import Axis
-from shardwise.engine.base import Engine, sq_sum
+from shardwise.engine.base import Engine
 from shardwise.engine.loss import AutoLoss, CausalLMLoss, Loss, TokenLoss
 from shardwise.engine.state import Span, StateReader
+from shardwise.engine.update import sq_sum
 from shardwise.errors import ConfigError, NotBuiltError
 from shardwise.mesh import Mesh
 from shardwise.models.adapters import adapter_for

@@ -24,10 +24,11 @@ from shardwise.checkpoint.source import HeldWeights
 from shardwise.collectives.api import Comm
 from shardwise.compression import CompressedComm
 from shardwise.config import ZeroConfig
-from shardwise.engine.base import Engine, NamedTensors, Role, sq_sum
+from shardwise.engine.base import Engine, Role
 from shardwise.engine.nonfinite import all_finite, nonfinite_names
 from shardwise.engine.precision import LossScaler, resolve_precision
 from shardwise.engine.state import StateReader
+from shardwise.engine.update import NamedTensors, sq_sum
 from shardwise.zero.flat_param import unique_parameters
 from shardwise.zero.group import FlatGroup
 from shardwise.zero.memory import memory_report
