@@ -230,7 +230,8 @@ def test_bad_bench_input_is_one_line_before_any_launch(
 
 
 def test_rounds_run_interleaved_across_schedules(monkeypatch: Any) -> None:
-    """Round k of every schedule before round k + 1 of any: a drift of the machine weighs on all rows."""
+    """Round k of every schedule before round k + 1 of any: a drift of the machine weighs on all rows;
+    with zb in the bench, the 1f1b row is measured in zb's launches (their third side)."""
     order: list[str] = []
 
     def fake_launch(worker: Any, nproc: int, args: tuple[Any, ...], timeout_s: float) -> Any:
@@ -242,11 +243,32 @@ def test_rounds_run_interleaved_across_schedules(monkeypatch: Any) -> None:
         return [{**sides, "profile": _profiled(r, 1e-3, 1e-4)} for r in (0, 1)], None
 
     monkeypatch.setattr(bench, "launch", fake_launch)
-    result = bench.run_pipeline_bench(steps=8, rounds=2, schedules=["1f1b", "zb"])
-    assert order == ["1f1b", "zb", "1f1b", "zb"]
-    assert [r["schedule"] for r in result["rows"]] == ["1f1b", "zb"]
+    result = bench.run_pipeline_bench(steps=8, rounds=2, schedules=["gpipe", "1f1b", "zb"])
+    assert order == ["gpipe", "zb", "gpipe", "zb"]
+    assert [r["schedule"] for r in result["rows"]] == ["gpipe", "1f1b", "zb"]
+    assert [r.get("launches_of") for r in result["rows"]] == [None, "zb", None]
+    plain_row = result["rows"][1]
+    assert plain_row["speed_ratio_rounds"] == [1.0, 1.0] and plain_row["bubble_measured"] is not None
     gains = ("tokens_per_s", "same_launch_tokens_per_s", "paired")
     assert result["zb_over_1f1b"] == {k: pytest.approx(1.0) for k in gains}
+    alone = bench.run_pipeline_bench(steps=8, rounds=1, schedules=["1f1b"])  # no zb: launches of its own
+    assert order[4:] == ["1f1b"] and "launches_of" not in alone["rows"][0]
+
+
+def test_the_third_side_is_a_row_of_its_own_or_says_why_not() -> None:
+    """zb's launches hand their third side (our 1F1B) to the 1f1b row: its launches, torch's same
+    steps and the profiles; a zb whose launches never ran it leaves the row the reason."""
+    plain_launch = [{"step_s": [1.0]}]
+    run = bench.Rounds(SimpleNamespace(parallel=SimpleNamespace(schedule="zb")), "Schedule1F1B",  # type: ignore[arg-type]
+                       plain=SimpleNamespace(), plains=[plain_launch], theirs=[[{"step_s": [1.0]}]])  # type: ignore[arg-type]  # fmt: skip
+    third = run.third_side()
+    assert third.ours == [plain_launch] and third.theirs is run.theirs and third.profiles is run.profiles
+    assert third.config is run.plain and third.plain is None
+    run.plains, run.theirs = [], "timeout after 5 s (ours, torch's and our 1f1b in one launch)"
+    assert run.third_side().ours == (
+        "measured in the launches of zb, which ran it in none: timeout after 5 s (ours, torch's and our "
+        "1f1b in one launch)"
+    )
 
 
 def test_zb_over_1f1b_cancels_each_launch_speed() -> None:

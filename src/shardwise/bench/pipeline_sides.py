@@ -11,7 +11,7 @@ rank whose step ends later than the others' (the last stage's deferred W's and u
 that tail with the next step's start there, and only a turn's last step carries it, where one step
 a turn would charge it to every step. zb's launches run our 1F1B as a third side in the same rounds
 of turns (``plain``; torch's turn runs between the two), so zb's tokens/s is also paired with our
-1F1B's, step k with step k. The same
+1F1B's, step k with step k, and the bench's 1f1b row is measured there (``bench/pipeline.py``). The same
 processes run the stage profile the simulator is fed with (``pipeline_profile.StageProfile``): one
 repeat after each measured step, the rest after the steps. A launch where torch's side (or that
 profile) hangs or fails falls back to ours alone (``ours_worker``), so our row still has its
@@ -38,6 +38,7 @@ WARMUP_STEPS = FIT_STEPS  # a split schedule runs its fit's timed steps first (p
 ACTION_LANE = "actions"  # the lane the runtime records each action's span in
 TIE_TAG = 7  # the tied weight's messages on torch's side, apart from its schedule's
 BLOCK = 4  # steps a side runs back to back before the next side's turn (see the module docstring)
+OUR_SIDES = frozenset({"ours", "plain"})  # our runtime's sides: their steps' action spans are kept
 
 Step = Callable[[int], None]
 
@@ -73,15 +74,16 @@ def _alternate(
     config: TrainConfig, sides: dict[str, Step], between: Callable[[], None] | None = None
 ) -> dict[str, Any]:
     """``config.steps`` steps of every side, in turns of ``BLOCK`` steps (the order of the sides
-    reverses every turn); per side its step times after warm-up, and for ours each measured step's
-    action spans and those of the warm-up steps but the first (``warmup_spans``: ``pipeline_handoff``
-    prices a message from them). ``between``: called once per measured step index, after every side
-    has run its turn (the stage profile's repeat)."""
+    reverses every turn); per side its step times after warm-up, and for our sides (``OUR_SIDES``)
+    each measured step's action spans and those of the warm-up steps but the first
+    (``warmup_spans``: ``pipeline_handoff`` prices a message from them). ``between``: called once
+    per measured step index, after every side has run its turn (the stage profile's repeat)."""
     from shardwise.observe.monitor import MONITOR
 
     names = list(sides)
     out: dict[str, dict[str, list[Any]]] = {name: {"step_s": []} for name in names}
-    out["ours"]["spans"] = []
+    for name in OUR_SIDES.intersection(names):
+        out[name]["spans"] = []
     MONITOR.tracing = True
     for first in range(0, config.steps, BLOCK):
         block = range(first, min(first + BLOCK, config.steps))
@@ -91,14 +93,15 @@ def _alternate(
                 started = time.perf_counter()
                 sides[name](step)
                 out[name]["step_s"].append(time.perf_counter() - started)
-                if name == "ours":
+                if name in OUR_SIDES:
                     out[name]["spans"].append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
         if between is not None:
             for _ in range(sum(step >= WARMUP_STEPS for step in block)):
                 between()
     MONITOR.tracing = False
     measured = {name: {k: values[WARMUP_STEPS:] for k, values in got.items()} for name, got in out.items()}
-    measured["ours"]["warmup_spans"] = out["ours"]["spans"][1:WARMUP_STEPS]  # the hand-offs' price
+    for name in OUR_SIDES.intersection(names):  # the hand-offs' price
+        measured[name]["warmup_spans"] = out[name]["spans"][1:WARMUP_STEPS]
     return measured
 
 
