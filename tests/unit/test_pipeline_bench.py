@@ -58,14 +58,16 @@ def _launch(step_s: float, bubble_shift: float) -> list[dict[str, Any]]:
 def test_row_json_shape() -> None:
     ours = [_launch(0.5, 0.0), _launch(0.7, 0.0), _launch(0.6, 0.0)]
     # each launch's torch steps beside ours (the same launch): step k's time is its slowest rank's
-    theirs = [[{"step_s": [1.0, 1.2]}, {"step_s": [1.1]}], [{"step_s": [1.0]}], [{"step_s": [1.5]}]]
+    theirs = [[{"step_s": [1.0, 1.0, 1.6]}, {"step_s": [1.1]}], [{"step_s": [1.0]}], [{"step_s": [1.5]}]]
     row = rows.row("1f1b", 2, 4, 1000, ours, theirs, COSTS)
     json.dumps(row)  # JSON-ready
     for key in ("bubble_measured", "bubble_simulated", "bubble_theory", "speed_ratio"):
         assert isinstance(row[key], float), key
     assert row["schedule"] == "1f1b" and row["torch_class"] == "Schedule1F1B"
     assert row["ours"]["step_s"] == pytest.approx(0.6)  # median over launches of the slowest rank
-    assert row["torch"]["step_s"] == pytest.approx(1.1)
+    # a launch's step time is its slowest rank's mean (1.2 in the first: its median would be 1.0)
+    assert row["torch"]["step_s"] == pytest.approx(1.2)
+    assert row["torch"]["tokens_per_s"] == pytest.approx(1000 / 1.2)
     # launch by launch the pairs' median (one pair each here: 1.1/0.5, 1.0/0.7, 1.5/0.6), then the median
     assert row["speed_ratio_rounds"] == pytest.approx([1.1 / 0.5, 1.0 / 0.7, 1.5 / 0.6])
     assert row["speed_ratio"] == pytest.approx(1.1 / 0.5)

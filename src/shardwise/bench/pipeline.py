@@ -26,8 +26,9 @@ so each of our steps has a torch step near it in time; a round is one launch. Ea
   (step k of each side, a step's time its slowest rank's, within a turn of back-to-back steps: a
   rank's tail after its last action, which a loop of steps overlaps with the next step, weighs on a
   turn's last step only), then the median over rounds,
-  every round's in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's median step time
-  over its launches.
+  every round's in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's step time (per
+  launch its slowest rank's mean over the measured steps, then the median over launches) and the
+  tokens/s that makes.
 
 zb's launches run our 1F1B as a third side in the same turns (``pipeline_sides``), and where the
 bench has both schedules the ``1f1b`` row is measured there, against the same torch steps (its
