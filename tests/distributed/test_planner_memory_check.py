@@ -15,7 +15,8 @@ import pytest
 
 from shardwise.config import load_config
 from shardwise.models.adapters import preset_shape
-from shardwise.planner.memory import Layout, Training, estimate_memory
+from shardwise.planner.layout import Layout, Training
+from shardwise.planner.memory import estimate_memory
 from shardwise.testing import run_on_ranks
 from shardwise.testing.memory import TensorBytes
 

@@ -66,7 +66,7 @@ def test_a_rows_prediction_never_depends_on_its_own_timings() -> None:
     """The prediction comes from the check's calibration alone; the measured steps only divide it."""
     from shardwise.bench.plan_check import compare
     from shardwise.planner.calibration import Calibration
-    from shardwise.planner.memory import Layout, Training
+    from shardwise.planner.layout import Layout, Training
 
     base, layout = preset_shape("base", 64), Layout("zero3", dp=2, activation_checkpointing=True)
     config = load_config(None, {"model.kind": "gpt", "model.preset": "base", **layout_overrides(layout)})
@@ -89,7 +89,7 @@ def test_more_ranks_than_cores_gives_memory_alone(monkeypatch: pytest.MonkeyPatc
     """No probes and no timed steps were run (``check_worker(timed=False)``): the row has no times."""
     from shardwise.bench import plan_check
     from shardwise.planner.calibration import Calibration
-    from shardwise.planner.memory import Layout, Training
+    from shardwise.planner.layout import Layout, Training
 
     monkeypatch.setattr(plan_check.os, "cpu_count", lambda: 2)
     base, layout = preset_shape("base", 64), Layout("zero2", dp=4)

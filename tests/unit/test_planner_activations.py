@@ -10,7 +10,7 @@ import torch
 from shardwise.config import ModelConfig
 from shardwise.models import build_model
 from shardwise.models.adapters import hf_shape, preset_shape
-from shardwise.planner.memory import block_activations
+from shardwise.planner.activations import block_activations
 from shardwise.planner.model import ModelShape
 from shardwise.testing.memory import TensorBytes
 

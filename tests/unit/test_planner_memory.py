@@ -11,16 +11,10 @@ import torch
 from shardwise.config import ConfigError, ModelConfig
 from shardwise.models import build_model, count_parameters
 from shardwise.models.adapters import hf_shape, preset_shape
+from shardwise.planner.activations import block_activations, korthikanti_layer_bytes
 from shardwise.planner.calibration import Calibration
-from shardwise.planner.memory import (
-    Layout,
-    Training,
-    block_activations,
-    estimate_memory,
-    korthikanti_layer_bytes,
-    model_states,
-    zero_formula,
-)
+from shardwise.planner.layout import Layout, Training, model_states, zero_formula
+from shardwise.planner.memory import estimate_memory
 from shardwise.planner.model import ModelShape
 
 PSI = 1_000_000

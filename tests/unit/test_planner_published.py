@@ -14,15 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.planner.memory import (
-    GB,
-    GiB,
-    Layout,
-    Training,
-    estimate_memory,
-    model_states,
-    zero_paper_bytes,
-)
+from shardwise.planner.layout import GB, GiB, Layout, Training, model_states, zero_paper_bytes
+from shardwise.planner.memory import estimate_memory
 from shardwise.planner.model import ModelShape
 
 # -- the ZeRO paper ----------------------------------------------------------------------------------

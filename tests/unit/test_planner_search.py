@@ -8,7 +8,8 @@ import pytest
 from shardwise.config import ConfigError
 from shardwise.models.adapters import preset_shape
 from shardwise.planner.calibration import Calibration, Machine
-from shardwise.planner.memory import Training, estimate_memory
+from shardwise.planner.layout import Training
+from shardwise.planner.memory import estimate_memory
 from shardwise.planner.model import ModelShape
 from shardwise.planner.search import Plan, enumerate_layouts, mesh_shapes, plan, search_degrees
 
@@ -113,7 +114,7 @@ def test_tp_and_pp_layouts_are_searched_with_checkpointing_and_both_schedules() 
 def test_a_pipeline_layout_is_costed_with_its_bubble_and_in_flight_micro_batches() -> None:
     """1F1B on pp 4 at m micro-batches: the simulator's bubble is (pp - 1) / m of the compute, and the
     first stage holds min(m, pp) micro-batches of its blocks' activations, the last one."""
-    from shardwise.planner.memory import Layout
+    from shardwise.planner.layout import Layout
     from shardwise.planner.pipeline import pair_peak, rank_shares
     from shardwise.planner.time import step_time
 

@@ -8,7 +8,7 @@ from shardwise.collectives.cost import CostProfile, predict
 from shardwise.config import ConfigError
 from shardwise.models.adapters import preset_shape
 from shardwise.planner.calibration import Calibration, Machine
-from shardwise.planner.memory import Layout, Training
+from shardwise.planner.layout import Layout, Training
 from shardwise.planner.model import ModelShape
 from shardwise.planner.time import (
     FIRST_BUCKET_BYTES,
@@ -116,7 +116,7 @@ def test_a_preset_runs_end_to_end() -> None:
 def test_the_optimizer_step_counts_adamws_twenty_passes_over_each_master_value() -> None:
     from shardwise.models.adapters import preset_shape
     from shardwise.planner.calibration import Calibration
-    from shardwise.planner.memory import Layout, Training
+    from shardwise.planner.layout import Layout, Training
     from shardwise.planner.time import optimizer_seconds
 
     model, calibration = preset_shape("large", 64), Calibration(memory_bytes_per_s=1e9)

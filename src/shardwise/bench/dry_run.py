@@ -9,7 +9,7 @@ optimizer state and flat buffer is a meta tensor: sizes without storage. Then on
 meta batches, so that everything the rank keeps is alive at once (the optimizer's state appears at
 its first update; ZeRO frees its gradient shards at each update). What the rank holds is counted by
 storage (a view counts once) and by component, beside the planner's model-state components for the
-same layout (``planner.memory.model_states`` through ``estimate_memory``).
+same layout (``planner.layout.model_states`` through ``estimate_memory``).
 
 The rank run is the first rank of the heaviest pipeline stage (the most parameters: its blocks and
 the end it holds), as the planner plans for. Reads of values that do not exist (a loss, a norm, a
@@ -35,7 +35,8 @@ from shardwise.checkpoint.source import META, NoValues
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.device import HOST
 from shardwise.mesh import build_mesh
-from shardwise.planner.memory import Layout, Training, estimate_memory
+from shardwise.planner.layout import Layout, Training
+from shardwise.planner.memory import estimate_memory
 from shardwise.planner.model import ModelShape
 
 MAX_DEVICES = 1024

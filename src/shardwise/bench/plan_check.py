@@ -39,7 +39,8 @@ from shardwise.config import TrainConfig
 from shardwise.device import HOST, joined_device, memory_mb, reset_peak_memory
 from shardwise.launcher import init_distributed, launch_local
 from shardwise.planner.calibration import Calibration
-from shardwise.planner.memory import Layout, Training, estimate_memory
+from shardwise.planner.layout import Layout, Training
+from shardwise.planner.memory import estimate_memory
 from shardwise.planner.model import ModelShape
 from shardwise.planner.time import step_time
 from shardwise.testing.memory import TensorBytes

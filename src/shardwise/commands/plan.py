@@ -20,7 +20,7 @@ from shardwise.config import ConfigError, TrainConfig
 from shardwise.models import GPT_KIND
 from shardwise.models.adapters import hf_shape, preset_shape
 from shardwise.planner.calibration import Calibration, Machine
-from shardwise.planner.memory import GB, Layout, Training
+from shardwise.planner.layout import GB, Layout, Training
 from shardwise.planner.model import ModelShape
 from shardwise.planner.search import MAX_TP, SEARCHED, enumerate_layouts, plan, search_degrees
 from shardwise.planner.units import describe_rate, parse_bytes, parse_rate

@@ -15,7 +15,7 @@ from torch import nn
 
 from shardwise.commands.output import emit
 from shardwise.config import ConfigError, ModelConfig, TrainConfig, load_config
-from shardwise.planner.memory import GB, Layout, Training
+from shardwise.planner.layout import GB, Layout, Training
 from shardwise.planner.model import ModelShape
 
 

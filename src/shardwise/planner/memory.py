@@ -3,15 +3,8 @@
 No communication: this is the planner's bookkeeping (``shardwise plan``). For Ψ trainable parameters,
 N data-parallel ranks, K optimizer states per parameter (AdamW 2, SGD with momentum 1, plain SGD 0):
 
-**Model states** (``model_states``), as *this* implementation keeps them. fp32 training (``pb`` bytes
-per value, 8 for float64): parameters pbΨ, gradients pbΨ, optimizer state K·pbΨ, and the master *is* the
-parameter. Mixed precision (bf16/fp16): DDP and the parameter server keep fp32 parameters and compute
-under autocast (the same bytes as fp32, plus the cast weights, below); ZeRO keeps 2Ψ compute copies, an
-fp32 master shard 4Ψ/N and fp32 moments 4KΨ/N. Stage 1 keeps the full gradients (2Ψ) and the reduced
-fp32 slice (4Ψ/N); stages 2-3 only an fp32 gradient shard 4Ψ/N; stage 3 keeps no compute copy at all
-(a unit is cast from the master when gathered). ZeRO's CPU offload moves masters and moments to host
-memory. Rajbhandari et al. (SC 2020, "ZeRO", section 5) count the same states with fp16 gradients and
-an fp16 parameter shard (``zero_paper_bytes``: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N for K = 12).
+**Model states** per rank and the planner's inputs: ``planner/layout.py``; **activations** per block and
+micro-batch: ``planner/activations.py``. Here they are put together with the rest:
 
 **Communication buffers**: DDP's gradients *are* its buckets (views), so nothing extra (and on a dp
 group of one there are no buckets: each gradient appears as backward frees the activations it needed,
@@ -39,297 +32,29 @@ Measured with a dispatch mode (tensor bytes, not RSS) by ``shardwise plan --pres
 large GPT peaks within 0.94-1.09 of this on 2 ranks and 0.98-1.07 on 4, for DDP and ZeRO-1/2/3 with and
 without checkpointing, on dp, tp 2 and a 2-stage 1F1B (``benchmarks/results/plan_check-large*.json``).
 
-**Activations** per block and micro-batch of b sequences of s tokens, width h, a heads, tp degree t.
-Korthikanti et al. (MLSys 2023, "Reducing Activation Recomputation in Large Transformer Models")
-count sbh(34 + 5as/h) bytes per layer at 16 bits (``korthikanti_layer_bytes``; with tensor parallelism
-sbh(10 + 24/t + 5as/(ht)), with sequence parallelism too sbh(34 + 5as/h)/t). Our block saves, per token:
-the two norm inputs (2h, in the residual stream's dtype: fp32 under autocast), the QKV input (h), the
-queries, keys and values (h + 2·kv), the attention output (h: the projection's input is a view of it),
-the MLP input (h) and the MLP's inner activations (2f, or 4f gated), in the compute dtype; plus fp32
-norm statistics (4 values) and the attention's log-sum-exp (a values): fused attention keeps no s x s
-matrix and our blocks have no dropout, so the 5as²b term and the two 1-byte masks are gone. At 16
-bits, multi-head, f = 4h this is 32·sbh (Korthikanti's 34 less the masks) plus the small fp32 terms.
-Hugging Face's RMSNorm (Llama) keeps its normalised input too: h more per norm. A test measures the
-saved bytes of our GPT and of a Llama with a dispatch mode and finds these counts within 1%. Under
-tensor parallelism the head-split and MLP tensors divide by t, and with sequence parallelism everything
-does. With activation checkpointing a block keeps only its input, and backward rebuilds one block at a
-time. Outside the blocks: the final
-norm's and the head's inputs, and the logits peak at the loss (the logits, their fp32 log-softmax, and
-the gradients of each). With pipeline parallelism (Narayanan et al.,
-SC 2021) every rank is estimated with its own share and the largest reported (``planner/pipeline.py``):
-its blocks as the split balances them, the embeddings on the first stage, the head, the logits and a
-tied embedding's copy on the last, and its own micro-batches in flight from the pipeline's validator
-(``pipeline.validate.peak_activations``: a (stage, micro-batch) pair holds the stage's saved tensors
-from F to B or I, and from a zero-bubble I to its W each linear layer's input and output gradient;
-each pair 1/v of a rank's blocks with v virtual stages); 1F1B gives min(m, pp) on the first stage.
-
 A framework overhead (``Calibration.overhead_bytes``: the allocator, the runtime, measured once in one
 process without a strategy) is added as one constant, never fitted on the layout being checked.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from shardwise.config import ConfigError
-from shardwise.dims import ParallelDims
+from shardwise.planner.activations import (
+    block_activations,
+    logits_peak_bytes,
+)
 from shardwise.planner.calibration import Calibration
+from shardwise.planner.layout import (
+    Layout,
+    ModelStates,
+    Training,
+    model_states,
+    zero_stage,
+)
 from shardwise.planner.model import ModelShape
 from shardwise.planner.pipeline import RankShare, head_kept_per_token, kept_per_token, pair_peak, rank_shares
-
-STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3")
-OPTIMIZERS = ("adamw", "adam", "sgd")
-PRECISIONS = ("fp32", "bf16", "fp16")
-GB = 1e9  # the ZeRO paper's gigabyte: 7.5e9 parameters x 16 bytes = 120 GB
-GiB = 2**30  # DeepSpeed's estimators print GiB as "GB"
-
-
-def zero_stage(strategy: str) -> int:
-    """0 for the replicated strategies (ddp, ps), else the ZeRO stage."""
-    return int(strategy[-1]) if strategy.startswith("zero") else 0
-
-
-def optimizer_states(optimizer: str, momentum: float = 0.9) -> int:
-    """Parameter-sized tensors the optimizer keeps: Adam(W) two moments, SGD a momentum buffer or none."""
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
-    if optimizer == "sgd":
-        return 1 if momentum > 0 else 0
-    return 2
-
-
-@dataclass(frozen=True)
-class Training:
-    """What a step computes: the batch, the precision and the optimizer."""
-
-    global_batch: int  # sequences per optimizer step, summed over the data-parallel ranks
-    seq_len: int
-    precision: str = "fp32"
-    optimizer: str = "adamw"
-    momentum: float = 0.9  # sgd only; 0: no momentum buffer
-    param_bytes: int = 4  # the model's dtype in fp32 mode (8 for float64)
-
-    def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
-        optimizer_states(self.optimizer, self.momentum)
-        if self.global_batch < 1 or self.seq_len < 1:
-            raise ConfigError(
-                f"global_batch and seq_len must be >= 1; got {self.global_batch}, {self.seq_len}"
-            )
-
-    @property
-    def mixed(self) -> bool:
-        return self.precision != "fp32"
-
-    @property
-    def compute_bytes(self) -> int:
-        return 2 if self.mixed else self.param_bytes
-
-    @property
-    def master_bytes(self) -> int:
-        return max(4, self.param_bytes) if self.mixed else self.param_bytes
-
-    @property
-    def states(self) -> int:
-        return optimizer_states(self.optimizer, self.momentum)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the job is laid out over the devices: the data-parallel strategy and the mesh degrees (read
-    as the job's own axis table, ``dims``: the same ``ParallelDims`` the config and the mesh use)."""
-
-    strategy: str = "ddp"
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    sequence_parallel: bool = False
-    micro_batches: int = 1  # gradient accumulation: each rank's share is split this many ways
-    activation_checkpointing: bool = False
-    offload: str = "none"  # none | cpu: ZeRO's masters and optimizer state in host memory
-    bucket_mb: float = 25.0
-    prefetch: bool = True  # ZeRO-3 gathers the next block while this one runs
-    ps_servers: int = 1
-    schedule: str = "1f1b"  # the pipeline schedule (pipeline.schedules), when pp > 1
-    virtual_stages: int = 1  # stages per pipeline rank (interleaved and V schedules)
-    dims: ParallelDims = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}; got {self.strategy!r}")
-        for name in ("dp", "pp", "tp", "micro_batches", "ps_servers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"layout {name} must be >= 1, got {getattr(self, name)}")
-        servers = self.ps_servers if self.strategy == "ps" else 0
-        object.__setattr__(self, "dims", ParallelDims(self.dp, self.pp, self.tp, servers))
-        if not 0 < self.bucket_mb < math.inf:
-            raise ConfigError(f"bucket_mb must be a finite number > 0, got {self.bucket_mb}")
-        if self.offload not in ("none", "cpu"):
-            raise ConfigError(f"the planner models offload none or cpu; got {self.offload!r}")
-        if self.offload != "none" and not self.strategy.startswith("zero"):
-            raise ConfigError(f"offload applies to zero1/zero2/zero3, not to {self.strategy}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("sequence parallelism needs tp > 1")
-        if self.pp > 1:
-            from shardwise.pipeline.schedules import ScheduleConfigError, check
-
-            try:
-                check(self.schedule, self.pp, self.virtual_stages, self.micro_batches)
-            except ScheduleConfigError as e:
-                raise ConfigError(f"layout: {e}") from None
-
-    @property
-    def devices(self) -> int:
-        """The devices that train (a parameter server's stand beside them)."""
-        return self.dims.trainers
-
-    def name(self) -> str:
-        mesh = (
-            f"dp{self.dp}"
-            + (f"-pp{self.pp}" if self.pp > 1 else "")
-            + (f"-tp{self.tp}" if self.tp > 1 else "")
-        )
-        parts = [self.strategy, mesh, f"mb{self.micro_batches}"]
-        if self.pp > 1 and (self.schedule, self.virtual_stages) != ("1f1b", 1):
-            parts.append(self.schedule + (f"-v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        if self.activation_checkpointing:
-            parts.append("ckpt")
-        if self.offload != "none":
-            parts.append(f"offload-{self.offload}")
-        if self.sequence_parallel:
-            parts.append("sp")
-        return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class ModelStates:
-    """Bytes of one rank's parameters, fp32 masters, gradients and optimizer moments."""
-
-    params: float
-    master: float
-    grads: float
-    optimizer_state: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.master + self.grads + self.optimizer_state
-
-
-def model_states(
-    psi: float, strategy: str, dp: int, precision: str = "fp32", states: int = 2, param_bytes: int = 4
-) -> ModelStates:
-    """Model-state bytes per rank as this implementation keeps them (see the module docstring)."""
-    stage, n = zero_stage(strategy), dp
-    mixed = precision != "fp32"
-    full = param_bytes * psi  # one full fp32 (or float64) copy
-    if stage == 0:  # replicated; under mixed precision the parameters stay fp32 (autocast)
-        return ModelStates(full, 0.0, full, states * full)
-    master_bytes = max(4, param_bytes) if mixed else param_bytes
-    state = states * master_bytes * psi / n
-    if not mixed:  # the master is the parameter (or, in stage 3, the parameter shard)
-        params = full / n if stage == 3 else full
-        return ModelStates(params, 0.0, full if stage == 1 else full / n, state)
-    params = 0.0 if stage == 3 else 2 * psi
-    shard = master_bytes * psi / n
-    grads = 2 * psi + shard if stage == 1 else shard
-    return ModelStates(params, shard, grads, state)
-
-
-def zero_paper_bytes(psi: float, stage: int, dp: int, k: int = 12) -> dict[str, float]:
-    """Rajbhandari et al. (2020), section 5: fp16 parameters and gradients, K bytes of optimizer state
-    per parameter (mixed-precision Adam: fp32 master, momentum, variance: K = 12); stage 0 is DP."""
-    n = dp
-    params = 2 * psi / (n if stage >= 3 else 1)
-    grads = 2 * psi / (n if stage >= 2 else 1)
-    state = k * psi / (n if stage >= 1 else 1)
-    return {"params": params, "grads": grads, "optimizer_state": state, "model_state": params + grads + state}
-
-
-def zero_formula(
-    psi: int,
-    stage: int,
-    world_size: int,
-    precision: str = "fp32",
-    param_bytes: int = 4,
-    states_per_param: int = 2,
-    frozen_bytes: int = 0,
-) -> dict[str, float]:
-    """Model-state bytes per rank for ZeRO ``stage``, masters counted with the optimizer state (as
-    ``shardwise.zero.memory.model_state_bytes`` reports live tensors beside it). Frozen parameters
-    are not sharded and are added whole."""
-    ms = model_states(psi, f"zero{stage}", world_size, precision, states_per_param, param_bytes)
-    params = ms.params + frozen_bytes
-    state = ms.master + ms.optimizer_state
-    return {
-        "params": params,
-        "grads": ms.grads,
-        "optimizer_state": state,
-        "model_state": params + ms.grads + state,
-    }
-
-
-# -- activations ------------------------------------------------------------------------------------
-
-
-def korthikanti_layer_bytes(
-    s: int, b: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none"
-) -> float:
-    """Korthikanti et al. (2023), table 2: activation bytes of one transformer layer at 16 bits.
-
-    ``recompute``: ``none``; ``selective`` (the attention core recomputed); ``full`` (the layer's input
-    alone is kept, 2sbh).
-    """
-    if recompute == "full":
-        return 2 * s * b * h
-    if recompute == "selective":  # the attention core (the 5as/h term) is recomputed
-        return 34 * s * b * h / tp if sequence_parallel else s * b * h * (10 + 24 / tp)
-    attention = 5 * a * s / h
-    if sequence_parallel:
-        return s * b * h * (34 + attention) / tp
-    return s * b * h * (10 + 24 / tp + attention / tp)
-
-
-@dataclass(frozen=True)
-class BlockActivations:
-    """Bytes one block saves for backward for one micro-batch, and what it keeps under checkpointing."""
-
-    full: float  # everything autograd saves
-    checkpointed: float  # the block's input alone
-
-
-def block_activations(
-    model: ModelShape,
-    tokens: int,
-    compute_bytes: int,
-    residual_bytes: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-) -> BlockActivations:
-    """Our block's saved tensors for ``tokens`` tokens (see the module docstring for the list)."""
-    h, t = model.d_model, tp
-    split = t  # tensors split by heads or by the MLP's width
-    seq = t if sequence_parallel else 1  # tensors that are whole under tp, sharded along s under sp
-    mlp_inner = (4 if model.gated_mlp else 2) * model.ff
-    residual = 2 * h * residual_bytes / seq  # the two norms' inputs
-    # Hugging Face's RMSNorm also saves the normalised input, cast back, for its weight's product
-    rms = 0 if model.layer_norm else 2 * h * compute_bytes / seq
-    whole = 2 * h * compute_bytes / seq  # the QKV and MLP inputs
-    heads = (h + 2 * model.kv_width + h + mlp_inner) * compute_bytes / split
-    fp32 = (2 * 2 * 4) / seq + 4 * model.n_head / split  # norm statistics, attention log-sum-exp
-    per_token = residual + rms + whole + heads + fp32
-    return BlockActivations(tokens * per_token, tokens * h * residual_bytes / seq)
-
-
-def logits_peak_bytes(tokens: int, vocab: int, compute_bytes: int, loss_bytes: int, tp: int = 1) -> float:
-    """At the loss's backward: the logits, their log-softmax (fp32, or float64 for a float64 model), its
-    gradient and the logits' gradient (cast back to the compute dtype under mixed precision)."""
-    per_token = (
-        vocab / tp * (3 * loss_bytes + compute_bytes + (compute_bytes if compute_bytes < loss_bytes else 0))
-    )
-    return tokens * per_token
-
 
 # -- the estimate -----------------------------------------------------------------------------------
 

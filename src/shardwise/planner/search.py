@@ -24,7 +24,8 @@ from typing import Any
 from shardwise.collectives.cost import CostProfile
 from shardwise.config import ConfigError
 from shardwise.planner.calibration import Calibration, Machine
-from shardwise.planner.memory import GB, Layout, MemoryEstimate, Training, estimate_memory, zero_stage
+from shardwise.planner.layout import GB, Layout, Training, zero_stage
+from shardwise.planner.memory import MemoryEstimate, estimate_memory
 from shardwise.planner.model import ModelShape
 from shardwise.planner.time import StepTime, step_time
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from shardwise.collectives.cost import CostProfile, predict
 from shardwise.planner.calibration import Calibration
-from shardwise.planner.memory import Layout, Training, zero_stage
+from shardwise.planner.layout import Layout, Training, zero_stage
 from shardwise.planner.model import ModelShape
 
 FIRST_BUCKET_BYTES = 2**20  # DDPConfig.first_bucket_mb

@@ -2,7 +2,7 @@
 
 No communication. ``model_state_bytes`` walks the engine's live tensors (each storage counted once,
 so a master shard that views the parameter buffer is not counted twice); ``zero_formula`` (from
-:mod:`shardwise.planner.memory`, re-exported here) gives what Rajbhandari et al. (SC 2020, section 5)
+:mod:`shardwise.planner.layout`, re-exported here) gives what Rajbhandari et al. (SC 2020, section 5)
 predict per rank for Ψ trainable parameters and N ranks, adapted to how this implementation keeps state:
 
 * fp32 (or float64) training: parameters 4Ψ, gradients 4Ψ, optimizer state KΨ (Adam: K = 8 bytes:
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardwise.device import memory_mb, peak_rss_mb
-from shardwise.planner.memory import zero_formula
+from shardwise.planner.layout import zero_formula
 
 __all__ = ["memory_report", "model_state_bytes", "peak_memory_bytes", "peak_rss_bytes", "zero_formula"]
 
