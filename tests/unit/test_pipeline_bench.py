@@ -64,10 +64,11 @@ def test_row_json_shape() -> None:
     for key in ("bubble_measured", "bubble_simulated", "bubble_theory", "speed_ratio"):
         assert isinstance(row[key], float), key
     assert row["schedule"] == "1f1b" and row["torch_class"] == "Schedule1F1B"
-    assert row["ours"]["step_s"] == pytest.approx(0.6)  # median over launches of the slowest rank
-    # a launch's step time is its slowest rank's mean (1.2 in the first: its median would be 1.0)
-    assert row["torch"]["step_s"] == pytest.approx(1.2)
-    assert row["torch"]["tokens_per_s"] == pytest.approx(1000 / 1.2)
+    assert row["ours"]["step_s"] == pytest.approx(0.6)  # the mean over launches of the slowest rank's
+    # a launch's step time is its slowest rank's mean (1.2 in the first: its median would be 1.0), and
+    # a side's the mean over launches ((1.2 + 1.0 + 1.5) / 3: the median would be 1.2)
+    assert row["torch"]["step_s"] == pytest.approx(3.7 / 3)
+    assert row["torch"]["tokens_per_s"] == pytest.approx(1000 / (3.7 / 3))
     # launch by launch the pairs' median (one pair each here: 1.1/0.5, 1.0/0.7, 1.5/0.6), then the median
     assert row["speed_ratio_rounds"] == pytest.approx([1.1 / 0.5, 1.0 / 0.7, 1.5 / 0.6])
     assert row["speed_ratio"] == pytest.approx(1.1 / 0.5)

@@ -27,8 +27,9 @@ so each of our steps has a torch step near it in time; a round is one launch. Ea
   rank's tail after its last action, which a loop of steps overlaps with the next step, weighs on a
   turn's last step only), then the median over rounds,
   every round's in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's step time (per
-  launch its slowest rank's mean over the measured steps, then the median over launches) and the
-  tokens/s that makes.
+  launch its slowest rank's mean over the measured steps, then the mean over launches: the sides of
+  a launch share its machine, and their means weigh the same launches alike) and the tokens/s that
+  makes.
 
 zb's launches run our 1F1B as a third side in the same turns (``pipeline_sides``), and where the
 bench has both schedules the ``1f1b`` row is measured there, against the same torch steps (its
