@@ -65,7 +65,7 @@ def test_row_json_shape() -> None:
         assert isinstance(row[key], float), key
     assert row["schedule"] == "1f1b" and row["torch_class"] == "Schedule1F1B"
     assert row["ours"]["step_s"] == pytest.approx(0.6)  # the mean over launches of the slowest rank's
-    # a launch's step time is its slowest rank's mean (1.2 in the first: its median would be 1.0), and
+    # a launch's step time is its slowest rank's mean (1.2 in the first: by medians it would be 1.1), and
     # a side's the mean over launches ((1.2 + 1.0 + 1.5) / 3: the median would be 1.2)
     assert row["torch"]["step_s"] == pytest.approx(3.7 / 3)
     assert row["torch"]["tokens_per_s"] == pytest.approx(1000 / (3.7 / 3))
@@ -234,28 +234,62 @@ def test_bad_bench_input_is_one_line_before_any_launch(
 
 def test_rounds_run_interleaved_across_schedules(monkeypatch: Any) -> None:
     """Round k of every schedule before round k + 1 of any: a drift of the machine weighs on all rows;
-    with zb in the bench, the 1f1b row is measured in zb's launches (their third side)."""
+    with zb and 1f1b in the bench, the 1f1b row is measured in zb's launches (their third side)."""
     order: list[str] = []
+    thirds: list[str | None] = []
 
     def fake_launch(worker: Any, nproc: int, args: tuple[Any, ...], timeout_s: float) -> Any:
         order.append(args[0].parallel.schedule)
-        plain = args[2]  # zb's: our 1F1B, a third side of the same launch
-        assert (plain.parallel.schedule if plain else None) == ("1f1b" if order[-1] == "zb" else None)
+        plain = args[2]  # zb's, where the bench has 1f1b too: our 1F1B, a third side of the same launch
+        thirds.append(plain.parallel.schedule if plain else None)
         ours = {**_launch(0.5, 0.0)[0], "warmup_spans": []}
-        sides = {"ours": ours, "torch": ours, **({"plain": ours} if plain else {})}
+        ours_1f1b = {**_launch(0.6, 0.0)[0], "warmup_spans": []}  # the third side: its own figures
+        sides = {"ours": ours, "torch": ours, **({"plain": ours_1f1b} if plain else {})}
         return [{**sides, "profile": _profiled(r, 1e-3, 1e-4)} for r in (0, 1)], None
 
     monkeypatch.setattr(bench, "launch", fake_launch)
     result = bench.run_pipeline_bench(steps=8, rounds=2, schedules=["gpipe", "1f1b", "zb"])
-    assert order == ["gpipe", "zb", "gpipe", "zb"]
+    assert order == ["gpipe", "zb", "gpipe", "zb"] and thirds == [None, "1f1b", None, "1f1b"]
     assert [r["schedule"] for r in result["rows"]] == ["gpipe", "1f1b", "zb"]
-    assert [r.get("launches_of") for r in result["rows"]] == [None, "zb", None]
-    plain_row = result["rows"][1]
-    assert plain_row["speed_ratio_rounds"] == [1.0, 1.0] and plain_row["bubble_measured"] is not None
+    assert [r["launches_of"] for r in result["rows"]] == [None, "zb", None]
+    plain_row = result["rows"][1]  # the third side's figures, against the same torch steps
+    assert plain_row["ours"]["step_s"] == pytest.approx(0.6) and plain_row["bubble_measured"] is not None
+    assert plain_row["speed_ratio_rounds"] == pytest.approx([0.5 / 0.6] * 2)
     gains = ("tokens_per_s", "same_launch_tokens_per_s", "paired")
-    assert result["zb_over_1f1b"] == {k: pytest.approx(1.0) for k in gains}
+    assert result["zb_over_1f1b"] == {k: pytest.approx(1.2) for k in gains}
     alone = bench.run_pipeline_bench(steps=8, rounds=1, schedules=["1f1b"])  # no zb: launches of its own
-    assert order[4:] == ["1f1b"] and "launches_of" not in alone["rows"][0]
+    assert order[4:] == ["1f1b"] and alone["rows"][0]["launches_of"] is None
+    bench.run_pipeline_bench(steps=8, rounds=1, schedules=["zb"])  # no 1f1b row: no third side
+    assert order[5:] == ["zb"] and thirds[4:] == [None, None]
+
+
+def test_once_torch_fails_the_third_side_runs_alone_and_keeps_its_row(monkeypatch: Any) -> None:
+    """zb's launches host the 1f1b row: when torch's side fails there, zb and our 1f1b each run alone
+    from then on (as ours does), so the 1f1b row keeps every round; the same launches' figure is read
+    from the paired launch only."""
+    calls: list[tuple[str, str]] = []
+    paired = iter([True, False])
+
+    def fake_launch(worker: Any, nproc: int, args: tuple[Any, ...], timeout_s: float) -> Any:
+        name = args[0].parallel.schedule
+        calls.append((worker.__name__, name))
+        if worker is bench.paired_worker:
+            if not next(paired, False):
+                return None, "timeout after 5 s"
+            sides = {"ours": {**_launch(0.5, 0.0)[0], "warmup_spans": []}, "torch": {"step_s": [0.55]},
+                     "plain": {**_launch(0.6, 0.0)[0], "warmup_spans": []}}  # fmt: skip
+            return [{**sides, "profile": _profiled(r, 1e-3, 1e-4)} for r in (0, 1)], None
+        step = 0.6 if name == "1f1b" else 0.5
+        return [{**_launch(step, 0.0)[i], "warmup_spans": []} for i in (0, 1)], None
+
+    monkeypatch.setattr(bench, "launch", fake_launch)
+    result = bench.run_pipeline_bench(steps=8, rounds=3, schedules=["1f1b", "zb"])
+    alone = [("ours_worker", "zb"), ("ours_worker", "1f1b")]
+    assert calls == [("paired_worker", "zb"), ("paired_worker", "zb"), *alone, *alone]
+    plain_row, zb_row = result["rows"]
+    assert plain_row["ours"]["launches"] == 3 and zb_row["ours"]["launches"] == 3
+    assert plain_row["torch"].startswith("timeout after 5 s (ours, torch's and our 1f1b in one launch)")
+    assert result["zb_over_1f1b"]["same_launch_tokens_per_s"] == pytest.approx(1.2)  # the paired launch
 
 
 def test_the_third_side_is_a_row_of_its_own_or_says_why_not() -> None:
@@ -295,8 +329,8 @@ def test_zb_over_1f1b_cancels_each_launch_speed() -> None:
 
 def test_zb_s_launches_pair_it_with_our_1f1b_step_by_step(monkeypatch: Any) -> None:
     """zb's paired launches run our 1F1B as a third side: its tokens/s over 1F1B's is their turns'
-    ratio; the launches after torch's side failed (ours alone) have no third side, and the failure
-    names all three sides."""
+    ratio, read from the paired launches alone; after torch's side failed, ours and the third side
+    run alone, and the failure names all three sides."""
     results = iter([[{"ours": {"step_s": [1.0, 2.0, 1.0]}, "torch": {}, "plain": {"step_s": [1.1, 2.2, 1.0]},
                       "profile": _profiled(r, 1e-3, 1e-4)} for r in (0, 1)], None])  # fmt: skip
 
@@ -310,7 +344,8 @@ def test_zb_s_launches_pair_it_with_our_1f1b_step_by_step(monkeypatch: Any) -> N
     run = bench.Rounds(None, "Schedule1F1B", plain=SimpleNamespace())  # type: ignore[arg-type]
     for _ in range(3):
         run.run_one(2, 5.0)
-    assert len(run.plains) == 1 and isinstance(run.ours, list) and len(run.ours) == 3
+    assert len(run.plains) == 3 and run.paired_plains() == run.plains[:1]
+    assert isinstance(run.ours, list) and len(run.ours) == 3
     assert run.theirs == "timeout after 5 s (ours, torch's and our 1f1b in one launch)"
     assert bench.same_launch(run) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
     assert bench.same_launch(bench.Rounds(None, "Schedule1F1B")) is None  # type: ignore[arg-type]
@@ -332,6 +367,9 @@ def test_the_sides_take_turns_of_back_to_back_steps() -> None:
         for t in turns
     )
     assert len(between) == steps - sides_module.WARMUP_STEPS  # one profile repeat per measured step
+    for name in ("ours", "plain"):  # our runtime's sides keep their steps' action spans; torch's none
+        assert len(got[name]["spans"]) == steps - sides_module.WARMUP_STEPS and "warmup_spans" in got[name]
+    assert set(got["torch"]) == {"step_s"}
     assert between[0] == 3 * 2 * block and between[-1] == 3 * steps  # after every side's turn
     assert all(len(got[n]["step_s"]) == steps - sides_module.WARMUP_STEPS for n in sides)
 

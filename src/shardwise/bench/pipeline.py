@@ -33,13 +33,17 @@ so each of our steps has a torch step near it in time; a round is one launch. Ea
 
 zb's launches run our 1F1B as a third side in the same turns (``pipeline_sides``), and where the
 bench has both schedules the ``1f1b`` row is measured there, against the same torch steps (its
-``launches_of`` says so): the two rows' tokens/s then come from the same launches. Measured in
+``launches_of`` says so; null on the other rows): the two rows' tokens/s then come from the same
+launches (once torch's side has failed, our 1F1B runs in launches of its own after zb's, as ours
+does: its row keeps its figures). Measured in
 launches of their own, the machine's speed from one launch to the next weighed on their ratio:
 torch's same ``Schedule1F1B`` ran 0.93-1.05x as fast in zb's launches as in 1f1b's over eight runs,
 and the rows' ratio ranged 0.97-1.17 while the same launches' ranged 1.00-1.04. ``zb_over_1f1b``
 compares the two: ``tokens_per_s`` the ratio of the rows' tokens/s; ``same_launch_tokens_per_s``
-per launch the median over its turns of each one's ratio, then the median over launches; ``paired``
-the ratio of their speed ratios, both against torch's ``Schedule1F1B``.
+per launch the median over its step pairs (step k of each, in the same round of turns) of their
+ratio, then the median over the paired launches; ``paired`` the ratio of their speed ratios, both
+against torch's ``Schedule1F1B``. With the rows in the same launches the three read one comparison
+three ways: the first a ratio of means, the other two medians of step pairs.
 
 Rounds are interleaved across schedules: round k of every schedule runs before round k + 1 of any, so
 a drift of the machine's speed over the bench's minutes weighs on every row alike. ``conditions``
@@ -136,15 +140,18 @@ class Rounds:
     ours: Launches | str = field(default_factory=list)
     theirs: Launches | str = field(default_factory=list)
     profiles: list[Costs] = field(default_factory=list)
-    plains: Launches = field(default_factory=list)  # the third side's, one per paired launch
+    # the third side's, one per launch: the paired launches' first (as many as ``profiles``), then,
+    # once torch's side has failed, its own launches alone
+    plains: Launches = field(default_factory=list)
 
     def run_one(self, nproc: int, timeout_s: float) -> None:
         """One more launch (``pipeline_sides.paired_worker``); once torch's side has hung or failed,
-        ours alone (``ours_worker``); once ours has failed, none."""
+        ours alone (``ours_worker``), and the third side alone after it; once ours has failed, none."""
         if isinstance(self.ours, str):
             return
         if isinstance(self.theirs, str):
             results, problem = launch(ours_worker, nproc, (self.config,), timeout_s)
+            self._plain_alone(nproc, timeout_s)
         else:
             args = (self.config, self.torch_class, self.plain)
             results, problem = launch(paired_worker, nproc, args, timeout_s)
@@ -152,6 +159,7 @@ class Rounds:
                 sides = "ours, torch's and our 1f1b" if self.plain is not None else "ours and torch's"
                 self.theirs = f"{problem} ({sides} in one launch)"
                 results, problem = launch(ours_worker, nproc, (self.config,), timeout_s)
+                self._plain_alone(nproc, timeout_s)
             else:
                 self.theirs.append([r["torch"] for r in results])
                 if self.plain is not None:
@@ -163,13 +171,27 @@ class Rounds:
         else:
             self.ours.append(results)
 
+    def _plain_alone(self, nproc: int, timeout_s: float) -> None:
+        """Once torch's side has failed: the third side in a launch of its own, so its row keeps its
+        figures as ours does."""
+        if self.plain is not None:
+            results, _ = launch(ours_worker, nproc, (self.plain,), timeout_s)
+            if results is not None:
+                self.plains.append(results)
+
+    def paired_plains(self) -> Launches:
+        """The third side's launches that ran beside ours and torch's (the first ``len(profiles)``)."""
+        return self.plains[: len(self.profiles)]
+
     def third_side(self) -> Rounds:
         """The third side's launches as its own schedule's (``plain``: our 1F1B in zb's), against the
-        same torch steps and with the same launches' profiles; where none ran it, the reason."""
+        same torch steps and with the same launches' profiles (timed on zb's stage modules, whose
+        linear layers go through the deferring ``linear``, unarmed for an F or B: the plain op behind
+        one more Python call); where none ran it, the reason."""
         assert self.plain is not None
         ours: Launches | str = self.plains
         if not self.plains:
-            why = self.theirs if isinstance(self.theirs, str) else self.ours
+            why = self.theirs if isinstance(self.theirs, str) else "no launch ran it"
             ours = f"measured in the launches of {self.config.parallel.schedule}, which ran it in none: {why}"
         return Rounds(self.plain, self.torch_class, None, ours, self.theirs, self.profiles)
 
@@ -197,9 +219,11 @@ def run_pipeline_bench(
         )
     shape = (nproc, microbatches, preset, global_batch, steps, rounds, timeout_s)
     configs = check_bench(names, *shape)
-    plain = {name: check_bench([PLAIN_PEER[name]], *shape)[0] for name in names if name in PLAIN_PEER}
-    # a schedule that another's launches run as their third side is measured there (module docstring)
-    hosts = {PLAIN_PEER[name]: name for name in plain if PLAIN_PEER[name] in names}
+    # zb's launches run our 1F1B as a third side where the bench has both, and the 1f1b row is
+    # measured there (module docstring)
+    both = [name for name in names if PLAIN_PEER.get(name) in names]
+    plain = {name: configs[names.index(PLAIN_PEER[name])] for name in both}
+    hosts = {PLAIN_PEER[name]: name for name in both}
     load_before = os.getloadavg()[0]
     runs = {
         name: Rounds(
@@ -216,8 +240,7 @@ def run_pipeline_bench(
         run = runs[hosts[name]].third_side() if name in hosts else runs[name]
         tokens = global_batch * run.config.model.seq_len
         rows.append(_row_of(name, run, nproc, microbatches, tokens, timeout_s, trace_dir))
-        if name in hosts:
-            rows[-1]["launches_of"] = hosts[name]
+        rows[-1]["launches_of"] = hosts.get(name)
     return {
         "nproc": nproc,
         "preset": preset,
@@ -236,9 +259,9 @@ def run_pipeline_bench(
 def same_launch(run: Rounds | None) -> float | None:
     """zb's tokens/s over our 1F1B's in the same launches (``plain``): the median over those launches
     of each one's ratio, turn by turn; None where none ran both."""
-    if run is None or isinstance(run.ours, str) or not run.plains:
+    if run is None or isinstance(run.ours, str) or not run.paired_plains():
         return None  # ours alone once torch's side failed: the paired launches come first
-    pairs = zip(run.ours, run.plains, strict=False)
+    pairs = zip(run.ours, run.paired_plains(), strict=False)
     return statistics.median(paired_ratio(ours, plain) for ours, plain in pairs)
 
 
@@ -305,7 +328,7 @@ def render_pipeline(result: dict[str, Any]) -> None:
         cells = f"{bubbles[0]:>9s} {bubbles[1]:>9s} {bubbles[2]:>7s} {ours:>11s}"
         print(f"  {r['schedule']:15s} {cells}  {theirs}{ratio}")
     for r in result["rows"]:
-        if "launches_of" in r:
+        if r.get("launches_of"):
             print(
                 f"  {r['schedule']} measured in {r['launches_of']}'s launches, against the same torch steps"
             )

@@ -159,7 +159,8 @@ def _launch_steps(launches: Launches) -> list[float]:
     over their steps. Every side of a launch has one turn in each round of turns, so the sides' means
     weigh the machine's speed in each round alike; the median of one side's steps picks whichever
     round's speed falls in its middle (in one zb launch, zb's tokens/s over our 1F1B's read 1.11 by
-    the sides' medians, 1.04 by their means and 1.03 paired step by step)."""
+    the sides' medians, 1.04 by their means and 1.03 paired step by step). A stalled step counts in
+    full, as it does in a run's time; the speed ratios stay medians of step pairs."""
     return [max(statistics.fmean(r["step_s"]) for r in ranks) for ranks in launches]
 
 
@@ -197,9 +198,10 @@ def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: f
         "cpus": os.cpu_count(),
         "ratio_spread": max(spreads, default=None),
         "turn_steps": BLOCK,
-        "note": "medians of interleaved rounds; in a launch each side runs turn_steps steps back to back, "
-        "then the next side; ratio_spread: the largest (max - min) / median of a row's per-round speed "
-        "ratios",
+        "note": "speed ratios: medians of interleaved rounds, each the median of its step pairs; a side's "
+        "step time and tokens/s: each launch's mean step time (its slowest rank's), the mean over launches; "
+        "in a launch each side runs turn_steps steps back to back, then the next side; ratio_spread: the "
+        "largest (max - min) / median of a row's per-round speed ratios",
     }
 
 
@@ -218,8 +220,8 @@ def steps_by_rank(launches: Launches, key: str = "spans") -> list[dict[int, list
 
 
 def zb_over_1f1b(rows: Sequence[dict[str, Any]], same_launch: float | None = None) -> dict[str, float] | None:
-    """Our ``zb`` against our ``1f1b``: ``tokens_per_s``, the ratio of the two rows' tokens/s
-    (launches apart: the machine's speed between them weighs on it); ``same_launch_tokens_per_s``,
+    """Our ``zb`` against our ``1f1b``: ``tokens_per_s``, the ratio of the two rows' tokens/s (from
+    the same launches where the bench has both: ``bench/pipeline.py``); ``same_launch_tokens_per_s``,
     zb's over 1F1B's measured in the same launches, turn by turn (``same_launch``, where they ran);
     ``paired``, the ratio of their speed ratios (both against torch's ``Schedule1F1B``, so each
     launch's speed cancels). None without both rows."""

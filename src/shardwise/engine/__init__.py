@@ -1,4 +1,5 @@
-"""The data-parallel layer: its interface (``base``), whole-tensor state, optimizers (``optim``)."""
+"""The data-parallel layer: its interface (``base``), the update (``update``), whole-tensor state (``state``),
+optimizers (``optim``)."""
 
 from shardwise.engine.base import Batch, Engine, Role
 from shardwise.engine.loss import loss_sum

@@ -3,8 +3,9 @@
 A data-parallel engine (DDP, ZeRO) answers for what its rank holds, over its data-parallel group. Each
 further axis the model is cut over is one ``Axis`` in ``engine.axes``: hybrid sharding's replicas
 (``zero.hybrid``), tensor parallelism (``tensor_parallel.axis``), the pipeline (``pipeline.axis``).
-The engine (``engine/base.py``) asks every axis in turn, innermost first (the data-parallel group's
-own, then tp, cp, ep, pp: the order ``parallelize`` applied them), one loop per question:
+The engine (``engine/base.py``, its update in ``engine/update.py``) asks every axis in turn,
+innermost first (the data-parallel group's own, then tp, cp, ep, pp: the order ``parallelize``
+applied them), one loop per question:
 
 - ``after_grads(engine)``: after the gradient exchange, a sum of its own over this axis (under
   sequence parallelism, the gradients of the parameters every tp rank holds; over hybrid replicas,
