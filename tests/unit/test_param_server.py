@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardwise.config import ConfigError
-from shardwise.data_parallel.param_server import assign_to_servers, flatten, unflatten_into
+from shardwise.data_parallel.param_server import assign_to_servers
+from shardwise.data_parallel.ps_messages import flatten, unflatten_into
 
 
 def test_largest_first_into_the_lightest_server() -> None:
