@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.bench.pipeline_handoff import hand_offs, transfer_price
+from shardwise.bench.pipeline_handoff import gap_price, gaps, hand_offs, transfer_price, with_warmup_prices
 from shardwise.observe.monitor import Span
 from shardwise.pipeline.actions import fuse_schedule
 from shardwise.pipeline.schedules import SCHEDULES, build, stage_placement
@@ -44,10 +44,24 @@ def test_no_wait_no_price() -> None:
     assert transfer_price([], [0, 1], send=0.1) is None
 
 
+def test_a_gap_is_time_between_actions_that_waited_for_no_message() -> None:
+    # rank 0: 0F1 after 0F0 needs nothing remote (a gap of 0); 0B0 and 0B1 waited for rank 1's B.
+    # rank 1: 1B0 follows its own 1F0 (0.0); 1F1 after 1B0: 0F1 ended (2.0) before 1B0 began (2.2),
+    # so 0.1; 1B1 follows 1F1 (0.0); 1F0 is its rank's first action: nothing before it. Posts come off:
+    # 0F0 sent an activation, 1B0 a gradient
+    assert sorted(round(g, 6) for g in gaps(STEP, [0, 1], send=0.0)) == [0.0, 0.0, 0.0, 0.1]
+    assert sorted(round(g, 6) for g in gaps(STEP, [0, 1], send=0.05)) == [-0.05, 0.0, 0.0, 0.05]
+    assert gap_price([STEP], [0, 1], send=0.0) == pytest.approx(0.0)
+    assert gap_price([], [0, 1], send=0.0) is None
+
+
 @pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8)])
-def test_a_simulated_steps_price_is_the_transfer_it_was_simulated_with(pp: int, microbatches: int) -> None:
+def test_a_simulated_steps_prices_are_the_transfer_and_gap_it_was_simulated_with(
+    pp: int, microbatches: int
+) -> None:
     """Every schedule, as the runtime runs it (V turns, split I and W): read back off the simulator's
-    own timeline, the price is the transfer the simulator charged, its posts taken off as it charges them."""
+    own timeline, the prices are the transfer and the gap the simulator charged, its posts taken off
+    as it charges them."""
     for name in SCHEDULES:
         virtual = 1 if SCHEDULES[name].virtual == "1" else 2
         placement = stage_placement(name, pp, virtual)
@@ -59,10 +73,14 @@ def test_a_simulated_steps_price_is_the_transfer_it_was_simulated_with(pp: int, 
             weight_grad=tuple(0.8 + 0.2 * s for s in range(stages)),
             transfer=0.37,
             send=0.13,
+            gap=0.05,
         )
         timeline = simulate(fuse_schedule(build(name, pp, virtual, microbatches)), placement, costs)
         step = {r: [s for s in timeline.spans(r, 1.0) if s.lane == "actions"] for r in timeline.slots}
         assert transfer_price([step], placement, send=0.13) == pytest.approx(0.37), name
+        assert gap_price([step], placement, send=0.13) == pytest.approx(0.05), name
+        priced = with_warmup_prices(Costs(send=0.13), [step], placement)
+        assert (priced.transfer, priced.gap) == (pytest.approx(0.37), pytest.approx(0.05)), name
 
 
 def test_a_step_a_rank_recorded_nothing_of_is_left_out() -> None:

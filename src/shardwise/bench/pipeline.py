@@ -17,7 +17,8 @@ so each of our steps has a torch step near it in time; a round is one launch. Ea
   what posting one activation takes its sender), measured in each paired launch between its steps and
   after them, in the same processes, the median over the launches; a message's transfer priced from the
   run's own warm-up steps (``pipeline_handoff``: the mean wait for one; the relay's median, kept as
-  ``profiled_ms.transfer_relay``, missed their tail). Never from the steps it is compared with;
+  ``profiled_ms.transfer_relay``, missed their tail), and the runtime's own time between two of a
+  rank's actions (``profiled_ms.gap``) from the same steps. Never from the steps it is compared with;
 - ``bubble_theory``: the formula where the literature gives one (GPipe and 1F1B ``(p-1)/(m+p-1)``,
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
@@ -69,7 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.pipeline_handoff import with_warmup_transfer
+from shardwise.bench.pipeline_handoff import with_warmup_prices
 from shardwise.bench.pipeline_profile import PROFILE_REPEATS, costs_of, launch, median_costs, profile_costs
 from shardwise.bench.pipeline_rows import (
     PLAIN_PEER,
@@ -277,7 +278,7 @@ def _row_of(
         costs = profile_costs(run.config, nproc, repeats=PROFILE_REPEATS, timeout_s=timeout_s)
     relay, placement = costs.transfer, stage_placement(name, nproc, virtual_for(name))
     if not isinstance(run.ours, str):  # a message's price from the run's own warm-up steps
-        costs = with_warmup_transfer(costs, steps_by_rank(run.ours, "warmup_spans"), placement)
+        costs = with_warmup_prices(costs, steps_by_rank(run.ours, "warmup_spans"), placement)
     out = row(name, nproc, microbatches, tokens, run.ours, run.theirs, costs)
     out["profiled_ms"]["transfer_relay"] = round(1e3 * relay, 3)
     if trace_dir and not isinstance(run.ours, str):

@@ -1,4 +1,5 @@
-"""The pipeline bench's hand-off price: what one message between ranks costs in the run itself.
+"""The pipeline bench's hand-off and gap prices: what one message between ranks, and the runtime's
+own time between two actions of a rank, cost in the run itself.
 
 The simulator prices a message as ``send`` (posting it, on its sender, after the action that produced
 it) plus ``transfer`` (latency). Here ``transfer`` is read off the run's own warm-up steps, never the
@@ -13,8 +14,12 @@ price them at nothing). It is a calibration: the simulated bubble agrees with th
 part because the transfer was fitted to the same launches' warm-up waits (README, "Pipeline
 speed"). The tied weight's values are not a hand-off here: the last stage's first F waits for them at
 its head, inside its span. Included as they come: a split schedule's warm-up steps run the fit's fused and
-built schedules (``pipeline/fitting.py``), not the fitted one measured after them. A step whose
-spans do not make a whole schedule (a rank that recorded none) is left out.
+built schedules (``pipeline/fitting.py``), not the fitted one measured after them. The ``gap`` is read off
+the same steps: between two of a rank's actions where the second waited for no message, its start
+less the first's end and posts; the median (in one launch of each schedule on this bench: 0.015-0.02
+ms for 1f1b, zb and zbv, 0.05-0.08 ms for interleaved, interleaved-zb and dualpipev, which raised
+those three's simulated bubble by 0.006-0.009, the others' by 0.001-0.003). A
+step whose spans do not make a whole schedule (a rank that recorded none) is left out.
 Pure: no torch, no processes. Communication: none (it reads spans).
 """
 
@@ -60,6 +65,28 @@ def hand_offs(step: StepSpans, placement: Sequence[int]) -> list[tuple[float, in
     return out
 
 
+def gaps(step: StepSpans, placement: Sequence[int], send: float) -> list[float]:
+    """Every stretch between two of a rank's actions in ``step`` where the second waited for no
+    message (each producer on another rank had ended before the first started, so its message had
+    the whole first action to come in): the second's start less the first's end and the first's posts
+    (``send`` per message it sent, as ``simulate`` charges them). Raises ``KeyError`` where the spans
+    do not make a whole schedule."""
+    runs = {rank: sorted(spans, key=lambda s: s.start) for rank, spans in step.items()}
+    schedule = {rank: [parse_action(s.name) for s in spans] for rank, spans in runs.items()}
+    ends = {a: s.start + s.duration for r in runs for a, s in zip(schedule[r], runs[r], strict=True)}
+    kinds = backward_kinds(schedule)
+    out: list[float] = []
+    for rank, spans in runs.items():
+        posts = [len(sends) for _, _, sends in transfers(rank, schedule[rank], placement)]
+        mine = {s for s, r in enumerate(placement) if r == rank}
+        for k in range(1, len(spans)):
+            needs = dependencies(schedule[rank][k], len(placement), kinds)
+            if all(ends[n] <= spans[k - 1].start for n in needs if n.stage not in mine):
+                before = spans[k - 1].start + spans[k - 1].duration
+                out.append(spans[k].start - before - send * posts[k - 1])
+    return out
+
+
 def transfer_price(steps: Sequence[StepSpans], placement: Sequence[int], send: float) -> float | None:
     """The mean over ``steps``' hand-offs of each less its producer's posts (at least 0); None where
     no action waited for a message. Steps that are not a whole schedule are left out."""
@@ -72,7 +99,25 @@ def transfer_price(steps: Sequence[StepSpans], placement: Sequence[int], send: f
     return max(0.0, statistics.fmean(waits)) if waits else None
 
 
-def with_warmup_transfer(costs: Costs, warmups: Sequence[StepSpans], placement: Sequence[int]) -> Costs:
-    """``costs`` with ``transfer`` the price of ``warmups``' hand-offs (as it was where none waited)."""
+def gap_price(steps: Sequence[StepSpans], placement: Sequence[int], send: float) -> float | None:
+    """The median over ``steps``' gaps (``gaps``, at least 0); None where there are none. Steps that
+    are not a whole schedule are left out."""
+    found = []
+    for step in steps:
+        try:
+            found += gaps(step, placement, send)
+        except KeyError:
+            continue
+    return max(0.0, statistics.median(found)) if found else None
+
+
+def with_warmup_prices(costs: Costs, warmups: Sequence[StepSpans], placement: Sequence[int]) -> Costs:
+    """``costs`` with ``transfer`` the price of ``warmups``' hand-offs and ``gap`` that of their gaps
+    (each as it was where there was none)."""
     price = transfer_price(warmups, placement, costs.send)
-    return costs if price is None else replace(costs, transfer=price)
+    gap = gap_price(warmups, placement, costs.send)
+    return replace(
+        costs,
+        transfer=costs.transfer if price is None else price,
+        gap=costs.gap if gap is None else gap,
+    )

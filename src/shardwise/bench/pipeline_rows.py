@@ -143,8 +143,13 @@ def row(
 
 def _profiled_ms(costs: Costs) -> dict[str, Any]:
     """The simulator's costs in ms: per kind, per stage (the profile's); one activation's post (the
-    profile's) and its transfer (priced from the warm-up steps where they waited for one)."""
-    out: dict[str, Any] = {"transfer": round(1e3 * costs.transfer, 3), "send": round(1e3 * costs.send, 3)}
+    profile's), its transfer (priced from the warm-up steps where they waited for one) and the gap
+    between two of a rank's actions (from the same steps)."""
+    out: dict[str, Any] = {
+        "transfer": round(1e3 * costs.transfer, 3),
+        "send": round(1e3 * costs.send, 3),
+        "gap": round(1e3 * costs.gap, 3),
+    }
     kinds = (costs.forward, costs.backward, costs.input_grad, costs.weight_grad)
     for kind, value in zip("FBIW", kinds, strict=True):
         out[kind] = [round(1e3 * c, 3) for c in value] if isinstance(value, tuple) else round(1e3 * value, 3)

@@ -4,6 +4,9 @@ Each rank runs its list in order; an action starts when the rank is free and eve
 on (``validate.dependencies``) has finished, plus ``transfer`` when that came from another rank.
 Posting a message occupies its sender for ``send`` after the action that produced it (the runtime
 posts it at the boundary before its next action; idle, not busy, time), and the message leaves then.
+Between two of its actions a rank also spends ``gap`` on the runtime's own bookkeeping (closing one
+action's span, finding and opening the next's; idle time too), unless it was waiting for a message
+anyway: the wait covers it, and the action starts as the message is in.
 Only sends are priced: a receive is posted early, off any action's path, and the tied weight's two
 messages per step are not in the schedule. The transfer itself is latency: it occupies neither end
 and contends for no link (the runtime sends asynchronously with receives posted ahead). The result
@@ -39,8 +42,9 @@ PerStage = float | tuple[float, ...]  # one cost for every stage, or one per sta
 @dataclass(frozen=True)
 class Costs:
     """Seconds (or any unit) per action kind, per stage; ``transfer`` per message, ``send``: what
-    posting one occupies its sender (module docstring; 0 unless given), and ``update``: what each
-    stage's update adds to its rank's step after its last action (``step_time``; 0 unless given).
+    posting one occupies its sender (module docstring; 0 unless given), ``update``: what each
+    stage's update adds to its rank's step after its last action (``step_time``; 0 unless given), and
+    ``gap``: the runtime's own time between two of a rank's actions (module docstring; 0 unless given).
 
     Convention: ``backward`` is a full B; a split backward costs ``input_grad`` (I) and
     ``weight_grad`` (W), which ``uniform`` sets to half of B each unless given.
@@ -53,6 +57,7 @@ class Costs:
     transfer: float = 0.0
     send: float = 0.0
     update: PerStage = 0.0  # the optimizer's update of the stage's parameters (``step_time``)
+    gap: float = 0.0  # the runtime's own time between two of a rank's actions (module docstring)
 
     @classmethod
     def uniform(
@@ -147,7 +152,7 @@ def simulate(schedule: Mapping[int, Sequence[Action]], placement: Sequence[int],
                 if any(n not in end for n in needs):
                     break
                 ready = [leaves[n] + costs.transfer if placement[n.stage] != rank else end[n] for n in needs]
-                start = max([clock[rank], *ready])
+                start = max([clock[rank] + (costs.gap if slots[rank] else 0.0), *ready])
                 end[action] = start + costs.of(action)
                 clock[rank] = leaves[action] = end[action] + posting[rank][len(slots[rank])]
                 slots[rank].append(Slot(action, start, end[action]))
