@@ -49,10 +49,13 @@ three ways: the first a ratio of means, the other two medians of step pairs.
 Rounds are interleaved across schedules: round k of every schedule runs before round k + 1 of any, so
 a drift of the machine's speed over the bench's minutes weighs on every row alike. ``conditions``
 says how it was measured: rounds and steps, the load average before and after, and the spread of the
-rounds' ratios (the largest (max - min) / median over the rows). The defaults (40 steps, 5 rounds)
-are meant to make two runs agree within 5% on every ratio (3 rounds did not: interleaved's ratio
-was 1.07 in one quiet run and 1.21 in another). The rows' arithmetic is in
-``bench/pipeline_rows.py``.
+rounds' ratios (the largest (max - min) / median over the rows). The defaults (9 rounds of 24 steps)
+are meant to make two runs agree within 5% on every ratio. What limits that is the launch, not the
+steps in it: three instances of the same 1F1B in one launch's turns (as zb's launches run three
+sides) ran 0.92-1.09x as fast as one another, launch by launch (6 launches). So more, shorter
+launches: three runs of 5 rounds of 40 steps differed by up to 10% on a row (1f1b 0.973 and 1.063,
+interleaved 1.074 and 1.185), two of 9 rounds of 24 steps, 2 minutes longer, by at most 3.9% (3
+rounds, earlier: 1.07 and 1.21 on interleaved). The rows' arithmetic is in ``bench/pipeline_rows.py``.
 
 torch's pipelining has hung on gloo (pytorch#132644), so every launch is a group of fresh processes
 with a deadline (``run_on_ranks``); one that hangs or fails makes that row's ``"torch"`` the reason
@@ -200,8 +203,8 @@ class Rounds:
 def run_pipeline_bench(
     nproc: int = 2,
     microbatches: int = 4,
-    steps: int = 40,
-    rounds: int = 5,
+    steps: int = 24,
+    rounds: int = 9,
     preset: str = "small",
     global_batch: int = 8,
     schedules: Sequence[str] | None = None,

@@ -206,7 +206,10 @@ def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: f
         "note": "speed ratios: medians of interleaved rounds, each the median of its step pairs; a side's "
         "step time and tokens/s: each launch's mean step time (its slowest rank's), the mean over launches; "
         "in a launch each side runs turn_steps steps back to back, then the next side; ratio_spread: the "
-        "largest (max - min) / median of a row's per-round speed ratios",
+        "largest (max - min) / median of a row's per-round speed ratios; the defaults (9 rounds of 24 "
+        "steps) aim at two runs within 5% of each other on every ratio: two such runs on a quiet 2-core "
+        "machine differed by at most 3.9%, three of 5 rounds of 40 steps by up to 10% (a launch varies "
+        "more than the steps in it: bench/pipeline.py)",
     }
 
 

@@ -111,10 +111,10 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     pipe = _kind(kinds, "pipeline", "pipeline schedules against torch.distributed.pipelining", run, nproc=2)
     pipe.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step" + SHOW_DEFAULT)
     pipe.add_argument(
-        "--steps", type=int, default=40, help="steps per launch, the first 5 warm up" + SHOW_DEFAULT
+        "--steps", type=int, default=24, help="steps per launch, the first 5 warm up" + SHOW_DEFAULT
     )
     pipe.add_argument(
-        "--rounds", type=int, default=5, help="launches, the sides' steps alternating" + SHOW_DEFAULT
+        "--rounds", type=int, default=9, help="launches, the sides' steps alternating" + SHOW_DEFAULT
     )
     pipe.add_argument("--preset", default="small", help="the gpt preset" + SHOW_DEFAULT)
     pipe.add_argument("--global-batch", type=int, default=8, help="sequences per step" + SHOW_DEFAULT)
