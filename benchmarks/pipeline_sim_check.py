@@ -9,8 +9,9 @@ action's span recorded. Each measured step is simulated (``pipeline.simulate``) 
 ran, each costing what it took in that step, priced three ways: with the profile's send and transfer
 (the relay's; the bench now prices the transfer from the warm-up steps, ``bench/pipeline_handoff.py``),
 with its transfer alone (no sender's cost), and with neither. What is left
-between a step's measured bubble and its simulation is what the simulator does not model (the
-runtime's own work between actions, waits longer than a message's price), not the costs. Medians
+between a step's measured bubble and its simulation is what the simulator is not given here (the
+runtime's own work between actions, ``Costs.gap``, which the bench prices from its warm-up steps;
+waits longer than a message's price), not the costs. Medians
 over the steps (the bench's own worker, ``pipeline_sides.ours_worker``, runs them); writes
 ``benchmarks/results/pipeline-sim-check.json``. Communication: the runtime's
 own (point-to-point over pp, the step's all-reduces), observed only.

@@ -1,4 +1,5 @@
-"""The bench's hand-off price: waits for another rank's message read off a step's action spans."""
+"""The bench's hand-off and gap prices: waits for another rank's message, and the runtime's own time
+between two of a rank's actions, read off a step's action spans."""
 
 from __future__ import annotations
 
@@ -49,10 +50,19 @@ def test_a_gap_is_time_between_actions_that_waited_for_no_message() -> None:
     # rank 1: 1B0 follows its own 1F0 (0.0); 1F1 after 1B0: 0F1 ended (2.0) before 1B0 began (2.2),
     # so 0.1; 1B1 follows 1F1 (0.0); 1F0 is its rank's first action: nothing before it. Posts come off:
     # 0F0 sent an activation, 1B0 a gradient
-    assert sorted(round(g, 6) for g in gaps(STEP, [0, 1], send=0.0)) == [0.0, 0.0, 0.0, 0.1]
-    assert sorted(round(g, 6) for g in gaps(STEP, [0, 1], send=0.05)) == [-0.05, 0.0, 0.0, 0.05]
-    assert gap_price([STEP], [0, 1], send=0.0) == pytest.approx(0.0)
-    assert gap_price([], [0, 1], send=0.0) is None
+    assert sorted(round(g, 6) for g in gaps(STEP, [0, 1], send=0.0, transfer=0.0)) == [0.0, 0.0, 0.0, 0.1]
+    assert sorted(round(g, 6) for g in gaps(STEP, [0, 1], send=0.05, transfer=0.0)) == [-0.05, 0.0, 0.0, 0.05]
+    # with a transfer of 2.3, 0F1's activation (2.0 + 2.3) was not in by 1B0's end (4.2): 1F1 waited
+    assert sorted(round(g, 6) for g in gaps(STEP, [0, 1], send=0.0, transfer=2.3)) == [0.0, 0.0, 0.0]
+
+
+def test_the_gap_price_is_the_median_gap_never_below_nothing() -> None:
+    one_rank = _step({0: [("0F0", 0.0, 1.0), ("1F0", 1.1, 2.1), ("1B0", 2.3, 4.3), ("0B0", 4.6, 6.6)]})
+    assert gap_price([one_rank], [0, 0], send=0.0, transfer=0.0) == pytest.approx(0.2)
+    assert gap_price([one_rank], [0, 0], send=1.0, transfer=0.0) == pytest.approx(0.2)  # no posts
+    # STEP's gaps less posts of 1.0: -1.0, 0.0, -0.9, 0.0, a median of -0.45
+    assert gap_price([STEP], [0, 1], send=1.0, transfer=0.0) == 0.0
+    assert gap_price([], [0, 1], send=0.0, transfer=0.0) is None
 
 
 @pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8)])
@@ -78,7 +88,7 @@ def test_a_simulated_steps_prices_are_the_transfer_and_gap_it_was_simulated_with
         timeline = simulate(fuse_schedule(build(name, pp, virtual, microbatches)), placement, costs)
         step = {r: [s for s in timeline.spans(r, 1.0) if s.lane == "actions"] for r in timeline.slots}
         assert transfer_price([step], placement, send=0.13) == pytest.approx(0.37), name
-        assert gap_price([step], placement, send=0.13) == pytest.approx(0.05), name
+        assert gap_price([step], placement, send=0.13, transfer=0.37) == pytest.approx(0.05), name
         priced = with_warmup_prices(Costs(send=0.13), [step], placement)
         assert (priced.transfer, priced.gap) == (pytest.approx(0.37), pytest.approx(0.05)), name
 
@@ -88,3 +98,7 @@ def test_a_step_a_rank_recorded_nothing_of_is_left_out() -> None:
     missing_producer = {0: STEP[0], 1: STEP[1][1:]}  # 1F0 lost: 1B0 has no forward
     assert transfer_price([partial, missing_producer], [0, 1], send=0.0) is None
     assert transfer_price([partial, STEP], [0, 1], send=0.0) == pytest.approx(0.8 / 3)
+    missing_middle = {0: STEP[0], 1: [STEP[1][0], STEP[1][1], STEP[1][3]]}  # 1F1 lost: 1B1 has none
+    assert gap_price([partial, missing_producer, missing_middle], [0, 1], send=0.0, transfer=0.0) is None
+    assert transfer_price([missing_middle], [0, 1], send=0.0) is None
+    assert gap_price([missing_middle, STEP], [0, 1], send=0.0, transfer=0.0) == pytest.approx(0.0)

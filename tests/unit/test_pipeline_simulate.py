@@ -175,3 +175,14 @@ def test_trace_events_match_observe_and_plot(tmp_path: Path) -> None:
     (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     png = plot_timeline(tmp_path, last_steps=1)
     assert png.exists() and png.stat().st_size > 1000
+
+
+def test_a_gap_comes_between_a_ranks_actions_not_before_its_first_nor_after_a_wait() -> None:
+    one_rank = {0: parse_actions("0F0 1F0 1B0 0B0")}
+    timeline = simulate(one_rank, [0, 0], Costs(forward=1.0, backward=2.0, gap=0.5))
+    assert [(s.start, s.end) for s in timeline.slots[0]] == [(0.0, 1.0), (1.5, 2.5), (3.0, 5.0), (5.5, 7.5)]
+    # two ranks: 1F0 waits for 0F0's activation (transfer 1.0 > gap), so no gap is added to the wait
+    two = {0: parse_actions("0F0 0B0"), 1: parse_actions("1F0 1B0")}
+    timeline = simulate(two, [0, 1], Costs(forward=1.0, backward=2.0, transfer=1.0, gap=0.5))
+    assert [(s.start, s.end) for s in timeline.slots[1]] == [(2.0, 3.0), (3.5, 5.5)]
+    assert [(s.start, s.end) for s in timeline.slots[0]] == [(0.0, 1.0), (6.5, 8.5)]

@@ -50,12 +50,12 @@ Rounds are interleaved across schedules: round k of every schedule runs before r
 a drift of the machine's speed over the bench's minutes weighs on every row alike. ``conditions``
 says how it was measured: rounds and steps, the load average before and after, and the spread of the
 rounds' ratios (the largest (max - min) / median over the rows). The defaults (9 rounds of 24 steps)
-are meant to make two runs agree within 5% on every ratio. What limits that is the launch, not the
-steps in it: three instances of the same 1F1B in one launch's turns (as zb's launches run three
-sides) ran 0.92-1.09x as fast as one another, launch by launch (6 launches). So more, shorter
-launches: three runs of 5 rounds of 40 steps differed by up to 10% on a row (1f1b 0.973 and 1.063,
-interleaved 1.074 and 1.185), two of 9 rounds of 24 steps, 2 minutes longer, by at most 3.9% (3
-rounds, earlier: 1.07 and 1.21 on interleaved). The rows' arithmetic is in ``bench/pipeline_rows.py``.
+are meant to make two runs agree within 5% on every ratio. In 6 launches, three instances of the
+same 1F1B in one launch's turns (as zb's launches run three sides) ran 0.92-1.09x as fast as one
+another, launch by launch; so more, shorter launches. On a 2-core machine three runs of 5 rounds of
+40 steps read a row up to 10% apart (the larger over the smaller: 1f1b 0.973 and 1.063, interleaved
+1.074 and 1.185), two of 9 rounds of 24 steps, 2 minutes longer, at most 3.9% apart (3 rounds,
+earlier: 1.07 and 1.21 on interleaved). The rows' arithmetic is in ``bench/pipeline_rows.py``.
 
 torch's pipelining has hung on gloo (pytorch#132644), so every launch is a group of fresh processes
 with a deadline (``run_on_ranks``); one that hangs or fails makes that row's ``"torch"`` the reason
@@ -280,7 +280,7 @@ def _row_of(
     else:  # torch's side failed from the first round: a launch of the profile alone
         costs = profile_costs(run.config, nproc, repeats=PROFILE_REPEATS, timeout_s=timeout_s)
     relay, placement = costs.transfer, stage_placement(name, nproc, virtual_for(name))
-    if not isinstance(run.ours, str):  # a message's price from the run's own warm-up steps
+    if not isinstance(run.ours, str):  # a message's and a gap's price from the run's own warm-up steps
         costs = with_warmup_prices(costs, steps_by_rank(run.ours, "warmup_spans"), placement)
     out = row(name, nproc, microbatches, tokens, run.ours, run.theirs, costs)
     out["profiled_ms"]["transfer_relay"] = round(1e3 * relay, 3)

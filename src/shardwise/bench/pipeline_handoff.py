@@ -15,8 +15,9 @@ part because the transfer was fitted to the same launches' warm-up waits (README
 speed"). The tied weight's values are not a hand-off here: the last stage's first F waits for them at
 its head, inside its span. Included as they come: a split schedule's warm-up steps run the fit's fused and
 built schedules (``pipeline/fitting.py``), not the fitted one measured after them. The ``gap`` is read off
-the same steps: between two of a rank's actions where the second waited for no message, its start
-less the first's end and posts; the median (in one launch of each schedule on this bench: 0.015-0.02
+the same steps: between two of a rank's actions where the second waited for no message (every
+message it needed was in by the first's end, at the transfer just priced), its start less the
+first's end and posts; the median (in one launch of each schedule on this bench: 0.015-0.02
 ms for 1f1b, zb and zbv, 0.05-0.08 ms for interleaved, interleaved-zb and dualpipev, which raised
 those three's simulated bubble by 0.006-0.009, the others' by 0.001-0.003). A
 step whose spans do not make a whole schedule (a rank that recorded none) is left out.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from shardwise.observe.monitor import Span
 from shardwise.pipeline.actions import Action, parse_action, transfers
@@ -37,10 +38,22 @@ from shardwise.pipeline.validate import backward_kinds, dependencies
 StepSpans = Mapping[int, Sequence[Span]]  # one step: each rank's action spans
 
 
-def hand_offs(step: StepSpans, placement: Sequence[int]) -> list[tuple[float, int]]:
-    """Every wait for another rank's message in ``step``: (seconds from the producer's end to the
-    waiting action's start, how many messages the producer's action sent). Raises ``KeyError`` where
-    the spans do not make a whole schedule (an action whose producer is missing)."""
+@dataclass(frozen=True)
+class _Read:
+    """One step read off its spans: each rank's spans and actions in run order, and every action's
+    end, rank, producers and count of messages sent to other ranks."""
+
+    runs: dict[int, list[Span]]
+    schedule: dict[int, list[Action]]
+    ends: dict[Action, float]
+    owner: dict[Action, int]
+    needs: dict[Action, list[Action]]
+    sent: dict[Action, int]
+
+
+def _read(step: StepSpans, placement: Sequence[int]) -> _Read:
+    """``step`` read (``_Read``); ``KeyError`` where an action's producer recorded no span (the spans
+    do not make a whole schedule)."""
     runs = {rank: sorted(spans, key=lambda s: s.start) for rank, spans in step.items()}
     schedule = {rank: [parse_action(s.name) for s in spans] for rank, spans in runs.items()}
     ends: dict[Action, float] = {}
@@ -48,41 +61,50 @@ def hand_offs(step: StepSpans, placement: Sequence[int]) -> list[tuple[float, in
     for rank, spans in runs.items():
         for action, span in zip(schedule[rank], spans, strict=True):
             ends[action], owner[action] = span.start + span.duration, rank
+    kinds = backward_kinds(schedule)
+    needs = {action: dependencies(action, len(placement), kinds) for action in ends}
+    if missing := [need for found in needs.values() for need in found if need not in ends]:
+        raise KeyError(missing[0])
     sent = {
         action: len(sends)
         for rank, actions in schedule.items()
         for action, (_, _, sends) in zip(actions, transfers(rank, actions, placement), strict=True)
     }
-    kinds = backward_kinds(schedule)
+    return _Read(runs, schedule, ends, owner, needs, sent)
+
+
+def hand_offs(step: StepSpans, placement: Sequence[int]) -> list[tuple[float, int]]:
+    """Every wait for another rank's message in ``step``: (seconds from the producer's end to the
+    waiting action's start, how many messages the producer's action sent). Raises ``KeyError`` where
+    the spans do not make a whole schedule (an action whose producer is missing)."""
+    read = _read(step, placement)
     out: list[tuple[float, int]] = []
-    for rank, spans in runs.items():
+    for rank, spans in read.runs.items():
         idle_from: float | None = None  # the end of this rank's previous action
-        for action, span in zip(schedule[rank], spans, strict=True):
-            for need in dependencies(action, len(placement), kinds):
-                if owner[need] != rank and (idle_from is None or ends[need] > idle_from):
-                    out.append((span.start - ends[need], sent[need]))
+        for action, span in zip(read.schedule[rank], spans, strict=True):
+            for need in read.needs[action]:
+                if read.owner[need] != rank and (idle_from is None or read.ends[need] > idle_from):
+                    out.append((span.start - read.ends[need], read.sent[need]))
             idle_from = span.start + span.duration
     return out
 
 
-def gaps(step: StepSpans, placement: Sequence[int], send: float) -> list[float]:
+def gaps(step: StepSpans, placement: Sequence[int], send: float, transfer: float) -> list[float]:
     """Every stretch between two of a rank's actions in ``step`` where the second waited for no
-    message (each producer on another rank had ended before the first started, so its message had
-    the whole first action to come in): the second's start less the first's end and the first's posts
-    (``send`` per message it sent, as ``simulate`` charges them). Raises ``KeyError`` where the spans
-    do not make a whole schedule."""
-    runs = {rank: sorted(spans, key=lambda s: s.start) for rank, spans in step.items()}
-    schedule = {rank: [parse_action(s.name) for s in spans] for rank, spans in runs.items()}
-    ends = {a: s.start + s.duration for r in runs for a, s in zip(schedule[r], runs[r], strict=True)}
-    kinds = backward_kinds(schedule)
+    message (each from another rank was in by the first's end: its producer's end, posts at ``send``
+    a message and ``transfer``): the second's start less the first's end and the first's posts (as
+    ``simulate`` charges them). Raises ``KeyError`` where the spans do not make a whole schedule."""
+    read = _read(step, placement)
     out: list[float] = []
-    for rank, spans in runs.items():
-        posts = [len(sends) for _, _, sends in transfers(rank, schedule[rank], placement)]
-        mine = {s for s, r in enumerate(placement) if r == rank}
+    for rank, spans in read.runs.items():
+        posts = [len(sends) for _, _, sends in transfers(rank, read.schedule[rank], placement)]
         for k in range(1, len(spans)):
-            needs = dependencies(schedule[rank][k], len(placement), kinds)
-            if all(ends[n] <= spans[k - 1].start for n in needs if n.stage not in mine):
-                before = spans[k - 1].start + spans[k - 1].duration
+            before = spans[k - 1].start + spans[k - 1].duration
+            needs = read.needs[read.schedule[rank][k]]
+            arrivals = [
+                read.ends[n] + send * read.sent[n] + transfer for n in needs if read.owner[n] != rank
+            ]
+            if all(arrival <= before for arrival in arrivals):
                 out.append(spans[k].start - before - send * posts[k - 1])
     return out
 
@@ -99,13 +121,15 @@ def transfer_price(steps: Sequence[StepSpans], placement: Sequence[int], send: f
     return max(0.0, statistics.fmean(waits)) if waits else None
 
 
-def gap_price(steps: Sequence[StepSpans], placement: Sequence[int], send: float) -> float | None:
+def gap_price(
+    steps: Sequence[StepSpans], placement: Sequence[int], send: float, transfer: float
+) -> float | None:
     """The median over ``steps``' gaps (``gaps``, at least 0); None where there are none. Steps that
     are not a whole schedule are left out."""
     found = []
     for step in steps:
         try:
-            found += gaps(step, placement, send)
+            found += gaps(step, placement, send, transfer)
         except KeyError:
             continue
     return max(0.0, statistics.median(found)) if found else None
@@ -115,9 +139,6 @@ def with_warmup_prices(costs: Costs, warmups: Sequence[StepSpans], placement: Se
     """``costs`` with ``transfer`` the price of ``warmups``' hand-offs and ``gap`` that of their gaps
     (each as it was where there was none)."""
     price = transfer_price(warmups, placement, costs.send)
-    gap = gap_price(warmups, placement, costs.send)
-    return replace(
-        costs,
-        transfer=costs.transfer if price is None else price,
-        gap=costs.gap if gap is None else gap,
-    )
+    transfer = costs.transfer if price is None else price
+    gap = gap_price(warmups, placement, costs.send, transfer)
+    return replace(costs, transfer=transfer, gap=costs.gap if gap is None else gap)

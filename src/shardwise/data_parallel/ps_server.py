@@ -3,12 +3,15 @@ and the reply, and the weights every rank starts and ends from. ``ParamServerEng
 (``param_server.py``) is this class with the worker's side, checkpoints and metrics; the asynchronous
 loop is :mod:`shardwise.data_parallel.ps_async`.
 
-Communication: point-to-point through ``Comm`` (send/recv, on the host over gloo). A synchronous step:
-server s receives one push from every worker (in worker order), optionally sends each the summed
-gradient back (``share_gradients``), agrees with the other servers on the step's finiteness (an
-all-reduce of two integers over ``server_comm``, or a min through server 0 without one) and sends every
-worker one reply (its weights and header). At the start each server sends its shard to every worker;
-at the end to every other live rank.
+Communication: with the workers point-to-point through ``Comm`` (send/recv, on the host over gloo);
+among several servers, all-reduces over ``server_comm`` (or, built without one, a min through server
+0). A synchronous step: server s receives one push from every worker (in worker order), optionally
+sends each the summed gradient back (``share_gradients``), agrees with the other servers on the
+step's finiteness (an all-reduce of two integers), sums its share of the gradient norm with theirs
+(``clip_gradients``: an all-reduce of one float64) and sends every worker one reply (its weights and
+header). Asynchronous: after the loop the servers agree on whether any stopped the run (an
+all-reduce, max). At the start each server sends its shard to every worker; at the end to every
+other live rank.
 """
 
 from __future__ import annotations
