@@ -55,6 +55,31 @@ def _launch(step_s: float, bubble_shift: float) -> list[dict[str, Any]]:
     ]
 
 
+def _launch_running(schedule: dict[int, list[Any]]) -> list[dict[str, Any]]:
+    """A fake launch whose one measured step ran ``schedule`` (its spans as the simulator times it)."""
+    timeline = simulate(schedule, stage_placement("zb", 2, 1), COSTS)
+    return [
+        {"step_s": [0.1], "spans": [[(s.name, s.start, s.duration, {}) for s in timeline.spans(r, 1.0)[1:]]]}
+        for r in sorted(timeline.slots)
+    ]
+
+
+def test_the_simulated_bubble_is_each_launchs_own_schedule_the_median_over_launches() -> None:
+    """A split schedule is fitted to each launch's run, so launches may run different ones: each is
+    simulated, not only the last launch's."""
+    from shardwise.pipeline.adapt import fully_fused
+
+    split, fused = rows.as_run("zb", 2, 1, 4), fully_fused(build("zb", 2, 1, 4))
+    placement = stage_placement("zb", 2, 1)
+    split_bubble, fused_bubble = (simulate(s, placement, COSTS).bubble for s in (split, fused))
+    assert split_bubble != pytest.approx(fused_bubble)
+    theirs = [[{"step_s": [0.1]}, {"step_s": [0.1]}]] * 3
+    # the last launch is the odd one out: read alone, it would give the other bubble
+    for order, expected in (((split, split, fused), split_bubble), ((fused, fused, split), fused_bubble)):
+        ours = [_launch_running(schedule) for schedule in order]
+        assert rows.row("zb", 2, 4, 1000, ours, theirs, COSTS)["bubble_simulated"] == pytest.approx(expected)
+
+
 def test_row_json_shape() -> None:
     ours = [_launch(0.5, 0.0), _launch(0.7, 0.0), _launch(0.6, 0.0)]
     # each launch's torch steps beside ours (the same launch): step k's time is its slowest rank's

@@ -11,8 +11,9 @@ so each of our steps has a torch step near it in time; a round is one launch. Ea
   action): idle over total, ``1 - sum(busy) / (p * window)``, the window from the step's first action
   start to its last action end on any rank (``time.monotonic`` is one clock for every process of a
   machine); the median over the measured steps;
-- ``bubble_simulated``: ``pipeline.simulate`` of the schedule our side ran (a split schedule is fitted
-  to the run first, ``pipeline/fitting.py``; read off the last measured step's spans), fed with a
+- ``bubble_simulated``: ``pipeline.simulate`` of the schedule our side ran in each launch (a split
+  schedule is fitted to each launch's run first, ``pipeline/fitting.py``, so launches may differ; read
+  off its last measured step's spans), the median over the launches, fed with a
   profile's costs (``pipeline_profile``: each rank's stages' F, B, I and W alone, all ranks at once, and
   what posting one activation takes its sender), measured in each paired launch between its steps and
   after them, in the same processes, the median over the launches; a message's transfer priced from the

@@ -58,15 +58,17 @@ def theory(name: str, pp: int, virtual: int, microbatches: int, costs: Costs) ->
     return None, "no closed form used here; see bubble_simulated"
 
 
-def _ran(ours: Launches | str) -> dict[int, list[Any]] | None:
-    """The schedule our side ran in its last measured step (a split schedule is fitted to the run:
-    ``pipeline/fitting.py``), read off its action spans; None without spans."""
+def _ran(ours: Launches | str) -> list[dict[int, list[Any]] | None]:
+    """The schedule our side ran in each launch, read off the action spans of its last measured step
+    (a split schedule is fitted to each launch's run: ``pipeline/fitting.py``, so launches may differ);
+    None for a launch without them, ``[None]`` without launches."""
     if isinstance(ours, str) or not ours:
-        return None
-    steps = steps_by_rank(ours)
-    if not steps or not all(steps[-1].values()):
-        return None
-    return schedule_of(steps[-1])
+        return [None]
+    ran: list[dict[int, list[Any]] | None] = []
+    for launch in ours:
+        steps = steps_by_rank([launch])
+        ran.append(schedule_of(steps[-1]) if steps and all(steps[-1].values()) else None)
+    return ran
 
 
 def schedule_of(step: Mapping[int, Sequence[Span]]) -> dict[int, list[Any]]:
@@ -115,7 +117,8 @@ def row(
     string saying why that side has none (``"timeout after N s"``)."""
     virtual = virtual_for(name)
     spec = SCHEDULES[name]
-    timeline = simulated(_ran(ours), name, pp, microbatches, costs)
+    # each launch's own schedule, as the measured bubble is each step's: the median over launches
+    bubbles = [simulated(ran, name, pp, microbatches, costs).bubble for ran in _ran(ours)]
     value, formula = theory(name, pp, virtual, microbatches, costs)
     out: dict[str, Any] = {
         "schedule": name,
@@ -124,7 +127,7 @@ def row(
         "virtual_stages": virtual,
         "microbatches": microbatches,
         "bubble_measured": None,
-        "bubble_simulated": timeline.bubble,
+        "bubble_simulated": statistics.median(bubbles),
         "bubble_theory": value,
         "theory_formula": formula,
         "speed_ratio": None,
