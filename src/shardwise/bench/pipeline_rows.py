@@ -210,8 +210,8 @@ def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: f
         "step time and tokens/s: each launch's mean step time (its slowest rank's), the mean over launches; "
         "in a launch each side runs turn_steps steps back to back, then the next side; ratio_spread: the "
         "largest (max - min) / median of a row's per-round speed ratios; the defaults (9 rounds of 24 "
-        "steps) aim at two runs within 5% of each other on every ratio: two such runs on a 2-core "
-        "machine read every row at most 3.9% apart, three of 5 rounds of 40 steps up to 10% (three "
+        "steps) aim at two runs within 5% of each other on every ratio, not yet met: on a 2-core machine "
+        "seven such runs read a row up to 6.9% apart, three of 5 rounds of 40 steps up to 10% (three "
         "instances of one 1F1B in one launch ran 0.92-1.09x as fast as one another: bench/pipeline.py)",
     }
 
