@@ -97,7 +97,6 @@ def gaps(step: StepSpans, placement: Sequence[int], send: float, transfer: float
     read = _read(step, placement)
     out: list[float] = []
     for rank, spans in read.runs.items():
-        posts = [len(sends) for _, _, sends in transfers(rank, read.schedule[rank], placement)]
         for k in range(1, len(spans)):
             before = spans[k - 1].start + spans[k - 1].duration
             needs = read.needs[read.schedule[rank][k]]
@@ -105,7 +104,7 @@ def gaps(step: StepSpans, placement: Sequence[int], send: float, transfer: float
                 read.ends[n] + send * read.sent[n] + transfer for n in needs if read.owner[n] != rank
             ]
             if all(arrival <= before for arrival in arrivals):
-                out.append(spans[k].start - before - send * posts[k - 1])
+                out.append(spans[k].start - before - send * read.sent[read.schedule[rank][k - 1]])
     return out
 
 
