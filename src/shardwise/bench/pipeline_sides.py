@@ -9,7 +9,12 @@ step near it in time: whatever the machine does to one (another process, a clock
 the other, and the ratio of a pair cancels it. A turn of several steps is a loop's steady state: a
 rank whose step ends later than the others' (the last stage's deferred W's and update, say) overlaps
 that tail with the next step's start there, and only a turn's last step carries it, where one step
-a turn would charge it to every step. zb's launches run our 1F1B as a third side in the same rounds
+a turn would charge it to every step. Turns of one step, the profile's barriers only every 4, were
+tried again and not kept (README, "Pipeline speed"): two identical 1F1B instances paired step by
+step agreed within 0.96-1.02x over 20 steps against 0.91-1.05x in turns of 4, but what a step leaves
+to the next then falls on the next side's step, and zb against torch's 1F1B read 1.07-1.08x with the
+sides' order reversed every step (zb then follows itself half the time, torch never) and 1.01-1.02x
+with it rotated (each a third). zb's launches run our 1F1B as a third side in the same rounds
 of turns (``plain``; torch's turn runs between the two), so zb's tokens/s is also paired with our
 1F1B's, step k with step k, and the bench's 1f1b row is measured there (``bench/pipeline.py``). The same
 processes run the stage profile the simulator is fed with (``pipeline_profile.StageProfile``): one
