@@ -376,7 +376,7 @@ def test_zb_s_launches_pair_it_with_our_1f1b_step_by_step(monkeypatch: Any) -> N
     assert bench.same_launch(bench.Rounds(None, "Schedule1F1B")) is None  # type: ignore[arg-type]
 
 
-def test_the_sides_take_turns_of_back_to_back_steps() -> None:
+def test_the_sides_take_turns_of_back_to_back_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     from shardwise.bench import pipeline_sides as sides_module
 
     ran: list[tuple[str, int]] = []
@@ -391,12 +391,22 @@ def test_the_sides_take_turns_of_back_to_back_steps() -> None:
         len({n for n, _ in t}) == 1 and [k for _, k in t] == list(range(t[0][1], t[0][1] + block))
         for t in turns
     )
-    assert len(between) == steps - sides_module.WARMUP_STEPS  # one profile repeat per measured step
+    kept = sides_module.measured_steps(steps)
+    assert kept == [5, 6, 7, 9, 10]  # after the warm-up; a turn's first step (8) follows another side's turn
+    assert len(between) == len(kept)  # one profile repeat per measured step
     for name in ("ours", "plain"):  # our runtime's sides keep their steps' action spans; torch's none
-        assert len(got[name]["spans"]) == steps - sides_module.WARMUP_STEPS and "warmup_spans" in got[name]
+        assert len(got[name]["spans"]) == len(kept) and "warmup_spans" in got[name]
     assert set(got["torch"]) == {"step_s"}
     assert between[0] == 3 * 2 * block and between[-1] == 3 * steps  # after every side's turn
-    assert all(len(got[n]["step_s"]) == steps - sides_module.WARMUP_STEPS for n in sides)
+    assert all(len(got[n]["step_s"]) == len(kept) for n in sides)
+    clock = [0.0]  # step k takes k seconds by this clock
+    monkeypatch.setattr(sides_module.time, "perf_counter", lambda: clock[0])
+
+    def step(k: int) -> None:
+        clock[0] += k
+
+    timed = sides_module._alternate(SimpleNamespace(steps=steps), {"a": step})
+    assert timed["a"]["step_s"] == kept  # the kept steps' own times
 
 
 def test_the_profile_keeps_the_tied_copy_s_head_plain_where_the_runtime_does() -> None:

@@ -27,7 +27,8 @@ so each of our steps has a torch step near it in time; a round is one launch. Ea
 - ``speed_ratio``: tokens/s ours / torch's: per round the median over its steps of each pair's ratio
   (step k of each side, a step's time its slowest rank's, within a turn of back-to-back steps: a
   rank's tail after its last action, which a loop of steps overlaps with the next step, weighs on a
-  turn's last step only), then the median over rounds,
+  turn's last step only; a turn's first step, which follows another side's, is run and not timed,
+  here or in the bubble), then the median over rounds,
   every round's in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's step time (per
   launch its slowest rank's mean over the measured steps, then the mean over launches: the sides of
   a launch share its machine, and their means weigh the same launches alike) and the tokens/s that
@@ -56,7 +57,8 @@ same 1F1B in one launch's turns (as zb's launches run three sides) ran 0.92-1.09
 another, launch by launch; so more, shorter launches. On a 2-core machine three runs of 5 rounds of
 40 steps read a row up to 10% apart (the larger over the smaller: 1f1b 0.973 and 1.063, interleaved
 1.074 and 1.185); seven of 9 rounds of 24 steps, 2 minutes longer, up to 6.9% (gpipe 1.032 and 1.103;
-1f1b 0.981-1.023, zb 1.027-1.076), the first two of them at most 3.9%. So the 5% is not reached on
+1f1b 0.981-1.023, zb 1.027-1.076), the first two of them at most 3.9%; two with a turn's first step
+untimed (``pipeline_sides.measured_steps``) at most 2.8% (interleaved-zb). So the 5% is not shown on
 every row yet (3 rounds, earlier: 1.07 and 1.21 on interleaved). The rows' arithmetic is in
 ``bench/pipeline_rows.py``.
 

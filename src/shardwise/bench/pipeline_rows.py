@@ -208,10 +208,12 @@ def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: f
         "turn_steps": BLOCK,
         "note": "speed ratios: medians of interleaved rounds, each the median of its step pairs; a side's "
         "step time and tokens/s: each launch's mean step time (its slowest rank's), the mean over launches; "
-        "in a launch each side runs turn_steps steps back to back, then the next side; ratio_spread: the "
+        "in a launch each side runs turn_steps steps back to back, then the next side, a turn's first step "
+        "run and not timed (it follows another side's turn, not a step of its own); ratio_spread: the "
         "largest (max - min) / median of a row's per-round speed ratios; the defaults (9 rounds of 24 "
         "steps) aim at two runs within 5% of each other on every ratio, not yet met: on a 2-core machine "
-        "seven such runs read a row up to 6.9% apart, three of 5 rounds of 40 steps up to 10% (three "
+        "seven such runs read a row up to 6.9% apart, two more with a turn's first step untimed 2.8%, three "
+        "of 5 rounds of 40 steps up to 10% (three "
         "instances of one 1F1B in one launch ran 0.92-1.09x as fast as one another: bench/pipeline.py)",
     }
 

@@ -9,7 +9,10 @@ step near it in time: whatever the machine does to one (another process, a clock
 the other, and the ratio of a pair cancels it. A turn of several steps is a loop's steady state: a
 rank whose step ends later than the others' (the last stage's deferred W's and update, say) overlaps
 that tail with the next step's start there, and only a turn's last step carries it, where one step
-a turn would charge it to every step. Turns of one step, the profile's barriers only every 4, were
+a turn would charge it to every step. A turn's first step follows another side's turn (or the
+profile's repeats), not a step of its own, so it runs and is not timed (``measured_steps``): in turns
+of 12 steps (6 launches) ours over torch's 1F1B read 1.016 on a turn's first step and 1.076 from its
+fourth. Turns of one step, the profile's barriers only every 4, were
 tried again and not kept (README, "Pipeline speed"): two identical 1F1B instances paired step by
 step agreed within 0.96-1.02x over 20 steps against 0.91-1.05x in turns of 4, but what a step leaves
 to the next then falls on the next side's step, and zb against torch's 1F1B read 1.07-1.08x with the
@@ -79,8 +82,8 @@ def _alternate(
     config: TrainConfig, sides: dict[str, Step], between: Callable[[], None] | None = None
 ) -> dict[str, Any]:
     """``config.steps`` steps of every side, in turns of ``BLOCK`` steps (the order of the sides
-    reverses every turn); per side its step times after warm-up, and for our sides (``OUR_SIDES``)
-    each measured step's action spans and those of the warm-up steps but the first
+    reverses every turn); per side the times of its measured steps (``measured_steps``), and for our
+    sides (``OUR_SIDES``) their action spans and those of the warm-up steps but the first
     (``warmup_spans``: ``pipeline_handoff`` prices a message from them). ``between``: called once
     per measured step index, after every side has run its turn (the stage profile's repeat)."""
     from shardwise.observe.monitor import MONITOR
@@ -89,6 +92,7 @@ def _alternate(
     out: dict[str, dict[str, list[Any]]] = {name: {"step_s": []} for name in names}
     for name in OUR_SIDES.intersection(names):
         out[name]["spans"] = []
+    kept = measured_steps(config.steps)
     MONITOR.tracing = True
     for first in range(0, config.steps, BLOCK):
         block = range(first, min(first + BLOCK, config.steps))
@@ -101,13 +105,22 @@ def _alternate(
                 if name in OUR_SIDES:
                     out[name]["spans"].append([_plain(s) for s in MONITOR.spans if s.lane == ACTION_LANE])
         if between is not None:
-            for _ in range(sum(step >= WARMUP_STEPS for step in block)):
+            for _ in range(sum(step in kept for step in block)):
                 between()
     MONITOR.tracing = False
-    measured = {name: {k: values[WARMUP_STEPS:] for k, values in got.items()} for name, got in out.items()}
+    measured = {
+        name: {key: [values[k] for k in kept] for key, values in got.items()} for name, got in out.items()
+    }
     for name in OUR_SIDES.intersection(names):  # the hand-offs' price
         measured[name]["warmup_spans"] = out[name]["spans"][1:WARMUP_STEPS]
     return measured
+
+
+def measured_steps(steps: int) -> list[int]:
+    """The step indices whose times count: after the warm-up, and not a turn's first step, which
+    follows another side's turn (or the profile's repeats), not a step of its own as in a loop (a
+    rank's tail then lands on it, or is spared it: the module docstring)."""
+    return [k for k in range(WARMUP_STEPS, steps) if k % BLOCK]
 
 
 def _plain(span: Span) -> tuple[str, float, float, dict[str, Any]]:
