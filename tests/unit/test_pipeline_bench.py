@@ -277,6 +277,7 @@ def test_rounds_run_interleaved_across_schedules(monkeypatch: Any) -> None:
     assert order == ["gpipe", "zb", "gpipe", "zb"] and thirds == [None, "1f1b", None, "1f1b"]
     assert [r["schedule"] for r in result["rows"]] == ["gpipe", "1f1b", "zb"]
     assert [r["launches_of"] for r in result["rows"]] == [None, "zb", None]
+    assert result["steps"] == 8 and result["timed_steps"] == 3  # steps 5, 6 and 7 (4 warms up)
     plain_row = result["rows"][1]  # the third side's figures, against the same torch steps
     assert plain_row["ours"]["step_s"] == pytest.approx(0.6) and plain_row["bubble_measured"] is not None
     assert plain_row["speed_ratio_rounds"] == pytest.approx([0.5 / 0.6] * 2)

@@ -93,7 +93,7 @@ from shardwise.bench.pipeline_rows import (
     virtual_for,
     zb_over_1f1b,
 )
-from shardwise.bench.pipeline_sides import WARMUP_STEPS, ours_worker, paired_worker
+from shardwise.bench.pipeline_sides import WARMUP_STEPS, measured_steps, ours_worker, paired_worker
 from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.observe.monitor import Span
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
@@ -257,6 +257,7 @@ def run_pipeline_bench(
         "microbatches": microbatches,
         "steps": steps,
         "warmup_steps": WARMUP_STEPS,
+        "timed_steps": len(measured_steps(steps)),  # a launch's, each side's (pipeline_sides.measured_steps)
         "rounds": rounds,
         "timeout_s": timeout_s,
         "conditions": conditions(rows, load_before, os.getloadavg()[0]),

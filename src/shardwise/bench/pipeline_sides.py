@@ -119,7 +119,8 @@ def _alternate(
 def measured_steps(steps: int) -> list[int]:
     """The step indices whose times count: after the warm-up, and not a turn's first step, which
     follows another side's turn (or the profile's repeats), not a step of its own as in a loop (a
-    rank's tail then lands on it, or is spared it: the module docstring)."""
+    rank's tail then lands on it, or is spared it: the module docstring). Ours alone
+    (``ours_worker``) keeps the same steps, so a row measured that way counts what the others do."""
     return [k for k in range(WARMUP_STEPS, steps) if k % BLOCK]
 
 
