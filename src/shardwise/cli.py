@@ -58,7 +58,10 @@ TRAIN_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--pp-split": (
         "parallel.pp_split",
-        {"help": "the blocks stages 1.. start at, e.g. blocks.3,blocks.6 (default: balanced by parameters)"},
+        {
+            "help": "the blocks stages 1.. start at, e.g. blocks.3,blocks.6 "
+            "(default: balanced by matrix work, the head counted)"
+        },
     ),
     "--data-weights": ("data.weights", {"help": "per-rank shares, e.g. .25,.25,.10,.40"}),
     "--lr": ("optim.lr", {}),

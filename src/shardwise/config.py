@@ -80,7 +80,7 @@ class ParallelConfig:
     # (pipeline/fitting.py); false: every step runs the schedule as built
     fit_schedule: bool = True
     # the block each stage after the first starts at, by its name in the model ("blocks.3", "blocks.6":
-    # pp x virtual_stages - 1 of them, in order); empty: stages balanced by parameter count
+    # pp x virtual_stages - 1 of them, in order); empty: balanced by matrix work (the head's counted)
     pp_split: tuple[str, ...] = ()
     # tp > 1: norms and dropout on a tp-th of the sequence each (Korthikanti et al., 2022)
     sequence_parallel: bool = False

@@ -42,7 +42,9 @@ def test_a_70b_llama_on_512_devices_at_dp_pp_tp() -> None:
         "--devices", "512", "--model", f"hf:{LLAMA_70B}", "--strategies", "zero1", "--pp", "8", "--tp", "8"
     )  # fmt: skip
     assert got["layout"] == "zero1 dp8-pp8-tp8 mb8"
-    assert got["rank"] == 56  # the last stage (the head and final norm outweigh the embedding), tp 0, dp 0
+    # stage 5 of [9, 10, 10, 10, 10, 11, 11, 9] blocks (the head's matrix counted as work on the last,
+    # an eleventh block kept off the embedding's stage): the heaviest, tp 0, dp 0
+    assert got["rank"] == 40
     assert 0.97 <= got["ratio"] <= 1.03, got
     for part in ("params", "master_params", "grads", "optimizer_state"):
         assert 0.97 <= got["held_bytes"][part] / got["planner_model_state"][part] <= 1.03, part

@@ -29,6 +29,43 @@ def test_balance_is_contiguous_covers_every_block_once_and_minimises_the_largest
         plan_stages(_model(), 6)  # in the split's words, before balance is asked
 
 
+def test_balance_charges_the_first_and_last_stage_their_ends() -> None:
+    assert balance([1] * 6, 2) == [[0, 1, 2], [3, 4, 5]]
+    assert balance([1] * 6, 2, (0.0, 2.0)) == [[0, 1, 2, 3], [4, 5]]  # the head's work: two blocks'
+    assert balance([1] * 7, 3, (2.0, 0.0)) == [[0], [1, 2, 3], [4, 5, 6]]  # the first: one block and 2
+    # Llama 3 70B on 8 stages, in blocks: its head's matrix 1.23 of work on the last stage, the
+    # embedding's 1.23 held on the first. By work alone the first stage holds 10 blocks and the
+    # embedding (11.23, the most); by work then parameters held, no stage holds more than 11
+    assert [len(r) for r in balance([1.0] * 80, 8, (0.0, 1.23))] == [10, 10, 10, 10, 10, 10, 11, 9]
+    runs = balance([1.0] * 80, 8, (0.0, 1.23), [1.0] * 80, (1.23, 1.23))
+    assert max(len(r) for r in runs) == 11 and len(runs[0]) + 1.23 <= 11 and len(runs[-1]) + 1.23 <= 11
+
+
+def test_the_split_counts_the_head_matrix_not_the_embedding_lookup() -> None:
+    wide = GPT(GPTConfig(n_layer=6, n_head=2, d_model=16, d_ff=64, seq_len=8, vocab_size=4096))
+    block = sum(p.numel() for p in wide.blocks[0].parameters())  # 3,232; the head's matrix: 65,536
+    assert [len(run) for run in plan_stages(wide, 2)] == [5, 1]  # the tied head counted at the head
+    narrow = GPT(GPTConfig(n_layer=6, n_head=2, d_model=16, d_ff=64, seq_len=8, vocab_size=4))
+    assert block > 16 * 4 and [len(run) for run in plan_stages(narrow, 2)] == [3, 3]
+
+
+@pytest.mark.parametrize("name", ["gpt small", "tiny-gpt2", "tiny-llama"])
+def test_the_planner_counts_the_blocks_each_rank_holds_as_the_split_cuts_them(name: str) -> None:
+    from shardwise.models.adapters import hf_shape, preset_shape
+    from shardwise.planner.pipeline import rank_shares
+
+    if name.startswith("gpt"):
+        shape = preset_shape(name.split()[1], 64)
+        model: nn.Module = GPT(GPTConfig(n_layer=shape.n_layer, n_head=shape.n_head, d_model=shape.d_model))
+    else:
+        shape, model = hf_shape(name), _hf(name)
+    for pp, schedule, virtual in [(2, "1f1b", 1), (3, "zb", 1), (2, "interleaved", 2), (2, "zbv", 2)]:
+        placement = stage_placement(schedule, pp, virtual)
+        runs = plan_stages(model, len(placement))
+        held = [sum(len(runs[s]) for s, r in enumerate(placement) if r == rank) for rank in range(pp)]
+        assert [share.blocks for share in rank_shares(shape, pp, schedule, virtual)] == held, (pp, schedule)
+
+
 def _model() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=5, n_head=2, d_model=8, d_ff=12, seq_len=8))

@@ -9,10 +9,10 @@ optimizer state and flat buffer is a meta tensor: sizes without storage. Then on
 meta batches, so that everything the rank keeps is alive at once (the optimizer's state appears at
 its first update; ZeRO frees its gradient shards at each update). What the rank holds is counted by
 storage (a view counts once) and by component, beside the planner's model-state components for the
-same layout (``planner.layout.model_states`` through ``estimate_memory``).
+same layout and the same pipeline rank (``planner.layout.model_states`` through ``estimate_ranks``).
 
 The rank run is the first rank of the heaviest pipeline stage (the most parameters: its blocks and
-the end it holds), as the planner plans for. Reads of values that do not exist (a loss, a norm, a
+the end it holds). Reads of values that do not exist (a loss, a norm, a
 non-finite flag) are answered by ``MetaReads``: 0 for a number, True for a truth (finite), zeros for
 a small copy to the host. Every tensor the library makes is on its parameters' or batch's device
 (meta here: the engine's ``device``), or on the host for bookkeeping, which stays real. No real
@@ -36,7 +36,7 @@ from shardwise.config import ConfigError, TrainConfig
 from shardwise.device import HOST
 from shardwise.mesh import build_mesh
 from shardwise.planner.layout import Layout, Training
-from shardwise.planner.memory import estimate_memory
+from shardwise.planner.memory import estimate_ranks
 from shardwise.planner.model import ModelShape
 
 MAX_DEVICES = 1024
@@ -178,7 +178,8 @@ def dry_run(
     finally:
         dist.destroy_process_group()
     training = Training(config.data.global_batch, config.model.seq_len, config.precision, config.optim.name)
-    planned = estimate_memory(shape, training, layout).device
+    # the planner's estimate for the rank run here (its pipeline rank's share), not for its worst rank
+    planned = estimate_ranks(shape, training, layout)[rank // config.parallel.tp].device
     planner = {part: planned.get(part, 0.0) for part in STATE_PARTS}
     planner["grads"] += planned.get("grad_shard", 0.0)  # ZeRO-1's fp32 slice beside its full gradients
     state = sum(held[part] for part in STATE_PARTS)

@@ -1,18 +1,20 @@
 """Split a plain model into pipeline stages from outside, parameter names preserved.
 
-The model's blocks are assigned to ``pp * virtual`` stages in order, contiguous runs balanced by
-parameter count, or cut where the user says (``parallel.pp_split``: the block each stage after the first
-starts at, ``blocks.3,blocks.6``); each stage holds at least one block and every block lands on exactly
-one stage (checked). The embedding goes with the first stage, the final norm, the head and the loss with
-the last. A rank keeps the stages its schedule places on it (``schedules.stage_placement``) and drops
-every other module: the block list becomes an ``nn.ModuleDict`` keyed by the block's index, so a kept
-block's parameters keep their names (``blocks.5.attn.qkv.weight``), and checkpoints and
-``full_parameters`` stay in the model's own naming. (Balancing by measured per-block time is not built
-yet.) Each ``Stage`` is a callable: the micro-batch's token ids (first stage) or the hidden state (any
-other) in, the hidden state (or, on the last, the logits) out. What every block needs besides the hidden
-state (the causal mask with the batch's padding, position ids, Llama's rotary tables) is derived on
-each stage from the micro-batch (``StageInputs``), as the whole model's forward derives it, so nothing
-but the hidden state crosses a stage boundary (each family's adapter, ``models/adapters/``).
+The model's blocks are assigned to ``pp * virtual`` stages in order, contiguous runs balanced by matrix
+work per token (``stages.balance``: a block's parameters, the head's matrix on the last stage, the
+embeddings' lookup nothing), or cut where the user says (``parallel.pp_split``: the block each stage
+after the first starts at, ``blocks.3,blocks.6``); each stage holds at least one block and every block
+lands on exactly one stage (checked). The embedding goes with the first stage, the final norm, the head
+and the loss with the last. A rank keeps the stages its schedule places on it
+(``schedules.stage_placement``) and drops every other module: the block list becomes an
+``nn.ModuleDict`` keyed by the block's index, so a kept block's parameters keep their names
+(``blocks.5.attn.qkv.weight``), and checkpoints and ``full_parameters`` stay in the model's own naming.
+(Balancing by measured per-block time is not built yet.) Each ``Stage`` is a callable: the micro-batch's
+token ids (first stage) or the hidden state (any other) in, the hidden state (or, on the last, the
+logits) out. What every block needs besides the hidden state (the causal mask with the batch's padding,
+position ids, Llama's rotary tables) is derived on each stage from the micro-batch (``StageInputs``), as
+the whole model's forward derives it, so nothing but the hidden state crosses a stage boundary (each
+family's adapter, ``models/adapters/``).
 
 A weight tied across the first and the last stage (the GPT's embedding used as its head) stays a
 parameter of the first stage only; the last stage's head reads a plain-tensor copy (``Split.tied``)
@@ -76,7 +78,7 @@ def named_boundaries(names: Sequence[str], blocks_path: str, blocks: int, stages
         raise SplitError(
             f"parallel.pp_split names {len(names)} boundaries, but {stages} stages (pp x virtual stages) "
             f"need {stages - 1}: the block each stage after the first starts at ({known}); name "
-            f"{stages - 1}, or leave it empty to balance by parameters"
+            f"{stages - 1}, or leave it empty to balance by matrix work"
         )
     starts = [0]
     for name in names:
@@ -106,7 +108,8 @@ def _block_index(name: str, blocks_path: str, blocks: int) -> int | None:
 
 def plan_stages(model: nn.Module, stages: int, boundaries: Sequence[str] = ()) -> list[list[int]]:
     """Every stage's blocks: at ``boundaries`` when given (see ``named_boundaries``), else balanced by
-    parameter count. Inspects the module tree only (the model may be on the meta device)."""
+    matrix work, then by parameters held (``stages.balance``; the ends' by ``_end_size``). Inspects the
+    module tree only (the model may be on the meta device)."""
     adapter = pipeline_adapter(model)
     container = adapter.blocks()
     if not isinstance(container, nn.ModuleList):
@@ -118,7 +121,24 @@ def plan_stages(model: nn.Module, stages: int, boundaries: Sequence[str] = ()) -
             f"the model has {len(container)} blocks but the pipeline has {stages} stages (pp x virtual "
             f"stages); every stage needs at least one block: {FEWER_STAGES}"
         )
-    return balance([sum(p.numel() for p in b.parameters()) for b in container], stages)
+    sizes = [float(sum(p.numel() for p in b.parameters())) for b in container]
+    first, last = adapter.first_modules, adapter.last_modules
+    work = (_end_size(model, first, lookups=False), _end_size(model, last, lookups=False))
+    held = (_end_size(model, first), _end_size(model, last))
+    return balance(sizes, stages, work, sizes, held)
+
+
+def _end_size(model: nn.Module, paths: Sequence[str], lookups: bool = True) -> float:
+    """The parameters of the modules at ``paths`` (one end of the model); a weight tied across the two
+    ends counts at each (the last stage holds a copy where the first is elsewhere). ``lookups=False``:
+    the matrix work per token instead, an embedding's parameters left out (it reads one row a token)."""
+    total = 0
+    for path in paths:
+        module = _get(model, path)
+        for part in module.modules() if module is not None else ():
+            if lookups or not isinstance(part, nn.Embedding):
+                total += sum(p.numel() for p in part.parameters(recurse=False))
+    return float(total)
 
 
 @dataclass

@@ -80,6 +80,12 @@ class ModelShape:
         return attention + mlp + 2 * self._norm()
 
     @property
+    def head_work(self) -> int:
+        """The last stage's matrix work per token besides its blocks, in parameters (as the pipeline
+        split counts it): the final norm and the head's matrix, tied to the embedding or not."""
+        return self._norm() + self.vocab * self.d_model
+
+    @property
     def root_params(self) -> int:
         """Parameters outside the blocks: embeddings, final norm, an untied head (ZeRO-3's root unit)."""
         head = 0 if self.tie_weights else self.vocab * self.d_model

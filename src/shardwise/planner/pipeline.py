@@ -1,7 +1,8 @@
 """The planner's pipeline terms: what each pipeline rank holds, so the worst one is charged, not a sum.
 
 A pipeline's ranks differ (Narayanan et al., SC 2021): the split (``pipeline.stages.balance``, the
-same arithmetic the runtime cuts the model with, over equal blocks) gives each stage a contiguous run
+same arithmetic the runtime cuts the model with: equal blocks, the head's matrix on the last stage,
+then the parameters held) gives each stage a contiguous run
 of blocks; the first stage's rank holds the embeddings, the last stage's the final norm, the head and
 the loss (the logits peak), and, when the head is tied to the embedding on another rank, a copy of
 that matrix and its gradient (``pipeline.split.Tied``); each rank's activations are the pipeline
@@ -42,7 +43,10 @@ def rank_shares(model: ModelShape, pp: int, schedule: str, virtual: int) -> list
     from shardwise.pipeline.stages import balance
 
     placement = stage_placement(schedule, pp, virtual)
-    runs = balance([1.0] * model.n_layer, len(placement))
+    block, head = float(model.block_params), float(model.head_work)
+    embeddings = float((model.vocab + model.positions) * model.d_model)
+    sizes = [block] * model.n_layer
+    runs = balance(sizes, len(placement), (0.0, head), sizes, (embeddings, head))
     last = len(placement) - 1
     shares = []
     for rank in range(pp):
