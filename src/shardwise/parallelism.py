@@ -5,6 +5,8 @@ this rank's device (``config.device`` in the joined group: its GPU or the CPU). 
 one axis object, and each axis that then holds part of the model is joined to the engine, which asks
 it for its part of every global answer (``engine/axis.py``):
 
+0. ``pp`` plans its stages' blocks on the whole model (``pipeline.split.plan_stages``), as the
+   planner does, before tp changes the layers it weighs;
 1. ``tp`` (``tensor_parallel.axis``): each layer cut by the model's plan, parameters local shards;
 2. ``cp``: the sequence cut over ranks (not built yet: refused above 1);
 3. ``ep``: experts spread over ranks (not built yet: refused above 1);
@@ -80,6 +82,7 @@ def parallelize(
     cp, ep = NotBuiltAxis("cp", config.parallel.cp), NotBuiltAxis("ep", config.parallel.ep)
     dp = DataParallel(mesh, config, share_gradients)
     with weight_source(model, mesh, config, weights) as source:  # matched to the whole model
+        pp.plan(model)  # 0. the stages' blocks, on the whole model (the planner's cut at any tp)
         tp.apply(model, device)  # 1. each layer cut by the model's plan (on meta, if built there)
         cp.apply(model)  # 2. the sequence (not built)
         ep.apply(model)  # 3. the experts (not built)

@@ -66,6 +66,45 @@ def test_the_planner_counts_the_blocks_each_rank_holds_as_the_split_cuts_them(na
         assert [share.blocks for share in rank_shares(shape, pp, schedule, virtual)] == held, (pp, schedule)
 
 
+def test_under_tensor_parallelism_the_stages_are_cut_on_the_whole_model(tmp_path: Any) -> None:
+    """``parallelize`` cuts the layers for tp before it splits the stages; the split is planned first,
+    on the whole model, so that it is the planner's (a vocabulary-cut embedding read as a matrix
+    would move the cut). One rank of pp 2 x tp 2 in torch's fake group, on the meta device."""
+    import json
+
+    import torch.distributed as dist
+
+    from shardwise.bench.dry_run import join_fake_group
+    from shardwise.checkpoint.source import NoValues
+    from shardwise.mesh import build_mesh
+    from shardwise.models import build_model
+    from shardwise.models.adapters import hf_shape
+    from shardwise.parallelism import parallelize
+    from shardwise.pipeline.axis import PipelineAxis
+    from shardwise.planner.pipeline import rank_shares
+
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    sizes = {"vocab_size": 8448, "n_positions": 64, "n_embd": 128, "n_layer": 12, "n_head": 4}
+    path.write_text(json.dumps({"model_type": "gpt2", "bos_token_id": 0, "eos_token_id": 0, **sizes}))
+    config = load_config(None, {"model.kind": f"hf:{path}", "model.seq_len": "64", "parallel.pp": "2",
+                                "parallel.tp": "2", "data.micro_batches": "2"})  # fmt: skip
+    with torch.device("meta"):
+        whole = plan_stages(build_model(config.model), 2)
+        model = build_model(config.model)
+    assert [len(r) for r in whole] == [9, 3]  # the head's matrix: about 5.3 blocks
+    names = [n for n, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]]
+    join_fake_group(0, 4)
+    try:
+        checked = config.validate(4)
+        engine = parallelize(model, build_mesh(checked), checked, weights=NoValues(names))
+    finally:
+        dist.destroy_process_group()
+    (axis,) = [a for a in engine.axes if isinstance(a, PipelineAxis)]
+    assert axis.split.assignment == whole
+    assert [s.blocks for s in rank_shares(hf_shape(f"hf:{path}"), 2, "1f1b", 1)] == [9, 3]
+
+
 def _model() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=5, n_head=2, d_model=8, d_ff=12, seq_len=8))

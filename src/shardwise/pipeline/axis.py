@@ -69,6 +69,14 @@ class PipelineAxis(Axis):
         check_pipeline(config, config_model=False)  # the model checked is the one ``apply`` gets
         self.mesh, self.parallel = mesh, config.parallel
         self.runner: PipelineRunner | None = None
+        self.assignment: list[list[int]] | None = None
+
+    def plan(self, model: nn.Module) -> None:
+        """Step 0 of ``parallelize``: every stage's blocks, cut on the whole model (``plan_stages``)
+        before tensor parallelism replaces its layers, so the cut is the planner's at any tp."""
+        parallel = self.parallel
+        if parallel.pp > 1 and self.mesh.in_mesh:
+            self.assignment = plan_stages(model, parallel.pp * parallel.stages_per_rank, parallel.pp_split)
 
     @property
     def active(self) -> bool:
@@ -84,7 +92,7 @@ class PipelineAxis(Axis):
         comm = self.mesh.comm("pp")
         name, pp, virtual = parallel.schedule, parallel.pp, parallel.stages_per_rank
         placement = stage_placement(name, pp, virtual)
-        split = split_model(model, placement, comm.rank, parallel.pp_split)
+        split = split_model(model, placement, comm.rank, parallel.pp_split, self.assignment)
         spec = SCHEDULES[name]
         runner = PipelineRunner(
             split, comm, placement, lambda m: build_schedule(name, pp, virtual, m), spec.splits_backward,

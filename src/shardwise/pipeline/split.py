@@ -185,13 +185,17 @@ def tied_user(model: nn.Module, pair: tuple[str, str]) -> nn.Module:
 
 
 def split_model(
-    model: nn.Module, placement: Sequence[int], rank: int, boundaries: Sequence[str] = ()
-) -> Split:
+    model: nn.Module, placement: Sequence[int], rank: int, boundaries: Sequence[str] = (),
+    assignment: list[list[int]] | None = None,
+) -> Split:  # fmt: skip
     """Keep on ``model`` only what pipeline rank ``rank`` holds under ``placement`` (stage -> rank);
-    ``boundaries``: the blocks stages 1.. start at (``parallel.pp_split``), empty to balance."""
+    ``boundaries``: the blocks stages 1.. start at (``parallel.pp_split``), empty to balance;
+    ``assignment``: every stage's blocks as ``plan_stages`` gave them on the whole model (tensor
+    parallelism, applied first, changes the sizes it reads), None to plan them here."""
     adapter = pipeline_adapter(model)
     stages = len(placement)
-    assignment = plan_stages(model, stages, boundaries)
+    if assignment is None:
+        assignment = plan_stages(model, stages, boundaries)
     blocks = list(adapter.blocks())
     held = [s for s in range(stages) if placement[s] == rank]
     holds_first, holds_last = 0 in held, stages - 1 in held

@@ -32,14 +32,15 @@ def balance(
     """Contiguous runs of block indices, one per stage, each non-empty, minimising the largest stage's
     ``work`` (its blocks' plus ``ends[0]`` on the first stage and ``ends[1]`` on the last); with
     ``held`` (each block's parameters, ``held_ends`` the ends'), among the splits of that least
-    largest work the one whose heaviest stage holds least, so a stage the work adds a block to is
-    not the one the embedding already weighs. Dynamic programming over cut points (blocks are few)."""
+    largest work the one whose heaviest stage holds least (so the first stage, which holds the
+    embedding, does not also get the extra block). Stages, not ranks: under a V schedule one rank holds
+    both ends. Dynamic programming over cut points (blocks are few)."""
     if len(work) < stages:  # the callers refuse such a split in their own words first (split.plan_stages)
         raise ValueError(f"{len(work)} blocks cannot fill {stages} stages")
     least, runs = _min_max(work, ends, stages)
     if held is None:
         return runs
-    limit = least * (1 + 1e-9)
+    limit = least + abs(least) * 1e-9  # the same sums in both passes: only rounding to allow for
     work_of = _stage_sums(work, ends, stages)
     return _min_max(held, held_ends, stages, lambda s, j, i: work_of(s, j, i) <= limit)[1]
 
