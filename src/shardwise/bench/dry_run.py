@@ -131,19 +131,17 @@ def heaviest_rank(model: nn.Module, config: TrainConfig, world: int) -> int:
     parallel = config.parallel
     if parallel.pp == 1:
         return 0
-    from shardwise.models.adapters import get_module, pipeline_adapter
+    from shardwise.models.adapters import pipeline_adapter
     from shardwise.pipeline.schedules import stage_placement
-    from shardwise.pipeline.split import plan_stages
+    from shardwise.pipeline.split import end_size, plan_stages
 
     adapter = pipeline_adapter(model)
     stages = parallel.pp * parallel.stages_per_rank
     assignment = plan_stages(model, stages, parallel.pp_split)
     blocks = list(adapter.blocks())
-    per_stage = [sum(p.numel() for i in run for p in blocks[i].parameters()) for run in assignment]
-    ends = {0: adapter.first_modules, stages - 1: adapter.last_modules}
-    for stage, paths in ends.items():
-        for path in paths:
-            per_stage[stage] += sum(p.numel() for p in get_module(model, path).parameters())
+    per_stage = [float(sum(p.numel() for i in run for p in blocks[i].parameters())) for run in assignment]
+    per_stage[0] += end_size(model, adapter.first_modules)
+    per_stage[-1] += end_size(model, adapter.last_modules)
     placement = stage_placement(parallel.schedule, parallel.pp, parallel.stages_per_rank)
     per_rank = [sum(n for s, n in enumerate(per_stage) if placement[s] == r) for r in range(parallel.pp)]
     pp_rank = max(range(parallel.pp), key=lambda r: (per_rank[r], -r))

@@ -43,7 +43,10 @@ from shardwise.models.adapters import ModelAdapter, SplitError, StageInputs, pip
 from shardwise.models.adapters import get_module as _get
 from shardwise.pipeline.stages import FEWER_STAGES, balance
 
-__all__ = ["Split", "SplitError", "Stage", "StageInputs", "Tied", "balance", "split_model"]
+__all__ = [
+    "Split", "SplitError", "Stage", "StageInputs", "Tied",
+    "balance", "end_size", "plan_stages", "split_model",
+]  # fmt: skip
 
 
 @dataclass
@@ -108,7 +111,7 @@ def _block_index(name: str, blocks_path: str, blocks: int) -> int | None:
 
 def plan_stages(model: nn.Module, stages: int, boundaries: Sequence[str] = ()) -> list[list[int]]:
     """Every stage's blocks: at ``boundaries`` when given (see ``named_boundaries``), else balanced by
-    matrix work, then by parameters held (``stages.balance``; the ends' by ``_end_size``). Inspects the
+    matrix work, then by parameters held (``stages.balance``; the ends' by ``end_size``). Inspects the
     module tree only (the model may be on the meta device)."""
     adapter = pipeline_adapter(model)
     container = adapter.blocks()
@@ -123,12 +126,12 @@ def plan_stages(model: nn.Module, stages: int, boundaries: Sequence[str] = ()) -
         )
     sizes = [float(sum(p.numel() for p in b.parameters())) for b in container]
     first, last = adapter.first_modules, adapter.last_modules
-    work = (_end_size(model, first, lookups=False), _end_size(model, last, lookups=False))
-    held = (_end_size(model, first), _end_size(model, last))
+    work = (end_size(model, first, lookups=False), end_size(model, last, lookups=False))
+    held = (end_size(model, first), end_size(model, last))
     return balance(sizes, stages, work, sizes, held)
 
 
-def _end_size(model: nn.Module, paths: Sequence[str], lookups: bool = True) -> float:
+def end_size(model: nn.Module, paths: Sequence[str], lookups: bool = True) -> float:
     """The parameters of the modules at ``paths`` (one end of the model); a weight tied across the two
     ends counts at each (the last stage holds a copy where the first is elsewhere). ``lookups=False``:
     the matrix work per token instead, an embedding's parameters left out (it reads one row a token)."""

@@ -4,11 +4,11 @@
 The cost is a stage's matrix work per token, counted in the weights it multiplies by: a block's
 parameters, and the ends' (``ends``): nothing for the first stage's embeddings (a lookup reads one row
 per token), the head's whole matrix for the last (a matmul over the vocabulary, tied to the embedding or
-not). The last stage of a model with a large vocabulary therefore holds fewer blocks (torchtitan and
-Megatron-LM count the head as layers for the same reason). Among the splits of least work the one
-whose heaviest stage holds the fewest parameters is taken: Llama 3 70B on 8 stages (the head about
-1.2 blocks) then puts its eleventh block on a middle stage, not on the first beside the embedding.
-No communication here.
+not). The last stage of a model with a large vocabulary therefore holds fewer blocks (Megatron-LM offers
+the same, off by default: ``account_for_loss_in_pipeline_split`` counts the loss as a layer). Among the
+splits of least work the one whose heaviest stage holds the fewest parameters is taken: Llama 3 70B on 8
+stages (the head about 1.2 blocks) then puts its eleventh block on a middle stage, not on the first
+beside the embedding. No communication here.
 """
 
 from __future__ import annotations
