@@ -56,11 +56,12 @@ def test_a_gap_is_time_between_actions_that_waited_for_no_message() -> None:
     assert sorted(round(g, 6) for g in gaps(STEP, [0, 1], send=0.0, transfer=2.3)) == [0.0, 0.0, 0.0]
 
 
-def test_the_gap_price_is_the_median_gap_never_below_nothing() -> None:
-    one_rank = _step({0: [("0F0", 0.0, 1.0), ("1F0", 1.1, 2.1), ("1B0", 2.3, 4.3), ("0B0", 4.6, 6.6)]})
-    assert gap_price([one_rank], [0, 0], send=0.0, transfer=0.0) == pytest.approx(0.2)
-    assert gap_price([one_rank], [0, 0], send=1.0, transfer=0.0) == pytest.approx(0.2)  # no posts
-    # STEP's gaps less posts of 1.0: -1.0, 0.0, -0.9, 0.0, a median of -0.45
+def test_the_gap_price_is_the_mean_gap_never_below_nothing() -> None:
+    one_rank = _step({0: [("0F0", 0.0, 1.0), ("1F0", 1.1, 2.1), ("1B0", 2.3, 4.3), ("0B0", 4.9, 6.9)]})
+    # gaps of 0.1, 0.2 and 0.6: the mean, 0.3, counts the long one (the median would be 0.2)
+    assert gap_price([one_rank], [0, 0], send=0.0, transfer=0.0) == pytest.approx(0.3)
+    assert gap_price([one_rank], [0, 0], send=1.0, transfer=0.0) == pytest.approx(0.3)  # no posts
+    # STEP's gaps less posts of 1.0: -1.0, 0.0, -0.9, 0.0, a mean of -0.475
     assert gap_price([STEP], [0, 1], send=1.0, transfer=0.0) == 0.0
     assert gap_price([], [0, 1], send=0.0, transfer=0.0) is None
 
@@ -101,4 +102,5 @@ def test_a_step_a_rank_recorded_nothing_of_is_left_out() -> None:
     missing_middle = {0: STEP[0], 1: [STEP[1][0], STEP[1][1], STEP[1][3]]}  # 1F1 lost: 1B1 has none
     assert gap_price([partial, missing_producer, missing_middle], [0, 1], send=0.0, transfer=0.0) is None
     assert transfer_price([missing_middle], [0, 1], send=0.0) is None
-    assert gap_price([missing_middle, STEP], [0, 1], send=0.0, transfer=0.0) == pytest.approx(0.0)
+    # STEP's gaps alone (0.0, 0.0, 0.0, 0.1): missing_middle's are left out
+    assert gap_price([missing_middle, STEP], [0, 1], send=0.0, transfer=0.0) == pytest.approx(0.1 / 4)

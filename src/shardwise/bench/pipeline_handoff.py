@@ -17,10 +17,16 @@ its head, inside its span. Included as they come: a split schedule's warm-up ste
 built schedules (``pipeline/fitting.py``), not the fitted one measured after them. The ``gap`` is read off
 the same steps: between two of a rank's actions where the second waited for no message (every
 message it needed was in by the first's end, at the transfer just priced), its start less the
-first's end and posts; the median (in one launch of each schedule on this bench: 0.015-0.02
-ms for 1f1b, zb and zbv, 0.05-0.08 ms for interleaved, interleaved-zb and dualpipev, which raised
-those three's simulated bubble by 0.006-0.009, the others' by 0.001-0.003). A
-step whose spans do not make a whole schedule (a rank that recorded none) is left out.
+first's end and posts; the mean, as the transfer's, for the same reason: a gap is charged once per
+action, so its tail adds up over a step, and a median prices the tail at nothing. In one launch of
+interleaved-zb alone the measured steps' gaps had a median of 0.087 ms and a mean of 0.273 ms (the
+longest 5.3 ms: on 2 cores a rank's thread is sometimes off its core); simulating each of those
+steps with its own action times gave a median bubble of 0.239 at the median gap and 0.265 at the
+mean, the measured bubble 0.265. Priced by the median, the bench's simulated bubble sat under the
+measured one for every schedule with two stages a rank, by 0.044-0.060 for interleaved-zb in three
+full runs; by the mean, within 0.024 of it in a quiet run (mean gaps 0.12-0.30 ms) and within 0.048
+in a busy one (0.42-0.89 ms). A step whose spans do not make a whole schedule (a rank that recorded
+none) is left out.
 Pure: no torch, no processes. Communication: none (it reads spans).
 """
 
@@ -123,7 +129,7 @@ def transfer_price(steps: Sequence[StepSpans], placement: Sequence[int], send: f
 def gap_price(
     steps: Sequence[StepSpans], placement: Sequence[int], send: float, transfer: float
 ) -> float | None:
-    """The median over ``steps``' gaps (``gaps``, at least 0); None where there are none. Steps that
+    """The mean over ``steps``' gaps (``gaps``, at least 0); None where there are none. Steps that
     are not a whole schedule are left out."""
     found = []
     for step in steps:
@@ -131,7 +137,7 @@ def gap_price(
             found += gaps(step, placement, send, transfer)
         except KeyError:
             continue
-    return max(0.0, statistics.median(found)) if found else None
+    return max(0.0, statistics.fmean(found)) if found else None
 
 
 def with_warmup_prices(costs: Costs, warmups: Sequence[StepSpans], placement: Sequence[int]) -> Costs:
