@@ -24,9 +24,12 @@ from typing import Any
 
 import pytest
 
+from shardwise.config import load_config
+from shardwise.models import build_model
 from shardwise.pipeline.actions import fuse_schedule
 from shardwise.pipeline.adapt import split_by_parity
 from shardwise.pipeline.schedules import build
+from shardwise.pipeline.split import plan_stages
 from shardwise.testing import run_on_ranks
 
 from .cli_helpers import last_json, refusal, shardwise
@@ -368,6 +371,9 @@ def test_fit_schedule_false_runs_the_schedule_as_built(tmp_path: Path) -> None:
 def test_a_fit_says_what_it_kept(zb_traced_six_steps: tuple[str, dict, list[dict]]) -> None:
     """One stderr line and ``pipeline_fit`` in the summary, which agree with the I actions that ran."""
     stderr, summary, events = zb_traced_six_steps
+    # the cut that ran, in the summary: the planner's balanced one for the tiny preset at 2 stages
+    tiny = build_model(load_config(None, {"model.preset": "tiny"}).model)
+    assert summary["pipeline_stages"] == plan_stages(tiny, 2), summary["pipeline_stages"]
     notes = [line for line in stderr.splitlines() if "fitted to this run's timings" in line]
     assert len(notes) == 1, stderr[-3000:]
     fit = summary["pipeline_fit"]["4"]

@@ -64,6 +64,8 @@ def render_summary(summary: dict[str, Any]) -> None:
             f"{peak:.0f}",
         )
     console.print(table)
+    if stages := summary.get("pipeline_stages"):
+        console.print(f"pipeline stages (their blocks): {stage_blocks(stages)}")
     ckpt = summary.get("checkpoint")
     if ckpt:
         step = ckpt["resumed_at_step"]
@@ -74,3 +76,8 @@ def render_summary(summary: dict[str, Any]) -> None:
             f"in {ckpt['dir']}{resumed}; restarts {summary['restarts']}"
         )
     console.print(f"metrics: {summary['run_dir']}/metrics.jsonl")
+
+
+def stage_blocks(stages: list[list[int]]) -> str:
+    """Every stage's blocks in a few characters: ``[[0, 1, 2], [3, 4]]`` is ``0-2 | 3-4``."""
+    return " | ".join(f"{b[0]}-{b[-1]}" if len(b) > 1 else str(b[0]) if b else "none" for b in stages)

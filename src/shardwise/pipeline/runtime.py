@@ -162,9 +162,12 @@ class PipelineRunner:
         return engine.step_loss(state.share)  # the last stage reports it (``PipelineAxis``)
 
     def report(self) -> dict[str, Any]:
-        """For the run's summary: what each fit of a split schedule kept (``adapt.fit_report``)."""
-        reports = self.fitter.reports
-        return {"pipeline_fit": {str(m): r for m, r in reports.items()}} if reports else {}
+        """For the run's summary: every stage's blocks (``pipeline_stages``, the cut that ran, balanced
+        or named), and what each fit of a split schedule kept (``pipeline_fit``: ``adapt.fit_report``)."""
+        out: dict[str, Any] = {"pipeline_stages": [list(blocks) for blocks in self.split.assignment]}
+        if reports := self.fitter.reports:
+            out["pipeline_fit"] = {str(m): r for m, r in reports.items()}
+        return out
 
     def take_notes(self) -> list[str]:
         """What each fit since the last call kept, in words (the train loop prints them once)."""
