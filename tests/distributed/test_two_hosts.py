@@ -44,8 +44,13 @@ def hosts() -> Iterator[dict[str, Host]]:
         yield made
 
 
+# A lost host's agent is let go 4 s after its last heartbeat. torch's default, 3 missed heartbeats 5 s
+# apart, kept host A's agent waiting idle about 12 s before a round could take the new host B in.
+KEEP_ALIVE = {"keep_alive_interval": "1", "keep_alive_max_attempt": "4"}
+
+
 def _agent(host: str, made: dict[str, Host], run_dir: Path, port: int, log: Path) -> Any:
-    torchrun = torchrun_command(host, made, port, "two-hosts", max_restarts=3)
+    torchrun = torchrun_command(host, made, port, "two-hosts", max_restarts=3, rdzv_conf=KEEP_ALIVE)
     command = [*torchrun, "-m", "shardwise", *TRAIN, "--run-dir", str(run_dir)]
     return subprocess.Popen(
         command, env=rank_env(made[host]), stdout=subprocess.DEVNULL, stderr=log.open("w")

@@ -108,3 +108,14 @@ def test_the_link_rate_is_read_as_plan_reads_it_and_handed_to_tc_in_bits() -> No
     for wrong in ("1g", "-1gbit", "fast"):
         with pytest.raises(ConfigError, match="--link"):
             tc_rate(wrong)
+
+
+def test_torchrun_command_passes_the_rendezvous_settings_as_one_flag() -> None:
+    from shardwise.bench.netns import ADDR, Host, torchrun_command
+
+    hosts = {h: Host(f"ns{h}", f"v{h}", addr) for h, addr in ADDR.items()}
+    plain = torchrun_command("b", hosts, 29400, "job")
+    assert plain[plain.index("--rdzv-conf") + 1] == "is_host=false"
+    quick = torchrun_command("a", hosts, 29400, "job", rdzv_conf={"keep_alive_interval": "1"})
+    assert quick.count("--rdzv-conf") == 1  # torchrun keeps the last one given
+    assert quick[quick.index("--rdzv-conf") + 1] == "is_host=true,keep_alive_interval=1"

@@ -129,14 +129,24 @@ def rank_env(host: Host) -> dict[str, str]:
 
 
 def torchrun_command(
-    host: str, hosts: dict[str, Host], port: int, run_id: str, max_restarts: int = 0
+    host: str,
+    hosts: dict[str, Host],
+    port: int,
+    run_id: str,
+    max_restarts: int = 0,
+    rdzv_conf: dict[str, str] | None = None,
 ) -> list[str]:
-    """``ip netns exec`` + torchrun for one of two single-rank hosts; append ``-m module args``."""
+    """``ip netns exec`` + torchrun for one of two single-rank hosts; append ``-m module args``.
+
+    ``rdzv_conf``: more settings of the c10d rendezvous (``--rdzv-conf``), e.g. ``keep_alive_interval``
+    (seconds between an agent's heartbeats; torch's default 5) and ``keep_alive_max_attempt`` (heartbeats
+    missed before a node is dead; default 3): a lost host's agent is let go that long after its last."""
     me = hosts[host]
+    conf = {"is_host": "true" if host == "a" else "false", **(rdzv_conf or {})}
     return ["ip", "netns", "exec", me.ns, sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{hosts['a'].addr}:{port}", "--rdzv-id", run_id,
-            "--rdzv-conf", f"is_host={'true' if host == 'a' else 'false'}", "--local-addr", me.addr,
+            "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items()), "--local-addr", me.addr,
             "--max-restarts", str(max_restarts), "--monitor-interval", "0.1"]  # fmt: skip
 
 
