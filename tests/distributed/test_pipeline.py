@@ -374,6 +374,7 @@ def test_a_fit_says_what_it_kept(zb_traced_six_steps: tuple[str, dict, list[dict
     # the cut that ran, in the summary: the planner's balanced one for the tiny preset at 2 stages
     tiny = build_model(load_config(None, {"model.preset": "tiny"}).model)
     assert summary["pipeline_stages"] == plan_stages(tiny, 2), summary["pipeline_stages"]
+    assert summary["pipeline_placement"] == [0, 1]
     notes = [line for line in stderr.splitlines() if "fitted to this run's timings" in line]
     assert len(notes) == 1, stderr[-3000:]
     fit = summary["pipeline_fit"]["4"]

@@ -22,11 +22,14 @@ action, so its tail adds up over a step, and a median prices the tail at nothing
 interleaved-zb alone the measured steps' gaps had a median of 0.087 ms and a mean of 0.273 ms (the
 longest 5.3 ms: on 2 cores a rank's thread is sometimes off its core); simulating each of those
 steps with its own action times gave a median bubble of 0.239 at the median gap and 0.265 at the
-mean, the measured bubble 0.265. Priced by the median, the bench's simulated bubble sat under the
-measured one for every schedule with two stages a rank, by 0.044-0.060 for interleaved-zb in three
-full runs; by the mean, within 0.024 of it in a quiet run (mean gaps 0.12-0.30 ms) and within 0.048
-in a busy one (0.42-0.89 ms). A step whose spans do not make a whole schedule (a rank that recorded
-none) is left out.
+mean, the measured bubble 0.265 (a check in-sample: the gaps priced came from the same steps). Out of
+sample, as the bench prices them (from the warm-up steps, against the measured ones): by the median,
+the simulated bubble sat under the measured one for every schedule with two stages a rank, by
+0.044-0.060 for interleaved-zb in three full runs; by the mean, within -0.026 to +0.039 of it in four
+(load 0.24-1.98 before them; mean gaps 0.12-0.30 ms) and within 0.048 in a fifth run beside other
+jobs (load 3.6 at its end; mean gaps 0.42-0.89 ms). The mean is sensitive to a few long stalls in
+the warm-up steps: a busy machine raises every action's price (README, "Pipeline speed"). A step
+whose spans do not make a whole schedule (a rank that recorded none) is left out.
 Pure: no torch, no processes. Communication: none (it reads spans).
 """
 

@@ -213,8 +213,8 @@ def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: f
         "largest (max - min) / median of a row's per-round speed ratios; the defaults (9 rounds of 24 "
         "steps) aim at two runs within 5% of each other on every ratio, not yet met: on a 2-core machine "
         "seven such runs read a row up to 6.9% apart, four more with a turn's first step untimed 7.4%, three "
-        "more on today's split 6.8%, four after them 6.5% (interleaved's speed ratio; zb over 1f1b step "
-        "by step 6.8%), three of 5 rounds of 40 steps up to 10% (three "
+        "more on the split of 3 and 2 blocks 6.8%, four after them 6.5% (interleaved's speed ratio; zb "
+        "over 1f1b step by step 6.8%), three of 5 rounds of 40 steps up to 10% (three "
         "instances of one 1F1B in one launch ran 0.92-1.09x as fast as one another: bench/pipeline.py)",
     }
 

@@ -65,7 +65,7 @@ def render_summary(summary: dict[str, Any]) -> None:
         )
     console.print(table)
     if stages := summary.get("pipeline_stages"):
-        console.print(f"pipeline stages (their blocks): {stage_blocks(stages)}")
+        console.print(f"pipeline stages: {stage_blocks(stages, summary['pipeline_placement'])}")
     ckpt = summary.get("checkpoint")
     if ckpt:
         step = ckpt["resumed_at_step"]
@@ -78,6 +78,11 @@ def render_summary(summary: dict[str, Any]) -> None:
     console.print(f"metrics: {summary['run_dir']}/metrics.jsonl")
 
 
-def stage_blocks(stages: list[list[int]]) -> str:
-    """Every stage's blocks in a few characters: ``[[0, 1, 2], [3, 4]]`` is ``0-2 | 3-4``."""
-    return " | ".join(f"{b[0]}-{b[-1]}" if len(b) > 1 else str(b[0]) if b else "none" for b in stages)
+def stage_blocks(stages: list[list[int]], placement: list[int]) -> str:
+    """Every stage's blocks and pp rank in a line: ``[[0, 1, 2], [3, 4]]`` on ``[0, 1]`` is
+    ``blocks 0-2 on pp rank 0 | 3-4 on 1``."""
+    cells = [f"{b[0]}-{b[-1]}" if len(b) > 1 else str(b[0]) for b in stages]
+    return " | ".join(
+        f"blocks {cell} on pp rank {rank}" if k == 0 else f"{cell} on {rank}"
+        for k, (cell, rank) in enumerate(zip(cells, placement, strict=True))
+    )

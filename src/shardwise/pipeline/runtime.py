@@ -163,8 +163,12 @@ class PipelineRunner:
 
     def report(self) -> dict[str, Any]:
         """For the run's summary: every stage's blocks (``pipeline_stages``, the cut that ran, balanced
-        or named), and what each fit of a split schedule kept (``pipeline_fit``: ``adapt.fit_report``)."""
-        out: dict[str, Any] = {"pipeline_stages": [list(blocks) for blocks in self.split.assignment]}
+        or named) and its pp rank (``pipeline_placement``), and what each fit of a split schedule kept
+        (``pipeline_fit``: ``adapt.fit_report``)."""
+        out: dict[str, Any] = {
+            "pipeline_stages": [list(blocks) for blocks in self.split.assignment],
+            "pipeline_placement": list(self.placement),
+        }
         if reports := self.fitter.reports:
             out["pipeline_fit"] = {str(m): r for m, r in reports.items()}
         return out

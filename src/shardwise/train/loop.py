@@ -479,7 +479,7 @@ def summarize(trainer: Trainer, eval_losses: list[tuple[int, float]], digest: st
         "peak_rss_mb": max(history[-1].peak_rss_mb_by_rank),
         "peak_rss_mb_by_rank": history[-1].peak_rss_mb_by_rank,
         **_device_memory(history[-1]),
-        **trainer.engine.runner.report(),  # a pipeline's fitted schedule: what it kept split
+        **trainer.engine.runner.report(),  # a pipeline's stages (blocks, ranks) and what its fit kept split
         "samples_per_step_by_rank": history[-1].samples_by_rank,
         "step_s_median_by_rank": [
             float(np.median([r.step_s_by_rank[i] for r in timed])) for i in range(ranks)
