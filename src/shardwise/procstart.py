@@ -33,8 +33,10 @@ from typing import Any
 
 # SHARDWISE_START_METHOD=spawn starts every rank as a fresh interpreter again (slower; an escape hatch)
 START_METHOD = os.environ.get("SHARDWISE_START_METHOD", "forkserver")
-# what every rank imports anyway; anything else a rank needs it imports itself (transformers, say)
-PRELOAD = ("torch", "torch.distributed", "shardwise.parallelism", "shardwise.train.loop")
+# what every rank imports anyway; anything else a rank needs it imports itself (transformers, say).
+# torch._dynamo: torch's Optimizer.__init__ imports it on first use, 1.7-2.5 s of CPU per rank
+# (measured in a rank building our 1F1B engine: 2.3 s before, 0.19 s with it preloaded)
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "shardwise.parallelism", "shardwise.train.loop")
 
 
 def start_early() -> None:
