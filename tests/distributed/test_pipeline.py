@@ -337,7 +337,8 @@ def test_trace_records_every_action_of_every_rank(zb_traced_six_steps: tuple[str
 
 
 def test_bench_pipeline_measures_both_sides_of_a_schedule() -> None:
-    args = ["--schedules", "1f1b", "--steps", "6", "--rounds", "1", "--preset", "tiny", "--json"]
+    args = ["--schedules", "1f1b", "--steps", "6", "--rounds", "1", "--launches", "1", "--preset", "tiny"]
+    args.append("--json")
     result = shardwise("bench", "pipeline", "--nproc", "2", *args, timeout_s=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = last_json(result)["rows"]

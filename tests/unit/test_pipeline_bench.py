@@ -4,6 +4,7 @@ row's JSON, the row of a peer that hangs (a tiny fake), and the two-panel timeli
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -83,18 +84,16 @@ def test_the_simulated_bubble_is_each_launchs_own_schedule_the_median_over_launc
 def test_row_json_shape() -> None:
     ours = [_launch(0.5, 0.0), _launch(0.7, 0.0), _launch(0.6, 0.0)]
     # each launch's torch steps beside ours (the same launch): step k's time is its slowest rank's
-    theirs = [[{"step_s": [1.0, 1.0, 1.6]}, {"step_s": [1.1]}], [{"step_s": [1.0]}], [{"step_s": [1.5]}]]
+    theirs = [[{"step_s": [1.0]}, {"step_s": [1.1]}], [{"step_s": [1.0]}], [{"step_s": [1.5]}]]
     row = rows.row("1f1b", 2, 4, 1000, ours, theirs, COSTS)
     json.dumps(row)  # JSON-ready
     for key in ("bubble_measured", "bubble_simulated", "bubble_theory", "speed_ratio"):
         assert isinstance(row[key], float), key
     assert row["schedule"] == "1f1b" and row["torch_class"] == "Schedule1F1B"
-    assert row["ours"]["step_s"] == pytest.approx(0.6)  # the mean over launches of the slowest rank's
-    # a launch's step time is its slowest rank's mean (1.2 in the first: by medians it would be 1.1), and
-    # a side's the mean over launches ((1.2 + 1.0 + 1.5) / 3: the median would be 1.2)
-    assert row["torch"]["step_s"] == pytest.approx(3.7 / 3)
-    assert row["torch"]["tokens_per_s"] == pytest.approx(1000 / (3.7 / 3))
-    # launch by launch the pairs' median (one pair each here: 1.1/0.5, 1.0/0.7, 1.5/0.6), then the median
+    assert row["ours"]["step_s"] == pytest.approx(0.6)  # every launch's steps, the slowest rank's
+    assert row["torch"]["step_s"] == pytest.approx(3.6 / 3)  # 1.1 (rank 1's), 1.0 and 1.5
+    assert row["torch"]["tokens_per_s"] == pytest.approx(1000 / (3.6 / 3))
+    # each launch a round here (one pair each: 1.1/0.5, 1.0/0.7, 1.5/0.6), then the median over rounds
     assert row["speed_ratio_rounds"] == pytest.approx([1.1 / 0.5, 1.0 / 0.7, 1.5 / 0.6])
     assert row["speed_ratio"] == pytest.approx(1.1 / 0.5)
     spread = rows.conditions([row], 1.0, 2.0)["ratio_spread"]
@@ -103,13 +102,29 @@ def test_row_json_shape() -> None:
     assert row["bubble_theory"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
     assert rows.row("zb", 2, 4, 1000, ours, theirs, COSTS)["torch_class"] == "Schedule1F1B"
     assert rows.row("zbv", 2, 4, 1000, ours, theirs, Costs.uniform())["bubble_theory"] is None
+    # two launches a round: the first round pools the first two launches' pairs, the second has one
+    grouped = rows.row("1f1b", 2, 4, 1000, ours, theirs, COSTS, per_round=2)
+    first = math.exp((math.log(1.1 / 0.5) + math.log(1.0 / 0.7)) / 2)
+    assert grouped["speed_ratio_rounds"] == pytest.approx([first, 1.5 / 0.6])
 
 
-def test_a_launch_ratio_is_the_median_of_its_pairs() -> None:
-    """Step k of each side ran back to back: a slow moment slows both and its pair's ratio holds."""
-    ours = [{"step_s": [1.0, 3.0, 1.0]}, {"step_s": [0.9, 2.0, 1.2]}]  # slowest rank: 1.0, 3.0, 1.2
-    theirs = [{"step_s": [1.1, 3.3, 1.2]}, {"step_s": [0.5, 0.5, 0.5]}]
-    assert rows.paired_ratio(ours, theirs) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
+def test_a_round_ratio_is_the_trimmed_geometric_mean_of_its_launches_pairs() -> None:
+    """Step k of each side ran in neighbouring turns: each pair's ratio, pooled over the round's
+    launches; a tenth at each end dropped, so a stall on one side's step moves nothing."""
+    ours = [
+        [{"step_s": [1.0, 3.0, 1.0, 1.0, 1.0]}, {"step_s": [0.9, 2.0, 1.2, 1.0, 1.0]}],
+        [{"step_s": [1.0] * 5}],
+    ]
+    theirs = [
+        [{"step_s": [1.1, 1.1, 1.2, 1.1, 1.1]}, {"step_s": [0.5, 0.5, 0.5, 0.5, 9.0]}],
+        [{"step_s": [1.1, 1.1, 1.0, 1.1, 1.1]}],
+    ]
+    # slowest rank's, first launch: ours 1.0, 3.0, 1.2, 1.0, 1.0 and theirs 1.1, 1.1, 1.2, 1.1, 9.0; of
+    # the ten pairs the stalled ones (1.1/3.0 and 9.0/1.0) are the lowest and highest: six of 1.1, two of 1
+    assert rows.paired_ratio(ours, theirs) == pytest.approx(1.1**0.75)
+    assert rows.trimmed_mean([5.0, 1.0, 2.0, 3.0, 4.0, 100.0, 0.0, 2.0, 3.0, 3.0]) == pytest.approx(23 / 8)
+    assert rows.trimmed_mean([1.0, 5.0]) == pytest.approx(3.0)  # fewer than ten values: none dropped
+    assert rows.rounds_of([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]  # type: ignore[list-item]
 
 
 def test_when_torch_side_hangs_ours_runs_alone(monkeypatch: Any) -> None:
@@ -239,8 +254,9 @@ def test_zero_bubble_theory() -> None:
             "the gpt preset 'tiny' has 2 blocks, fewer than pp(4) x virtual_stages(2) = 8 stages",
         ),
         (["--schedules", "1f1b,gpipe", "--global-batch", "0"], "data.global_batch must be an integer >= 1"),
-        (["--steps", "5"], "needs --steps > 5 (the first 5 warm up), --rounds >= 1 and --timeout > 0"),
-        (["--timeout", "0"], "got 24, 9, 0"),
+        (["--steps", "5"], "needs --steps >= 6 (the first 5 warm up), --rounds >= 1, --launches >= 1"),
+        (["--launches", "0"], "got 40, 3, 0, 180"),
+        (["--timeout", "0"], "got 40, 3, 5, 0"),
     ],
 )
 def test_bad_bench_input_is_one_line_before_any_launch(
@@ -273,7 +289,7 @@ def test_rounds_run_interleaved_across_schedules(monkeypatch: Any) -> None:
         return [{**sides, "profile": _profiled(r, 1e-3, 1e-4)} for r in (0, 1)], None
 
     monkeypatch.setattr(bench, "launch", fake_launch)
-    result = bench.run_pipeline_bench(steps=8, rounds=2, schedules=["gpipe", "1f1b", "zb"])
+    result = bench.run_pipeline_bench(steps=8, rounds=2, launches=1, schedules=["gpipe", "1f1b", "zb"])
     assert order == ["gpipe", "zb", "gpipe", "zb"] and thirds == [None, "1f1b", None, "1f1b"]
     assert [r["schedule"] for r in result["rows"]] == ["gpipe", "1f1b", "zb"]
     assert [r["launches_of"] for r in result["rows"]] == [None, "zb", None]
@@ -283,9 +299,10 @@ def test_rounds_run_interleaved_across_schedules(monkeypatch: Any) -> None:
     assert plain_row["speed_ratio_rounds"] == pytest.approx([0.5 / 0.6] * 2)
     gains = ("tokens_per_s", "same_launch_tokens_per_s", "paired")
     assert result["zb_over_1f1b"] == {k: pytest.approx(1.2) for k in gains}
-    alone = bench.run_pipeline_bench(steps=8, rounds=1, schedules=["1f1b"])  # no zb: launches of its own
+    # no zb: launches of its own
+    alone = bench.run_pipeline_bench(steps=8, rounds=1, launches=1, schedules=["1f1b"])
     assert order[4:] == ["1f1b"] and alone["rows"][0]["launches_of"] is None
-    bench.run_pipeline_bench(steps=8, rounds=1, schedules=["zb"])  # no 1f1b row: no third side
+    bench.run_pipeline_bench(steps=8, rounds=1, launches=1, schedules=["zb"])  # no 1f1b row: no third side
     assert order[5:] == ["zb"] and thirds[4:] == [None, None]
 
 
@@ -309,7 +326,7 @@ def test_once_torch_fails_the_third_side_runs_alone_and_keeps_its_row(monkeypatc
         return [{**_launch(step, 0.0)[i], "warmup_spans": []} for i in (0, 1)], None
 
     monkeypatch.setattr(bench, "launch", fake_launch)
-    result = bench.run_pipeline_bench(steps=8, rounds=3, schedules=["1f1b", "zb"])
+    result = bench.run_pipeline_bench(steps=8, rounds=3, launches=1, schedules=["1f1b", "zb"])
     alone = [("ours_worker", "zb"), ("ours_worker", "1f1b")]
     assert calls == [("paired_worker", "zb"), ("paired_worker", "zb"), *alone, *alone]
     plain_row, zb_row = result["rows"]
@@ -373,7 +390,7 @@ def test_zb_s_launches_pair_it_with_our_1f1b_step_by_step(monkeypatch: Any) -> N
     assert len(run.plains) == 3 and run.paired_plains() == run.plains[:1]
     assert isinstance(run.ours, list) and len(run.ours) == 3
     assert run.theirs == "timeout after 5 s (ours, torch's and our 1f1b in one launch)"
-    assert bench.same_launch(run) == pytest.approx(1.1)  # pairs 1.1, 1.1, 1.0
+    assert bench.same_launch(run) == pytest.approx((1.1 * 1.1 * 1.0) ** (1 / 3))  # pairs 1.1, 1.1, 1.0
     assert bench.same_launch(bench.Rounds(None, "Schedule1F1B")) is None  # type: ignore[arg-type]
 
 

@@ -5,7 +5,7 @@ our ``pipeline.split`` into the schedule's stages, and the same stage modules ru
 and under torch's ``PipelineStage`` + the schedule class torch 2.13 names for it (``zb`` has none in
 torch and is compared with torch's ``Schedule1F1B``). Same model, seed, micro-batches, optimizer.
 Both sides run in the same launch, in turns of ``pipeline_sides.BLOCK`` steps (``pipeline_sides``),
-so each of our steps has a torch step near it in time; a round is one launch. Each row:
+so each of our steps has a torch step near it in time; a round is ``launches`` launches. Each row:
 
 - ``bubble_measured``: from our ranks' recorded action spans (the runtime's ``MONITOR.span`` per
   action): idle over total, ``1 - sum(busy) / (p * window)``, the window from the step's first action
@@ -24,15 +24,14 @@ so each of our steps has a torch step near it in time; a round is one launch. Ea
   Huang et al. 2019; interleaved ``(p-1)/(v*m+p-1)``, Narayanan et al. 2021; ZB-H1
   ``(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))`` with the profiled mean costs, 0 where W > F+I, Qi et
   al. 2023); else null;
-- ``speed_ratio``: tokens/s ours / torch's: per round the median over its steps of each pair's ratio
-  (step k of each side, a step's time its slowest rank's, within a turn of back-to-back steps: a
-  rank's tail after its last action, which a loop of steps overlaps with the next step, weighs on a
-  turn's last step only; a turn's first step, which follows another side's, is run and not timed,
-  here or in the bubble), then the median over rounds,
-  every round's in ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's step time (per
-  launch its slowest rank's mean over the measured steps, then the mean over launches: the sides of
-  a launch share its machine, and their means weigh the same launches alike) and the tokens/s that
-  makes.
+- ``speed_ratio``: tokens/s ours / torch's: per round, over its launches' step pairs (step k of each
+  side, a step's time its slowest rank's, within a turn of back-to-back steps: a rank's tail after
+  its last action, which a loop of steps overlaps with the next step, weighs on a turn's last step
+  only; a turn's first step, which follows another side's, is run and not timed, here or in the
+  bubble), the trimmed geometric mean of their ratios (``pipeline_rows.paired_ratio``: the lowest
+  and highest tenth of the log-ratios dropped); then the median over rounds, every round's in
+  ``speed_ratio_rounds``; ``ours`` and ``torch`` give each side's step time (the trimmed mean of
+  its measured steps over every launch, ``step_s_mean`` the plain mean) and the tokens/s that makes.
 
 zb's launches run our 1F1B as a third side in the same turns (``pipeline_sides``), and where the
 bench has both schedules the ``1f1b`` row is measured there, against the same torch steps (its
@@ -43,24 +42,25 @@ launches of their own, the machine's speed from one launch to the next weighed o
 torch's same ``Schedule1F1B`` ran 0.93-1.05x as fast in zb's launches as in 1f1b's over eight runs,
 and the rows' ratio ranged 0.97-1.17 while the same launches' ranged 1.00-1.04. ``zb_over_1f1b``
 compares the two: ``tokens_per_s`` the ratio of the rows' tokens/s; ``same_launch_tokens_per_s``
-per launch the median over its step pairs (step k of each, in the same round of turns) of their
-ratio, then the median over the paired launches; ``paired`` the ratio of their speed ratios, both
-against torch's ``Schedule1F1B``. With the rows in the same launches the three read one comparison
-three ways: the first a ratio of means, the other two medians of step pairs.
+as a speed ratio is made, from their step pairs (step k of each, in the same round of turns) in
+the paired launches; ``paired`` the ratio of their speed ratios, both against torch's
+``Schedule1F1B``. With the rows in the same launches the three read one comparison three ways: the
+first a ratio of trimmed means, the other two from step pairs.
 
-Rounds are interleaved across schedules: round k of every schedule runs before round k + 1 of any, so
-a drift of the machine's speed over the bench's minutes weighs on every row alike. ``conditions``
-says how it was measured: rounds and steps, the load average before and after, and the spread of the
-rounds' ratios (the largest (max - min) / median over the rows). The defaults (9 rounds of 24 steps)
-are meant to make two runs agree within 5% on every ratio. In 6 launches, three instances of the
-same 1F1B in one launch's turns (as zb's launches run three sides) ran 0.92-1.09x as fast as one
-another, launch by launch; so more, shorter launches. On a 2-core machine three runs of 5 rounds of
-40 steps read a row up to 10% apart (the larger over the smaller: 1f1b 0.973 and 1.063, interleaved
-1.074 and 1.185); seven of 9 rounds of 24 steps, 2 minutes longer, up to 6.9% (gpipe 1.032 and 1.103;
-1f1b 0.981-1.023, zb 1.027-1.076), the first two of them at most 3.9%; four with a turn's first step
-untimed (``pipeline_sides.measured_steps``) up to 7.4% (interleaved-zb; 1f1b 4.6%), the first two
-2.8%. So the 5% is not shown on every row yet (3 rounds, earlier: 1.07 and 1.21 on interleaved).
-The rows' arithmetic is in ``bench/pipeline_rows.py``.
+Launches are interleaved across schedules: launch k of every schedule runs before launch k + 1 of
+any, so a drift of the machine's speed over the bench's minutes weighs on every row alike; a round is
+``launches`` consecutive launches of a schedule. ``conditions`` says how it was measured: rounds,
+launches and steps, the load average before and after, and the spread of the rounds' ratios (the
+largest (max - min) / median over the rows). The defaults (3 rounds of 5 launches of 40 steps) are
+sized from one run's raw step times (14 launches of every schedule, 27 step pairs each, on the
+2-core machine): a step pair's log-ratio swings by 0.15 (sd; lag-one correlation 0.14-0.33), and a
+row's launch means by 0.036-0.055 where their pairs alone would give 0.027-0.033, so launches count
+as well as steps. Two runs drawn from those launches (with replacement, 300-400 draws) were more
+than 5% apart on some ratio in 77% of draws as the bench stood before (9 launches, each a round, of
+the first 15 pairs, as 24 steps give; a round's ratio the median of its pairs), 9% with 9 launches
+pooled by the trimmed mean, 20% as 3 rounds of 3, 5% as 3 rounds of 5. The medians keep a round
+that went wrong from moving a row; the trimmed means use every pair but the stalls. The rows'
+arithmetic is in ``bench/pipeline_rows.py``.
 
 torch's pipelining has hung on gloo (pytorch#132644), so every launch is a group of fresh processes
 with a deadline (``run_on_ranks``); one that hangs or fails makes that row's ``"torch"`` the reason
@@ -85,7 +85,7 @@ from shardwise.bench.pipeline_rows import (
     TORCH_PEER,
     Launches,
     conditions,
-    paired_ratio,
+    round_ratios,
     row,
     schedule_of,
     simulated,
@@ -93,7 +93,7 @@ from shardwise.bench.pipeline_rows import (
     virtual_for,
     zb_over_1f1b,
 )
-from shardwise.bench.pipeline_sides import WARMUP_STEPS, measured_steps, ours_worker, paired_worker
+from shardwise.bench.pipeline_sides import BLOCK, WARMUP_STEPS, measured_steps, ours_worker, paired_worker
 from shardwise.config import ConfigError, TrainConfig, load_config
 from shardwise.observe.monitor import Span
 from shardwise.pipeline.schedules import SCHEDULES, stage_placement
@@ -120,17 +120,18 @@ def bench_config(
 
 def check_bench(
     names: Sequence[str], nproc: int, microbatches: int, preset: str, global_batch: int, steps: int,
-    rounds: int, timeout_s: float,
+    rounds: int, timeout_s: float, launches: int = 1,
 ) -> list[TrainConfig]:  # fmt: skip
     """Each schedule's job checked as ``shardwise train`` checks one (``preflight``: values, the
     schedule against the micro-batches, the preset's blocks against the stages) before any rank
     starts, so a bad input is one line here, not a rank's error wrapped in a failed launch."""
     from shardwise.preflight import preflight
 
-    if steps <= WARMUP_STEPS or rounds < 1 or not timeout_s > 0:
+    if not measured_steps(steps) or rounds < 1 or launches < 1 or not timeout_s > 0:
+        fewest = next(k for k in range(WARMUP_STEPS + 1, WARMUP_STEPS + BLOCK + 2) if measured_steps(k))
         raise ConfigError(
-            f"bench pipeline needs --steps > {WARMUP_STEPS} (the first {WARMUP_STEPS} warm up), "
-            f"--rounds >= 1 and --timeout > 0; got {steps}, {rounds}, {timeout_s:g}"
+            f"bench pipeline needs --steps >= {fewest} (the first {WARMUP_STEPS} warm up), --rounds >= 1, "
+            f"--launches >= 1 and --timeout > 0; got {steps}, {rounds}, {launches}, {timeout_s:g}"
         )
     return [
         preflight(bench_config(name, nproc, microbatches, preset, global_batch, steps), nproc, False)
@@ -208,9 +209,10 @@ class Rounds:
 def run_pipeline_bench(
     nproc: int = 2,
     microbatches: int = 4,
-    steps: int = 24,
-    rounds: int = 9,
+    steps: int = 40,
+    rounds: int = 3,
     preset: str = "small",
+    launches: int = 5,
     global_batch: int = 8,
     schedules: Sequence[str] | None = None,
     timeout_s: float = 120.0,
@@ -227,7 +229,7 @@ def run_pipeline_bench(
             f"unknown schedule {unknown[0]!r} in --schedules: choose from {', '.join(SCHEDULES)}"
         )
     shape = (nproc, microbatches, preset, global_batch, steps, rounds, timeout_s)
-    configs = check_bench(names, *shape)
+    configs = check_bench(names, *shape, launches)
     # zb's launches run our 1F1B as a third side where the bench has both, and the 1f1b row is
     # measured there (module docstring)
     both = [name for name in names if PLAIN_PEER.get(name) in names]
@@ -241,14 +243,14 @@ def run_pipeline_bench(
         for name, config in zip(names, configs, strict=True)
         if name not in hosts
     }
-    for _ in range(rounds):  # round k of every schedule before round k + 1 of any (module docstring)
+    for _ in range(rounds * launches):  # launch k of every schedule before launch k + 1 of any
         for run in runs.values():
             run.run_one(nproc, timeout_s)
     rows = []
     for name in names:
         run = runs[hosts[name]].third_side() if name in hosts else runs[name]
         tokens = global_batch * run.config.model.seq_len
-        rows.append(_row_of(name, run, nproc, microbatches, tokens, timeout_s, trace_dir))
+        rows.append(_row_of(name, run, (nproc, microbatches, launches), tokens, timeout_s, trace_dir))
         rows[-1]["launches_of"] = hosts.get(name)
     return {
         "nproc": nproc,
@@ -259,28 +261,31 @@ def run_pipeline_bench(
         "warmup_steps": WARMUP_STEPS,
         "timed_steps": len(measured_steps(steps)),  # a launch's, each side's (pipeline_sides.measured_steps)
         "rounds": rounds,
+        "launches_per_round": launches,
         "timeout_s": timeout_s,
-        "conditions": conditions(rows, load_before, os.getloadavg()[0]),
-        "zb_over_1f1b": zb_over_1f1b(rows, same_launch(runs.get("zb"))),
+        "conditions": conditions(rows, load_before, os.getloadavg()[0], launches),
+        "zb_over_1f1b": zb_over_1f1b(rows, same_launch(runs.get("zb"), launches)),
         "rows": rows,
     }
 
 
-def same_launch(run: Rounds | None) -> float | None:
-    """zb's tokens/s over our 1F1B's in the same launches (``plain``): the median over those launches
-    of each one's ratio, turn by turn; None where none ran both."""
+def same_launch(run: Rounds | None, per_round: int = 1) -> float | None:
+    """zb's tokens/s over our 1F1B's in the same launches (``plain``), as a row's speed ratio is
+    made: each round's ``paired_ratio`` of the two (step k of each), the median over rounds; None
+    where none ran both."""
     if run is None or isinstance(run.ours, str) or not run.paired_plains():
         return None  # ours alone once torch's side failed: the paired launches come first
-    pairs = zip(run.ours, run.paired_plains(), strict=False)
-    return statistics.median(paired_ratio(ours, plain) for ours, plain in pairs)
+    return statistics.median(round_ratios(run.ours, run.paired_plains(), per_round))
 
 
 def _row_of(
-    name: str, run: Rounds, nproc: int, microbatches: int, tokens: int, timeout_s: float,
+    name: str, run: Rounds, shape: tuple[int, int, int], tokens: int, timeout_s: float,
     trace_dir: str | None,
 ) -> dict[str, Any]:  # fmt: skip
     """``name``'s row from its launches, the simulator fed with their profiles' median costs (and,
-    with ``trace_dir``, its last measured step's trace beside the simulator's timeline)."""
+    with ``trace_dir``, its last measured step's trace beside the simulator's timeline); ``shape``:
+    the pp ranks, the micro-batches and the launches per round."""
+    nproc, microbatches, per_round = shape
     if run.profiles:  # each paired launch's own, after its steps: the median over them
         costs = median_costs(run.profiles)
     else:  # torch's side failed from the first round: a launch of the profile alone
@@ -288,7 +293,7 @@ def _row_of(
     relay, placement = costs.transfer, stage_placement(name, nproc, virtual_for(name))
     if not isinstance(run.ours, str):  # a message's and a gap's price from the run's own warm-up steps
         costs = with_warmup_prices(costs, steps_by_rank(run.ours, "warmup_spans"), placement)
-    out = row(name, nproc, microbatches, tokens, run.ours, run.theirs, costs)
+    out = row(name, nproc, microbatches, tokens, run.ours, run.theirs, costs, per_round)
     out["profiled_ms"]["transfer_relay"] = round(1e3 * relay, 3)
     if trace_dir and not isinstance(run.ours, str):
         write_traces(Path(trace_dir) / name, steps_by_rank(run.ours)[-1], out, costs)

@@ -2,14 +2,15 @@
 
 What ``bench pipeline`` (``bench/pipeline.py``, which launches the rounds) turns its launches into:
 the bubble read off our ranks' action spans, the simulator's from the profiled costs, the
-literature's formula; each launch's paired speed ratio and the medians over launches; how far the
-rounds spread; and ``zb_over_1f1b``, zero-bubble against plain 1F1B both ways. The module docstring
-of ``bench/pipeline.py`` says how each figure is measured. Pure arithmetic on the launches' results:
-no processes, no communication.
+literature's formula; each round's paired speed ratio (its launches' step pairs, a trimmed mean)
+and the median over rounds; how far the rounds spread; and ``zb_over_1f1b``, zero-bubble against
+plain 1F1B both ways. The module docstring of ``bench/pipeline.py`` says how each figure is measured.
+Pure arithmetic on the launches' results: no processes, no communication.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Mapping, Sequence
@@ -111,10 +112,11 @@ def _mean(value: float | tuple[float, ...]) -> float:
 
 def row(
     name: str, pp: int, microbatches: int, tokens: int, ours: Launches | str, torch_side: Launches | str,
-    costs: Costs,
+    costs: Costs, per_round: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """One schedule's row from each side's launches (a list of per-launch results by rank) or the
-    string saying why that side has none (``"timeout after N s"``)."""
+    string saying why that side has none (``"timeout after N s"``); ``per_round`` consecutive launches
+    make a round (``rounds_of``)."""
     virtual = virtual_for(name)
     spec = SCHEDULES[name]
     # each launch's own schedule, as the measured bubble is each step's: the median over launches
@@ -138,7 +140,7 @@ def row(
         steps = [bubble_from_spans(spans) for spans in steps_by_rank(ours)]
         out["bubble_measured"] = statistics.median(steps)
     if not isinstance(ours, str) and not isinstance(torch_side, str) and ours and torch_side:
-        rounds = [paired_ratio(o, t) for o, t in zip(ours, torch_side, strict=False)]
+        rounds = round_ratios(ours, torch_side, per_round)
         out["speed_ratio"] = statistics.median(rounds)
         out["speed_ratio_rounds"] = rounds
     return out
@@ -162,38 +164,71 @@ def _profiled_ms(costs: Costs) -> dict[str, Any]:
 Launches = list[list[dict[str, Any]]]  # per launch, each rank's result
 
 
-def _launch_steps(launches: Launches) -> list[float]:
-    """Each launch's step time: its slowest rank's mean over the measured steps, i.e. its turns' time
-    over their steps. Every side of a launch has one turn in each round of turns, so the sides' means
-    weigh the machine's speed in each round alike; the median of one side's steps picks whichever
-    round's speed falls in its middle (in one zb launch, zb's tokens/s over our 1F1B's read 1.11 by
-    the sides' medians, 1.04 by their means and 1.03 paired step by step). A stalled step counts in
-    full, as it does in a run's time; the speed ratios stay medians of step pairs."""
-    return [max(statistics.fmean(r["step_s"]) for r in ranks) for ranks in launches]
+TRIM = 0.1  # the share of values dropped at each end before a trimmed mean (``trimmed_mean``)
 
 
-def paired_ratio(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> float:
-    """One launch's ratio, torch's step time over ours: the median over its steps of each pair's
-    (step k of each side ran back to back; a step's time is its slowest rank's)."""
-    ours_k, theirs_k = (
-        [max(ks) for ks in zip(*(r["step_s"] for r in side), strict=False)] for side in (ours, theirs)
-    )
-    return statistics.median(t / o for o, t in zip(ours_k, theirs_k, strict=False))
+def trimmed_mean(values: Sequence[float], trim: float = TRIM) -> float:
+    """The mean of ``values`` without the lowest and the highest ``trim`` of them (``int(trim * n)``
+    each end). A step's time here swings by a tenth from one step to the next, by a third or more
+    when the machine stalls one; the trimmed mean keeps a median's indifference to those stalls and
+    most of a mean's use of every pair (module docstring of ``bench/pipeline.py``)."""
+    ordered = sorted(values)
+    cut = int(trim * len(ordered))
+    return statistics.fmean(ordered[cut : len(ordered) - cut])
+
+
+def step_times(launch: list[dict[str, Any]]) -> list[float]:
+    """A launch's measured steps in order, each its slowest rank's time."""
+    return [max(ks) for ks in zip(*(r["step_s"] for r in launch), strict=False)]
+
+
+def paired_ratio(ours: Launches, theirs: Launches) -> float:
+    """Torch's step time over ours from launches that ran both sides (the same index in each list):
+    each step pair's ratio (step k of each side, run in neighbouring turns), pooled over the launches,
+    their trimmed geometric mean (``trimmed_mean`` of the logs)."""
+    logs = [
+        math.log(t / o)
+        for mine, peer in zip(ours, theirs, strict=False)
+        for o, t in zip(step_times(mine), step_times(peer), strict=False)
+    ]
+    return math.exp(trimmed_mean(logs))
+
+
+def rounds_of(launches: Launches, per_round: int) -> list[Launches]:
+    """Consecutive launches in rounds of ``per_round`` (the last may be short)."""
+    return [launches[k : k + per_round] for k in range(0, len(launches), per_round)]
+
+
+def round_ratios(ours: Launches, theirs: Launches, per_round: int) -> list[float]:
+    """Each round's ``paired_ratio``, over the rounds where both sides ran."""
+    return [
+        paired_ratio(mine, peer)
+        for mine, peer in zip(rounds_of(ours, per_round), rounds_of(theirs, per_round), strict=False)
+        if mine and peer
+    ]
 
 
 def _side(launches: Launches | str, tokens: int) -> dict[str, Any] | str:
-    """A side's step time and tokens/s: the mean over its launches of each one's (``_launch_steps``).
-    The sides of a launch share its machine, so means over the same launches compare them; each
-    side's median could come from another launch (in one run zb over our 1F1B read 1.09 by the sides'
-    medians over launches, 0.994 step by step)."""
+    """A side's step time and tokens/s: the ``trimmed_mean`` of every measured step (each its slowest
+    rank's) over all its launches, and (``step_s_mean``) their plain mean, stalls in full. Two sides
+    measured in the same launches compare as their step pairs do; the trimmed figure is the one
+    tokens/s is made of, as steady as the speed ratios (a stall the machine makes lands on one side's
+    step at random)."""
     if isinstance(launches, str):
         return launches
-    per_launch = _launch_steps(launches)
-    step_s = statistics.fmean(per_launch)
-    return {"tokens_per_s": tokens / step_s, "step_s": step_s, "launches": len(per_launch)}
+    steps = [t for launch in launches for t in step_times(launch)]
+    step_s = trimmed_mean(steps)
+    return {
+        "tokens_per_s": tokens / step_s,
+        "step_s": step_s,
+        "step_s_mean": statistics.fmean(steps),
+        "launches": len(launches),
+    }
 
 
-def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: float) -> dict[str, Any]:
+def conditions(
+    rows: Sequence[dict[str, Any]], load_before: float, load_after: float, per_round: int = 1
+) -> dict[str, Any]:
     """How the rows were measured, and how far the rounds' ratios spread (see the module docstring)."""
     spreads = [
         (max(r["speed_ratio_rounds"]) - min(r["speed_ratio_rounds"])) / r["speed_ratio"]
@@ -206,16 +241,15 @@ def conditions(rows: Sequence[dict[str, Any]], load_before: float, load_after: f
         "cpus": os.cpu_count(),
         "ratio_spread": max(spreads, default=None),
         "turn_steps": BLOCK,
-        "note": "speed ratios: medians of interleaved rounds, each the median of its step pairs; a side's "
-        "step time and tokens/s: each launch's mean step time (its slowest rank's), the mean over launches; "
-        "in a launch each side runs turn_steps steps back to back, then the next side, a turn's first step "
-        "run and not timed (it follows another side's turn, not a step of its own); ratio_spread: the "
-        "largest (max - min) / median of a row's per-round speed ratios; the defaults (9 rounds of 24 "
-        "steps) aim at two runs within 5% of each other on every ratio, not yet met: on a 2-core machine "
-        "seven such runs read a row up to 6.9% apart, four more with a turn's first step untimed 7.4%, three "
-        "more on the split of 3 and 2 blocks 6.8%, four after them 6.5% (interleaved's speed ratio; zb "
-        "over 1f1b step by step 6.8%), three of 5 rounds of 40 steps up to 10% (three "
-        "instances of one 1F1B in one launch ran 0.92-1.09x as fast as one another: bench/pipeline.py)",
+        "launches_per_round": per_round,
+        "trim": TRIM,
+        "note": "speed ratios: the median over interleaved rounds of each round's ratio, the trimmed "
+        "geometric mean (trim at each end) of its launches' step pairs (step k of each side, a step's time "
+        "its slowest rank's); a side's step time and tokens/s: the trimmed mean of its measured steps over "
+        "every launch (step_s_mean: the plain mean); in a launch each side runs turn_steps steps back to "
+        "back, then the next side, a turn's first step run and not timed; ratio_spread: the largest "
+        "(max - min) / median of a row's round ratios. The defaults (3 rounds of 5 launches of 40 steps) "
+        "are sized to put two runs within 5% of each other on every ratio: bench/pipeline.py says how",
     }
 
 

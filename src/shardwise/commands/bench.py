@@ -111,10 +111,16 @@ def add_bench_parser(sub: Any, run: Callable[[argparse.Namespace], int]) -> None
     pipe = _kind(kinds, "pipeline", "pipeline schedules against torch.distributed.pipelining", run, nproc=2)
     pipe.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step" + SHOW_DEFAULT)
     pipe.add_argument(
-        "--steps", type=int, default=24, help="steps per launch, the first 5 warm up" + SHOW_DEFAULT
+        "--steps", type=int, default=40, help="steps per launch, the first 5 warm up" + SHOW_DEFAULT
     )
     pipe.add_argument(
-        "--rounds", type=int, default=9, help="launches, the sides' steps alternating" + SHOW_DEFAULT
+        "--rounds", type=int, default=3, help="rounds; a ratio is the median of theirs" + SHOW_DEFAULT
+    )
+    pipe.add_argument(
+        "--launches",
+        type=int,
+        default=5,
+        help="launches of each schedule per round, the sides' steps alternating" + SHOW_DEFAULT,
     )
     pipe.add_argument("--preset", default="small", help="the gpt preset" + SHOW_DEFAULT)
     pipe.add_argument("--global-batch", type=int, default=8, help="sequences per step" + SHOW_DEFAULT)
@@ -222,7 +228,7 @@ def bench_command(args: argparse.Namespace) -> int:
 
         result = run_pipeline_bench(
             nproc=args.nproc, microbatches=args.micro_batches, steps=args.steps, rounds=args.rounds,
-            preset=args.preset, global_batch=args.global_batch,
+            launches=args.launches, preset=args.preset, global_batch=args.global_batch,
             schedules=args.schedules.split(",") if args.schedules else None, timeout_s=args.timeout,
             trace_dir=args.trace,
         )  # fmt: skip
