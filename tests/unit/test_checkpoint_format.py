@@ -15,12 +15,11 @@ from safetensors.torch import load_file
 
 import shardwise.checkpoint as ckpt_pkg
 from shardwise.checkpoint import layout, manager
+from shardwise.checkpoint.errors import CorruptCheckpointError, ManifestError
 from shardwise.checkpoint.format import (
     CHECKSUM,
     FORMAT_VERSION,
-    CorruptCheckpointError,
     Manifest,
-    ManifestError,
     PieceRecord,
     TensorRecord,
     checksum,

@@ -260,8 +260,9 @@ def test_bench_pipeline_help_shows_defaults_and_schedules(capsys, monkeypatch) -
     assert exit.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # a long flag's help starts on the next line
     for wanted in (
-        "--steps STEPS steps per launch, the first 5 warm up (default 24)",
-        "--rounds ROUNDS launches, the sides' steps alternating (default 9)",
+        "--steps STEPS steps per launch, the first 5 warm up (default 40)",
+        "--rounds ROUNDS rounds; a ratio is the median of theirs (default 3)",
+        "--launches LAUNCHES launches of each schedule per round, the sides' steps alternating (default 5)",
         "--micro-batches MICRO_BATCHES micro-batches per step (default 4)",
         "--preset PRESET the gpt preset (default small)",
         "--global-batch GLOBAL_BATCH sequences per step (default 8)",

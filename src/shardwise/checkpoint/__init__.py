@@ -6,7 +6,8 @@ export) and ``bench``.
 """
 
 from shardwise.checkpoint.boxes import Box
-from shardwise.checkpoint.format import CheckpointError, CorruptCheckpointError, Manifest, ManifestError
+from shardwise.checkpoint.errors import CheckpointError, CorruptCheckpointError, ManifestError
+from shardwise.checkpoint.format import Manifest
 from shardwise.checkpoint.inspect import export, format_inspect, inspect
 from shardwise.checkpoint.manager import CheckpointWriter, Piece, SaveReport, save, spread_replicated
 from shardwise.checkpoint.reader import (

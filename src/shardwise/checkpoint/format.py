@@ -10,7 +10,8 @@ so that a partial read can be verified without reading the whole piece (the chec
 truncation and flipped bytes; it is not a security feature). Format 2 manifests (flat pieces only)
 are still read. Parsing is strict: a wrong key, type or number, pieces that overlap or leave a gap,
 and any file name that is not a plain name inside the checkpoint folder are one-line
-``ManifestError``s. No communication happens here.
+``ManifestError``s (the readers of each field's type in ``strict_json``, the pieces' cover in
+``cover``, the file names in ``members``). No communication happens here.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ import json
 import math
 import os
 import zlib
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from shardwise.checkpoint.boxes import Box, Segment, first_overlap, flat_offset, flat_segments, intersect
+from shardwise.checkpoint.boxes import Box, Segment, flat_offset, flat_segments
+from shardwise.checkpoint.cover import check_box_cover, check_box_piece, check_flat_cover
+from shardwise.checkpoint.errors import CheckpointError, ManifestError
+from shardwise.checkpoint.members import MANIFEST_NAME, check_member_name
+from shardwise.checkpoint.strict_json import as_int, as_list, as_obj, as_str, require, show
 
 FORMAT_VERSION = 3  # 3: box pieces; 2: flat pieces only
 READABLE_VERSIONS = (2, 3)
 CHECKSUM = "crc32"  # the per-chunk checksum algorithm, recorded in every manifest
-MANIFEST_NAME = "manifest.json"
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 # torch dtype name <-> safetensors dtype code
@@ -46,22 +49,6 @@ DTYPES: dict[str, str] = {
     "uint8": "U8",
     "bool": "BOOL",
 }
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and the reason in one line."""
-
-
-class ManifestError(CheckpointError):
-    """A manifest that does not parse or does not add up."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A data file that is missing, truncated or fails its checksum."""
-
-    def __init__(self, file: str, reason: str) -> None:
-        super().__init__(f"{file}: {reason}")
-        self.file, self.reason = file, reason
 
 
 def checksum(data: memoryview | bytes) -> str:
@@ -95,40 +82,6 @@ def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     """The intersection of two half-open ranges, or None when empty."""
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, hi) if lo < hi else None
-
-
-def is_plain_name(name: str) -> bool:
-    """A bare file name: not empty, not ``.``/``..``, no separator and no NUL (so it stays in its folder)."""
-    seps = {"/", "\\", "\0", os.sep, *([os.altsep] if os.altsep else [])}
-    return bool(name) and name not in (".", "..") and not any(s in name for s in seps)
-
-
-def check_member_name(name: object, where: str) -> str:
-    """``name`` if it is a plain file name; a manifest naming anything else is refused in one line."""
-    if not isinstance(name, str):
-        raise ManifestError(f"{where}: a file name must be a string, got {_show(name)}")
-    if not is_plain_name(name):
-        raise ManifestError(
-            f"{where}: file {name!r} is outside the checkpoint folder; a manifest may name only plain "
-            "file names in its own folder (restore the checkpoint or delete it)"
-        )
-    return name
-
-
-def member_path(folder: str, name: str) -> str:
-    """The path of file ``name`` in ``folder``, refusing one that resolves outside it (a symlink).
-
-    Checked at open time as well as in the manifest: a link can be planted after the manifest was read.
-    """
-    check_member_name(name, os.path.join(folder, MANIFEST_NAME))
-    path = os.path.join(folder, name)
-    real, home = os.path.realpath(path), os.path.realpath(folder)
-    if real == home or os.path.commonpath([real, home]) != home:
-        raise CorruptCheckpointError(
-            os.path.join(os.path.basename(os.path.normpath(folder)), name),
-            f"resolves to {real}, outside the checkpoint folder (replace the link with the file itself)",
-        )
-    return path
 
 
 @dataclass(frozen=True)
@@ -198,11 +151,11 @@ class PieceRecord:
     @staticmethod
     def from_json(data: Any, where: str, *, boxes: bool = True) -> PieceRecord:
         """Parse one piece; ``boxes`` False (format 2) refuses box pieces."""
-        _require(data, ("file", "key", "checksums"), where)
+        require(data, ("file", "key", "checksums"), where)
         file = check_member_name(data["file"], where)
-        key = _str(data["key"], f"{where} key")
+        key = as_str(data["key"], f"{where} key")
         checksums = tuple(
-            _str(d, f"{where} checksum") for d in _list(data["checksums"], f"{where} checksums")
+            as_str(d, f"{where} checksum") for d in as_list(data["checksums"], f"{where} checksums")
         )
         if "offsets" in data or "lengths" in data:
             if not boxes:
@@ -211,14 +164,14 @@ class PieceRecord:
                 raise ManifestError(
                     f"{where}: has both a flat range (start/stop) and a box (offsets/lengths)"
                 )
-            _require(data, ("offsets", "lengths"), where)
-            offsets = [_int(o, f"{where} offsets") for o in _list(data["offsets"], f"{where} offsets")]
-            lengths = [_int(n, f"{where} lengths") for n in _list(data["lengths"], f"{where} lengths")]
+            require(data, ("offsets", "lengths"), where)
+            offsets = [as_int(o, f"{where} offsets") for o in as_list(data["offsets"], f"{where} offsets")]
+            lengths = [as_int(n, f"{where} lengths") for n in as_list(data["lengths"], f"{where} lengths")]
             if len(offsets) != len(lengths):
                 raise ManifestError(f"{where}: {len(offsets)} offsets but {len(lengths)} lengths")
             return PieceRecord.of_box(file, key, Box(tuple(offsets), tuple(lengths)), checksums)
-        _require(data, ("start", "stop"), where)
-        start, stop = _int(data["start"], f"{where} start"), _int(data["stop"], f"{where} stop")
+        require(data, ("start", "stop"), where)
+        start, stop = as_int(data["start"], f"{where} start"), as_int(data["stop"], f"{where} stop")
         return PieceRecord(file, key, start, stop, checksums)
 
 
@@ -245,15 +198,15 @@ class TensorRecord:
 
     @staticmethod
     def from_json(data: Any, where: str, *, boxes: bool = True) -> TensorRecord:
-        _require(data, ("global_shape", "dtype", "pieces"), where)
+        require(data, ("global_shape", "dtype", "pieces"), where)
         shape = tuple(
-            _int(d, f"{where} global_shape") for d in _list(data["global_shape"], f"{where} global_shape")
+            as_int(d, f"{where} global_shape") for d in as_list(data["global_shape"], f"{where} global_shape")
         )
         pieces = tuple(
             PieceRecord.from_json(p, f"{where} piece {i}", boxes=boxes)
-            for i, p in enumerate(_list(data["pieces"], f"{where} pieces"))
+            for i, p in enumerate(as_list(data["pieces"], f"{where} pieces"))
         )
-        return TensorRecord(shape, _str(data["dtype"], f"{where} dtype"), pieces)
+        return TensorRecord(shape, as_str(data["dtype"], f"{where} dtype"), pieces)
 
 
 @dataclass(frozen=True)
@@ -290,42 +243,42 @@ class Manifest:
     @staticmethod
     def from_json(data: Any) -> Manifest:
         """Parse and validate; every wrong key, type or number is a one-line ``ManifestError``."""
-        _require(data, ("format_version", "step", "tensors", "files"), "manifest")
+        require(data, ("format_version", "step", "tensors", "files"), "manifest")
         version = data["format_version"]
         if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise ManifestError(
-                f"manifest has format_version {_show(version)}, this shardwise reads "
+                f"manifest has format_version {show(version)}, this shardwise reads "
                 f"{' and '.join(map(str, READABLE_VERSIONS))}"
             )
-        _require(data, ("checksum",), "manifest")
+        require(data, ("checksum",), "manifest")
         if data["checksum"] != CHECKSUM:
             raise ManifestError(
-                f"manifest uses checksum algorithm {_show(data['checksum'])}, "
+                f"manifest uses checksum algorithm {show(data['checksum'])}, "
                 f"this shardwise reads {CHECKSUM!r}"
             )
         boxes = version >= 3
         tensors = {
             n: TensorRecord.from_json(t, f"tensor {n!r}", boxes=boxes)
-            for n, t in _obj(data["tensors"], "manifest tensors").items()
+            for n, t in as_obj(data["tensors"], "manifest tensors").items()
         }
         files = {
-            check_member_name(k, "manifest files"): _int(v, f"manifest files {k!r} size")
-            for k, v in _obj(data["files"], "manifest files").items()
+            check_member_name(k, "manifest files"): as_int(v, f"manifest files {k!r} size")
+            for k, v in as_obj(data["files"], "manifest files").items()
         }
         rank_meta = [
-            _obj(r, "manifest rank_meta") for r in _list(data.get("rank_meta", []), "manifest rank_meta")
+            as_obj(r, "manifest rank_meta") for r in as_list(data.get("rank_meta", []), "manifest rank_meta")
         ]
         manifest = Manifest(
-            step=_int(data["step"], "manifest step"),
-            strategy=_str(data.get("strategy", ""), "manifest strategy"),
-            world_size=_int(data.get("world_size", 1), "manifest world_size"),
-            mesh=dict(_obj(data.get("mesh", {}), "manifest mesh")),
-            config=dict(_obj(data.get("config", {}), "manifest config")),
-            meta=dict(_obj(data.get("meta", {}), "manifest meta")),
+            step=as_int(data["step"], "manifest step"),
+            strategy=as_str(data.get("strategy", ""), "manifest strategy"),
+            world_size=as_int(data.get("world_size", 1), "manifest world_size"),
+            mesh=dict(as_obj(data.get("mesh", {}), "manifest mesh")),
+            config=dict(as_obj(data.get("config", {}), "manifest config")),
+            meta=dict(as_obj(data.get("meta", {}), "manifest meta")),
             rank_meta=[dict(r) for r in rank_meta],
             tensors=tensors,
             files=files,
-            chunk_bytes=_int(data.get("chunk_bytes", DEFAULT_CHUNK_BYTES), "manifest chunk_bytes"),
+            chunk_bytes=as_int(data.get("chunk_bytes", DEFAULT_CHUNK_BYTES), "manifest chunk_bytes"),
             format_version=version,
         )
         manifest.validate()
@@ -346,7 +299,7 @@ class Manifest:
             # the position a resume continues from: trusted, it would pair step k's weights with
             # another step's data, learning rate and metrics
             raise ManifestError(
-                f"meta.sampler.step {_show(sampler['step'])} disagrees with the manifest's step {self.step}"
+                f"meta.sampler.step {show(sampler['step'])} disagrees with the manifest's step {self.step}"
             )
         for name, size in self.files.items():
             check_member_name(name, "manifest files")
@@ -378,7 +331,7 @@ class Manifest:
                 raise ManifestError(f"{where}: key {p.key!r} is used by another piece of that file")
             keys.add((p.file, p.key))
             if p.box is not None:
-                _check_box_piece(p.box, rec, self.format_version, where)
+                check_box_piece(p.box, rec, self.format_version, where)
             else:
                 start, stop = p.span
                 if start < 0 or stop > rec.numel or (stop <= start and rec.numel > 0):
@@ -388,96 +341,9 @@ class Manifest:
                 raise ManifestError(f"{where}: {len(p.checksums)} checksums, expected {expected}")
             used[p.file] += p.numel * itemsize
         if all(p.box is None for p in rec.pieces):
-            _check_flat_cover(name, rec)
+            check_flat_cover(name, rec)
         else:
-            _check_box_cover(name, rec)
-
-
-def _check_box_piece(box: Box, rec: TensorRecord, version: int, where: str) -> None:
-    if version < 3:
-        raise ManifestError(f"{where}: box pieces need format_version 3, the manifest says {version}")
-    if not box.inside(rec.global_shape):
-        raise ManifestError(f"{where}: outside the tensor's global shape {list(rec.global_shape)}")
-    if box.volume == 0 and rec.numel > 0:
-        raise ManifestError(f"{where}: holds no element")
-
-
-def _check_flat_cover(name: str, rec: TensorRecord) -> None:
-    """Flat pieces only: sorted, each must start where the previous one stopped (linear)."""
-    cursor = 0
-    for p in sorted(rec.pieces, key=lambda p: p.span):
-        start, stop = p.span
-        if start != cursor:
-            what = (
-                "overlaps the previous piece" if start < cursor else f"leaves [{cursor}, {start}) uncovered"
-            )
-            raise ManifestError(f"tensor {name!r} piece [{start}, {stop}) in {p.file}: {what}")
-        cursor = stop
-    if cursor != rec.numel:
-        raise ManifestError(f"tensor {name!r}: elements [{cursor}, {rec.numel}) are in no piece")
-
-
-def _check_box_cover(name: str, rec: TensorRecord) -> None:
-    """Any mix of boxes and flat ranges (as boxes): pairwise disjoint, and as many elements as the tensor."""
-    boxes: list[Box] = []
-    owner: list[PieceRecord] = []
-    for p in rec.pieces:
-        for box, _ in p.segments(rec.global_shape):
-            boxes.append(box)
-            owner.append(p)
-    clash = first_overlap(boxes)
-    if clash is not None:
-        a, b = (owner[i] for i in clash)
-        common = intersect(boxes[clash[0]], boxes[clash[1]])
-        raise ManifestError(
-            f"tensor {name!r}: piece {a.describe()} in {a.file} overlaps piece {b.describe()} in {b.file} "
-            f"(both hold {common})"
-        )
-    covered = sum(p.numel for p in rec.pieces)
-    if covered != rec.numel:
-        raise ManifestError(
-            f"tensor {name!r}: its pieces hold {covered} of its {rec.numel} elements; "
-            f"{rec.numel - covered} are in no piece"
-        )
-
-
-def _show(value: Any) -> str:
-    """A value for a one-line message: its repr, cut short (repr escapes newlines)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _int(value: Any, where: str) -> int:
-    # bool is an int in Python and a float would be silently rounded: both are damage here.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ManifestError(f"{where}: expected an integer, got {_show(value)}")
-    return value
-
-
-def _str(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise ManifestError(f"{where}: expected a string, got {_show(value)}")
-    return value
-
-
-def _list(value: Any, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise ManifestError(f"{where}: expected a JSON list, got {_show(value)}")
-    return value
-
-
-def _obj(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ManifestError(f"{where}: expected a JSON object, got {_show(value)}")
-    return value
-
-
-def _require(data: Any, keys: tuple[str, ...], where: str) -> None:
-    if not isinstance(data, Mapping):
-        raise ManifestError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    missing = [k for k in keys if k not in data]
-    if missing:
-        raise ManifestError(f"{where}: missing {', '.join(missing)}")
+            check_box_cover(name, rec)
 
 
 def write_json_atomic(path: str, data: Any, *, fsync: bool = True) -> None:

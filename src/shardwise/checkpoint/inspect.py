@@ -16,7 +16,8 @@ from typing import Any
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from shardwise.checkpoint.format import CheckpointError, Manifest, PieceRecord, member_path, read_manifest
+from shardwise.checkpoint.format import CheckpointError, Manifest, PieceRecord, read_manifest
+from shardwise.checkpoint.members import member_path
 from shardwise.checkpoint.reader import (
     _label,
     _open,

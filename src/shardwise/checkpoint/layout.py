@@ -13,7 +13,8 @@ import os
 import re
 import shutil
 
-from shardwise.checkpoint.format import CheckpointError, is_plain_name
+from shardwise.checkpoint.errors import CheckpointError
+from shardwise.checkpoint.members import is_plain_name
 from shardwise.checkpoint.shardfile import fsync_dir
 
 LATEST_NAME = "latest"

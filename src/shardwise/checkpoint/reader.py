@@ -25,23 +25,23 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shardwise.checkpoint.boxes import Box, Segment, box_runs, flat_offset, flat_segments, intersect, strides
+from shardwise.checkpoint.errors import CorruptCheckpointError
 from shardwise.checkpoint.format import (
     CHECKSUM,
     DTYPES,
     MANIFEST_NAME,
     CheckpointError,
-    CorruptCheckpointError,
     Manifest,
     PieceRecord,
     checksum,
     chunk_span,
-    member_path,
     overlap,
     read_manifest,
     torch_dtype,
 )
 from shardwise.checkpoint.layout import clean_tmp as _clean_tmp
 from shardwise.checkpoint.layout import list_steps
+from shardwise.checkpoint.members import member_path
 from shardwise.collectives.api import Comm
 from shardwise.device import HOST
 
