@@ -3,7 +3,8 @@
 Each rank is a process (a fork of a server that imported torch once: ``procstart``) that joins one
 process group through a ``FileStore`` in a temporary folder, so no ports are involved and parallel
 test runs cannot collide. The parent waits with a hard
-deadline; the first rank to fail stops the others and its traceback is re-raised, naming the rank.
+deadline; the first rank to fail stops the others and its traceback is re-raised, naming the rank
+(a rank that failed only because a peer died gives way to that peer's own error: ``_root_cause``).
 """
 
 from __future__ import annotations
@@ -87,9 +88,31 @@ def _collect(procs: list[Any], results: mp.Queue, world_size: int, timeout_s: fl
                     raise RankFailure(rank, f"rank {rank} died with exit code {proc.exitcode}") from None
             continue
         if not ok:
+            rank, value = _root_cause(results, rank, value)
             raise RankFailure(rank, f"rank {rank} failed:\n{value}")
         out[rank] = pickle.loads(value)
     return [out[r] for r in range(world_size)]
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo's words for a dead peer
+CAUSE_GRACE_S = 2.0  # how long a failure waits for another rank's, which may be its cause
+
+
+def _root_cause(results: mp.Queue, rank: int, value: str) -> tuple[int, str]:
+    """The failure to report: a rank whose peer raised and exited fails too, with only "connection
+    closed by peer", and its report can arrive first; so for ``CAUSE_GRACE_S`` the other ranks'
+    failures are read, and the first that is not a lost peer wins."""
+    if not any(words in value for words in PEER_GONE):
+        return rank, value
+    deadline = time.monotonic() + CAUSE_GRACE_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            other, ok, text = results.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if not ok and not any(words in text for words in PEER_GONE):
+            return other, text
+    return rank, value
 
 
 def _drain_failure(results: mp.Queue) -> None:
