@@ -328,7 +328,7 @@ def render_pipeline(result: dict[str, Any]) -> None:
     print(
         f"pipeline schedules, pp {result['nproc']}, preset {result['preset']}, "
         f"batch {result['global_batch']}, {result['microbatches']} micro-batches, "
-        f"{result['steps']} steps x {result['rounds']} rounds"
+        f"{result['rounds']} rounds of {result['launches_per_round']} launches of {result['steps']} steps"
     )
     print(f"  {'schedule':15s} {'measured':>9s} {'simulated':>9s} {'theory':>7s} {'ours tok/s':>11s}  torch")
     for r in result["rows"]:
